@@ -1,0 +1,5 @@
+"""The numpy reference backend."""
+
+from candelabra.backends.cpu.backend import CpuBackend
+
+__all__ = ["CpuBackend"]

@@ -1,0 +1,82 @@
+"""The numpy reference backend: what CPU users run and what other backends are measured against."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import psutil
+
+from candelabra.backends.cpu.attention import CpuStep, prepare_step
+from candelabra.backends.cpu.ops import NumpyOps
+from candelabra.core.backend import Backend, Probe
+from candelabra.core.kv_cache import KVCacheSpec
+from candelabra.core.ops import KVCache
+from candelabra.core.step_metadata import SamplingMetadata, StepMetadata
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    dtypes = ("float32",)
+
+    def __init__(self) -> None:
+        self.ops = NumpyOps()
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(True, device=f"cpu ({os.cpu_count()} cores, numpy {np.__version__})")
+
+    def to_device(self, array, dtype=None):
+        array = np.asarray(array)
+        if array.dtype.kind == "f":
+            return np.array(array, dtype=np.float32 if dtype is None else self.check_dtype(dtype), copy=True)
+        if array.dtype.kind in "iub":
+            return np.array(array, copy=True)
+        raise TypeError(f"cannot move an array of dtype {array.dtype} to the cpu backend")
+
+    def to_host(self, tensor):
+        return np.array(tensor, copy=True)
+
+    def dtype_of(self, tensor):
+        return str(tensor.dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype=self.check_dtype(dtype))
+
+    def free_memory(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+    def synchronize(self) -> None:
+        """numpy computes eagerly: by the time a call returns its work is done."""
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+                for _ in range(spec.num_layers)]
+
+    def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+                for _ in range(spec.num_layers)]
+
+    def copy_blocks(self, caches, mapping):
+        return _copy_between(caches, caches, mapping)
+
+    def swap_out(self, caches, swap, mapping):
+        return _copy_between(caches, swap, mapping)
+
+    def swap_in(self, caches, swap, mapping):
+        return _copy_between(swap, caches, mapping)
+
+    def prepare_step(self, meta: StepMetadata) -> CpuStep:
+        return prepare_step(meta)
+
+    def prepare_sampling(self, meta: SamplingMetadata) -> SamplingMetadata:
+        return meta
+
+
+def _copy_between(source: list[KVCache], target: list[KVCache], mapping: np.ndarray) -> list[KVCache]:
+    mapping = np.asarray(mapping, dtype=np.int64).reshape(-1, 2)
+    src, dst = mapping[:, 0], mapping[:, 1]
+    for from_layer, to_layer in zip(source, target):
+        to_layer.key[dst] = from_layer.key[src]
+        to_layer.value[dst] = from_layer.value[src]
+    return target

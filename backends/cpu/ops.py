@@ -1,0 +1,101 @@
+"""The numpy reference ops, in float32. Semantics are those of `candelabra.core.ops.Ops`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from candelabra.backends.cpu import attention, sampling
+from candelabra.core.ops import KVCache, Ops, SampleResult
+
+_SQRT_2_OVER_PI = np.float32(math.sqrt(2 / math.pi))
+
+
+class NumpyOps(Ops):
+    backend_name = "cpu"
+
+    def embedding(self, ids, table, scale=None):
+        rows = table[ids]
+        return rows * np.float32(scale) if scale is not None else rows
+
+    def linear(self, x, weight, bias=None):
+        out = x @ weight.T
+        return out + bias if bias is not None else out
+
+    def rms_norm(self, x, weight, eps, weight_offset=0.0):
+        mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+        return x / np.sqrt(mean_square + np.float32(eps)) * (np.float32(weight_offset) + weight)
+
+    def add_rms_norm(self, x, residual, weight, eps, weight_offset=0.0):
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps, weight_offset), summed
+
+    def layer_norm(self, x, weight, bias, eps):
+        centred = x - x.mean(axis=-1, keepdims=True)
+        variance = np.mean(np.square(centred), axis=-1, keepdims=True)
+        out = centred / np.sqrt(variance + np.float32(eps)) * weight
+        return out + bias if bias is not None else out
+
+    def rotary(self, q, k, positions, cos_sin, style="neox"):
+        half = cos_sin.shape[1] // 2
+        cos = cos_sin[positions, :half][:, None, :]
+        sin = cos_sin[positions, half:][:, None, :]
+        return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
+
+    def silu_and_mul(self, x):
+        gate, up = np.split(x, 2, axis=-1)
+        return gate / (1 + np.exp(-gate)) * up
+
+    def gelu_and_mul(self, x, approximate="none"):
+        gate, up = np.split(x, 2, axis=-1)
+        return self.gelu(gate, approximate) * up
+
+    def gelu(self, x, approximate="none"):
+        if approximate == "tanh":
+            return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + np.float32(0.044715) * x**3)))
+        return (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype)
+
+    def write_kv(self, cache, key, value, slot_mapping):
+        written = slot_mapping >= 0
+        slots = slot_mapping[written]
+        block_size = cache.key.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        cache.key[blocks, offsets] = key[written]
+        cache.value[blocks, offsets] = value[written]
+        return cache
+
+    def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
+        return attention.paged_attention(q, cache, step, scale, sliding_window, logit_softcap)
+
+    def softcap(self, x, cap):
+        return np.tanh(x / np.float32(cap)) * np.float32(cap)
+
+    def softmax(self, x):
+        shifted = np.exp(x - x.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+
+    def sample(self, logits, params) -> SampleResult:
+        return sampling.sample(logits, params)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    rotary_dim = 2 * cos.shape[-1]
+    if style == "neox":
+        first, second = slice(0, rotary_dim // 2), slice(rotary_dim // 2, rotary_dim)
+    elif style == "gptj":
+        first, second = slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
+    else:
+        raise ValueError(f"unknown rotary style {style!r}; expected 'neox' or 'gptj'")
+    out = x.copy()
+    a, b = x[..., first], x[..., second]
+    out[..., first] = a * cos - b * sin
+    out[..., second] = b * cos + a * sin
+    return out
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to about 1e-7 absolute (Abramowitz and Stegun 7.1.26), in float64: numpy has none."""
+    t = 1 / (1 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(x) * (1 - poly * np.exp(-x * x))

@@ -1,0 +1,44 @@
+"""Comparing a backend's output with the oracle's: normalized mean squared error per dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Largest NMSE accepted per compute dtype. The oracle works from the same rounded inputs, so what
+# remains is the backend's arithmetic plus one rounding of the output: about 1e-14 in float32,
+# 1e-7 in float16 and 1e-6 in bfloat16 for a correct op, while a wrong one lands far above.
+NMSE_THRESHOLDS = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
+
+
+def nmse(output: np.ndarray, reference: np.ndarray) -> float:
+    """sum((output - reference)^2) / sum(reference^2), or inf when the two disagree on shape, on
+    where they are NaN or on their infinities."""
+    output = np.asarray(output, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if output.shape != reference.shape:
+        return float("inf")
+    if np.any(np.isnan(output) != np.isnan(reference)):
+        return float("inf")
+    infinite = np.isinf(reference)
+    if np.any(output[infinite] != reference[infinite]) or np.any(np.isinf(output) & ~infinite):
+        return float("inf")
+    finite = np.isfinite(reference)
+    error = np.sum((output[finite] - reference[finite]) ** 2)
+    scale = np.sum(reference[finite] ** 2)
+    if scale == 0:
+        return 0.0 if error == 0 else float("inf")
+    return float(error / scale)
+
+
+def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
+    """`array` rounded to the compute dtype, carried as float32 (round to nearest even)."""
+    array = np.asarray(array, dtype=np.float32)
+    if dtype == "float32":
+        return array.copy()
+    if dtype == "float16":
+        return array.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = array.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return rounded.astype(np.uint32).view(np.float32)
+    raise ValueError(f"unknown dtype {dtype!r}")

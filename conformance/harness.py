@@ -1,0 +1,145 @@
+"""Running one conformance case against a backend and judging it."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
+from candelabra.core.backend import Backend
+from candelabra.core.dtypes import FLOAT_DTYPES
+from candelabra.core.ops import KVCache, OpNotSupported
+
+PASSED, FAILED, NOT_SUPPORTED = "passed", "failed", "not supported"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op (or contract call) at one dtype with one set of parameters."""
+
+    op: str
+    dtype: str
+    params: tuple[tuple[str, Any], ...]
+    check: Callable[..., None] = field(compare=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        described = "-".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.op}[{self.dtype}{'-' if described else ''}{described}]"
+
+
+@dataclass
+class CaseResult:
+    case: str
+    op: str
+    dtype: str
+    status: str
+    worst_nmse: float | None
+    seed: int
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class CaseFailure(AssertionError):
+    pass
+
+
+class Harness:
+    """What a check uses: random inputs in the case's dtype, poisoned calls, comparisons."""
+
+    def __init__(self, backend: Backend, dtype: str, seed: int) -> None:
+        self.backend, self.dtype = backend, dtype
+        self.rng = np.random.default_rng(seed)
+        self.threshold = NMSE_THRESHOLDS[dtype]
+        self.worst_nmse: float | None = None
+        self.failures: list[str] = []
+
+    def rand(self, *shape: int, scale: float = 1.0, offset: float = 0.0) -> np.ndarray:
+        """Normal random values, rounded to the case's dtype (float32 on the host)."""
+        return round_to(self.rng.standard_normal(shape) * scale + offset, self.dtype)
+
+    def upload(self, array: np.ndarray) -> Any:
+        """To the backend: float arrays in the case's dtype, integer arrays as int32."""
+        if array.dtype.kind == "f":
+            return self.backend.to_device(array, self.dtype)
+        return self.backend.to_device(array.astype(np.int32))
+
+    def upload_cache(self, key: np.ndarray, value: np.ndarray) -> KVCache:
+        return KVCache(self.upload(key), self.upload(value))
+
+    def call(self, op: Callable, *args, **kwargs):
+        """Run `op` once on NaN copies of its float tensor arguments (its result dropped), then
+        for real: an output the backend leaves partly unwritten then shows NaN from the first run,
+        since allocators hand freed memory straight back."""
+        poisoned_args = [self._poisoned(a) for a in args]
+        poisoned_kwargs = {k: self._poisoned(v) for k, v in kwargs.items()}
+        try:
+            poisoned_result = op(*poisoned_args, **poisoned_kwargs)
+            self.backend.synchronize()
+            del poisoned_result
+        except OpNotSupported:
+            raise
+        except Exception:  # noqa: BLE001 - NaN inputs may legitimately upset an op
+            pass
+        result = op(*args, **kwargs)
+        self.backend.synchronize()
+        return result
+
+    def _poisoned(self, value: Any) -> Any:
+        if isinstance(value, KVCache):
+            return KVCache(self._poisoned(value.key), self._poisoned(value.value))
+        if hasattr(value, "shape") and self._is_float_tensor(value):
+            return self.backend.to_device(np.full(tuple(value.shape), np.nan, dtype=np.float32), self.dtype)
+        return value
+
+    def _is_float_tensor(self, value: Any) -> bool:
+        try:
+            return self.backend.dtype_of(value) in FLOAT_DTYPES
+        except Exception:  # noqa: BLE001 - not a backend tensor
+            return False
+
+    def host(self, tensor: Any) -> np.ndarray:
+        return self.backend.to_host(tensor)
+
+    def close(self, name: str, output: Any, reference: np.ndarray, threshold: float | None = None) -> None:
+        """Require NMSE(output, reference) <= the dtype's threshold (or `threshold`)."""
+        output = output if isinstance(output, np.ndarray) else self.host(output)
+        error = nmse(output, reference)
+        self.worst_nmse = error if self.worst_nmse is None else max(self.worst_nmse, error)
+        limit = self.threshold if threshold is None else threshold
+        if not error <= limit:
+            self.failures.append(f"{name}: NMSE {error:.3g} > {limit:.0e}")
+
+    def equal(self, name: str, output: Any, reference: np.ndarray) -> None:
+        output = output if isinstance(output, np.ndarray) else self.host(output)
+        if output.shape != reference.shape or not np.array_equal(output, reference):
+            wrong = "shape " + str(output.shape) if output.shape != reference.shape else (
+                f"{int(np.sum(output != reference))} of {reference.size} differ")
+            self.failures.append(f"{name}: not equal ({wrong})")
+
+    def require(self, name: str, condition: bool, detail: str = "") -> None:
+        if not condition:
+            self.failures.append(f"{name}: {detail}" if detail else name)
+
+
+def run_case(backend: Backend, case: Case, seed: int) -> CaseResult:
+    harness = Harness(backend, case.dtype, seed)
+
+    def result(status: str, message: str = "") -> CaseResult:
+        return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message)
+
+    try:
+        case.check(harness, **dict(case.params))
+    except OpNotSupported as exc:
+        return result(NOT_SUPPORTED, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a crash is a failure of this case only
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return result(FAILED, f"raised {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+    if harness.failures:
+        return result(FAILED, "; ".join(harness.failures))
+    return result(PASSED)

@@ -1,0 +1,362 @@
+"""Level 1 of conformance: every op, and the KV block and array calls, on a grid of real shapes.
+
+Each check draws fresh random inputs from the harness, runs the backend (after a poisoned run),
+and compares with the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from candelabra.conformance import oracle
+from candelabra.conformance.compare import round_to
+from candelabra.conformance.harness import Case, Harness
+from candelabra.core.kv_cache import KVCacheSpec
+from candelabra.core.ops import KVCache
+from candelabra.core.rope import RopeScaling, cos_sin_table
+from candelabra.core.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
+
+# How far a sampled token's inverse-CDF interval may sit from the draw: float32 cumulative sums
+# over a large vocabulary drift by about this much.
+CDF_TOLERANCE = 1e-4
+
+
+def check_embedding(h: Harness, vocab: int, hidden: int, tokens: int, scaled: bool) -> None:
+    table = h.rand(vocab, hidden)
+    ids = h.rng.integers(0, vocab, tokens)
+    scale = math.sqrt(hidden) if scaled else None
+    out = h.call(h.backend.ops.embedding, h.upload(ids), h.upload(table), scale)
+    h.close("out", out, oracle.embedding(ids, table, scale))
+
+
+def check_linear(h: Harness, tokens: int, in_features: int, out_features: int, bias: bool) -> None:
+    x = h.rand(tokens, in_features)
+    weight = h.rand(out_features, in_features, scale=in_features**-0.5)
+    b = h.rand(out_features) if bias else None
+    out = h.call(h.backend.ops.linear, h.upload(x), h.upload(weight), None if b is None else h.upload(b))
+    h.close("out", out, oracle.linear(x, weight, b))
+
+
+def check_rms_norm(h: Harness, shape: tuple, weight_offset: float) -> None:
+    x = h.rand(*shape, scale=3.0)
+    weight = h.rand(shape[-1], scale=0.2, offset=1.0 - weight_offset)
+    out = h.call(h.backend.ops.rms_norm, h.upload(x), h.upload(weight), 1e-6, weight_offset)
+    h.close("out", out, oracle.rms_norm(x, weight, 1e-6, weight_offset))
+
+
+def check_add_rms_norm(h: Harness, shape: tuple, weight_offset: float) -> None:
+    x, residual = h.rand(*shape), h.rand(*shape, scale=4.0)
+    weight = h.rand(shape[-1], scale=0.2, offset=1.0 - weight_offset)
+    normed, summed = h.call(
+        h.backend.ops.add_rms_norm, h.upload(x), h.upload(residual), h.upload(weight), 1e-5, weight_offset
+    )
+    ref_normed, ref_summed = oracle.add_rms_norm(
+        x, residual, weight, 1e-5, weight_offset, round_sum=lambda a: round_to(a, h.dtype)
+    )
+    h.close("normed", normed, ref_normed)
+    h.close("residual", summed, ref_summed)
+
+
+def check_layer_norm(h: Harness, shape: tuple, bias: bool) -> None:
+    x = h.rand(*shape, scale=2.0, offset=0.5)
+    weight = h.rand(shape[-1], scale=0.2, offset=1.0)
+    b = h.rand(shape[-1], scale=0.1) if bias else None
+    out = h.call(h.backend.ops.layer_norm, h.upload(x), h.upload(weight), None if b is None else h.upload(b), 1e-5)
+    h.close("out", out, oracle.layer_norm(x, weight, b, 1e-5))
+
+
+ROPE_SCALINGS = {
+    "default": (10000.0, None),
+    "linear": (10000.0, {"rope_type": "linear", "factor": 4.0}),
+    "llama3": (500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "yarn": (1000000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+}
+ROPE_MAX_POSITIONS = 16384
+
+
+def check_rotary(
+    h: Harness, tokens: int, heads: tuple, head_dim: int, rotary_dim: int | None, style: str, scaling: str
+) -> None:
+    """rotary_dim None rotates the whole head."""
+    q_heads, kv_heads = heads
+    rotary_dim = rotary_dim or head_dim
+    base, hf_scaling = ROPE_SCALINGS[scaling]
+    table = cos_sin_table(rotary_dim, ROPE_MAX_POSITIONS, base, RopeScaling.from_hf(hf_scaling, ROPE_MAX_POSITIONS))
+    q, k = h.rand(tokens, q_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
+    positions = h.rng.integers(0, ROPE_MAX_POSITIONS, tokens)
+    q_out, k_out = h.call(
+        h.backend.ops.rotary, h.upload(q), h.upload(k), h.upload(positions),
+        h.backend.to_device(table, "float32"), style,
+    )
+    q_ref, k_ref = oracle.rotary(q, k, positions, rotary_dim, base, style, hf_scaling)
+    h.close("q", q_out, q_ref)
+    h.close("k", k_out, k_ref)
+
+
+def check_silu_and_mul(h: Harness, tokens: int, intermediate: int) -> None:
+    x = h.rand(tokens, 2 * intermediate, scale=2.0)
+    h.close("out", h.call(h.backend.ops.silu_and_mul, h.upload(x)), oracle.silu_and_mul(x))
+
+
+def check_gelu_and_mul(h: Harness, tokens: int, intermediate: int, approximate: str) -> None:
+    x = h.rand(tokens, 2 * intermediate, scale=2.0)
+    out = h.call(h.backend.ops.gelu_and_mul, h.upload(x), approximate)
+    h.close("out", out, oracle.gelu_and_mul(x, approximate))
+
+
+def check_gelu(h: Harness, shape: tuple, approximate: str) -> None:
+    x = h.rand(*shape, scale=3.0)
+    h.close("out", h.call(h.backend.ops.gelu, h.upload(x), approximate), oracle.gelu(x, approximate))
+
+
+def check_softcap(h: Harness, shape: tuple, cap: float) -> None:
+    x = h.rand(*shape, scale=2 * cap)
+    h.close("out", h.call(h.backend.ops.softcap, h.upload(x), cap), oracle.softcap(x, cap))
+
+
+def check_softmax(h: Harness, shape: tuple, magnitude: str) -> None:
+    # "large" logits overflow exp() unless the maximum is subtracted first.
+    x = h.rand(*shape, scale=20.0, offset=1000.0) if magnitude == "large" else h.rand(*shape, scale=2.0)
+    h.close("out", h.call(h.backend.ops.softmax, h.upload(x)), oracle.softmax(x))
+
+
+def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padded: bool) -> None:
+    num_blocks = tokens // block_size + 4
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = h.rand(*shape), h.rand(*shape)
+    slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
+    if padded:
+        slots[h.rng.random(tokens) < 0.25] = NO_SLOT
+    key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
+    cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache), h.upload(key), h.upload(value),
+                   h.upload(slots))
+    ref_key, ref_value = oracle.write_kv(key_cache, value_cache, key, value, slots)
+    h.equal("key cache", h.host(cache.key), round_to(ref_key, h.dtype))
+    h.equal("value cache", h.host(cache.value), round_to(ref_value, h.dtype))
+
+
+# (query_len, seq_len) per sequence: decodes, full prefills, chunks of a prefill after cached
+# context, exactly full and partial last blocks, from 1 to a few hundred tokens.
+ATTENTION_BATCHES = {
+    "mixed": [(1, 1), (1, 17), (33, 33), (1, 100), (20, 75), (1, 64), (48, 130), (1, 257)],
+    "decode": [(1, 5), (1, 16), (1, 32), (1, 200), (1, 311), (1, 48)],
+    "prefill": [(300, 300), (7, 7), (64, 64)],
+}
+
+
+def check_paged_attention(
+    h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
+) -> None:
+    q_heads, kv_heads = heads
+    query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 5
+    shuffled = h.rng.permutation(num_blocks)
+    starts = np.cumsum([0, *needed])
+    tables = [shuffled[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+    meta = StepMetadata.build(query_lens, seq_lens, tables, block_size)
+    for b, count in enumerate(needed):  # padding entries: real block ids that must not be read
+        meta.block_tables[b, count:] = h.rng.integers(0, num_blocks, meta.block_tables.shape[1] - count)
+
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    for b, seq_len in enumerate(seq_lens):
+        slots = np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
+        key_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
+        value_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
+    q = h.rand(meta.num_tokens, q_heads, head_dim, scale=3.0 if logit_softcap else 1.0)
+    scale = head_dim**-0.5
+
+    step = h.backend.prepare_step(meta)
+    out = h.call(h.backend.ops.paged_attention, h.upload(q), h.upload_cache(key_cache, value_cache), step, scale,
+                 sliding_window=sliding_window, logit_softcap=logit_softcap)
+    reference = oracle.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                       meta.block_tables, scale, sliding_window, logit_softcap)
+    h.close("out", out, reference)
+
+
+SAMPLING_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties")
+
+
+def _sampling_metadata(h: Harness, rows: int, vocab: int, mode: str, logprobs: int) -> SamplingMetadata:
+    rng = h.rng
+    enabled = lambda name: mode in (name, "combined")  # noqa: E731
+    temperature = np.zeros(rows) if mode == "greedy" else rng.uniform(0.5, 1.5, rows)
+    if mode in ("combined", "penalties"):
+        temperature[: rows // 3] = 0  # some greedy rows among the random ones
+    empty = [[] for _ in range(rows)]
+    penalise = mode == "penalties"
+    penalty_tokens = [rng.integers(0, vocab, rng.integers(1, 40)).tolist() for _ in range(rows)] if penalise else empty
+    output_tokens = [rng.integers(0, vocab, rng.integers(1, 30)).tolist() for _ in range(rows)] if penalise else empty
+    bias_ids = [rng.integers(0, vocab, 5).tolist() for _ in range(rows)] if penalise else empty
+    bias_values = [rng.uniform(-5, 5, len(ids)).tolist() for ids in bias_ids]
+    return SamplingMetadata(
+        temperature=temperature.astype(np.float32),
+        top_k=(rng.integers(1, 50, rows) if enabled("top_k") else np.zeros(rows)).astype(np.int32),
+        top_p=(rng.uniform(0.5, 0.95, rows) if enabled("top_p") else np.ones(rows)).astype(np.float32),
+        min_p=(rng.uniform(0.01, 0.2, rows) if enabled("min_p") else np.zeros(rows)).astype(np.float32),
+        repetition_penalty=(rng.uniform(1.1, 1.5, rows) if penalise else np.ones(rows)).astype(np.float32),
+        presence_penalty=(rng.uniform(0, 1, rows) if penalise else np.zeros(rows)).astype(np.float32),
+        frequency_penalty=(rng.uniform(0, 1, rows) if penalise else np.zeros(rows)).astype(np.float32),
+        penalty_tokens=pad_token_lists(penalty_tokens),
+        output_tokens=pad_token_lists(output_tokens),
+        bias_token_ids=pad_token_lists(bias_ids),
+        bias_values=_pad_values(bias_values),
+        uniform=rng.random(rows, dtype=np.float32),
+        num_top_logprobs=logprobs,
+    )
+
+
+def _pad_values(lists: list[list[float]]) -> np.ndarray:
+    """Float counterpart of pad_token_lists: same shape, zero padded."""
+    out = np.zeros(pad_token_lists(lists).shape, dtype=np.float32)
+    for row, values in enumerate(lists):
+        out[row, : len(values)] = values
+    return out
+
+
+def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int) -> None:
+    logits = h.rand(rows, vocab, scale=3.0)
+    meta = _sampling_metadata(h, rows, vocab, mode, logprobs)
+    result = h.call(h.backend.ops.sample, h.upload(logits), h.backend.prepare_sampling(meta))
+    ref = oracle.sample(logits, meta)
+    tokens = h.host(result.token_ids).astype(np.int64)
+    h.require("token ids shape", tokens.shape == (rows,), f"got {tokens.shape}")
+    same = tokens == ref["token_ids"]
+    for row in np.flatnonzero(~same):
+        token, u = tokens[row], float(meta.uniform[row])
+        if meta.temperature[row] == 0 or not 0 <= token < vocab:
+            h.require(f"row {row}", False, f"chose {token}, expected {ref['token_ids'][row]}")
+        else:
+            inside = (ref["candidates"][row, token]
+                      and ref["cdf_low"][row, token] - CDF_TOLERANCE <= u < ref["cdf_high"][row, token] + CDF_TOLERANCE)
+            h.require(f"row {row}", inside, f"chose {token} for draw {u:.6f}, expected {ref['token_ids'][row]}")
+    h.close("logprobs", h.host(result.logprobs)[same], ref["logprobs"][same])
+    h.equal("top token ids", h.host(result.top_token_ids).astype(np.int64), ref["top_token_ids"])
+    h.close("top logprobs", result.top_logprobs, ref["top_logprobs"])
+
+
+def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int) -> None:
+    spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype)
+    caches = h.backend.allocate_kv_cache(spec)
+    h.require("layers", len(caches) == layers, f"{len(caches)} caches for {layers} layers")
+    for layer, cache in enumerate(caches):
+        for part in (cache.key, cache.value):
+            h.require(f"layer {layer} shape", tuple(part.shape) == spec.block_shape, f"{tuple(part.shape)}")
+            h.require(f"layer {layer} dtype", h.backend.dtype_of(part) == h.dtype, h.backend.dtype_of(part))
+
+
+def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int) -> None:
+    shape = (2 * copies + 3, block_size, 2, 64)
+    host = [(h.rand(*shape), h.rand(*shape)) for _ in range(layers)]
+    picked = h.rng.permutation(shape[0])[: 2 * copies]
+    mapping = np.stack([picked[:copies], picked[copies:]], axis=1)
+    caches = h.backend.copy_blocks([h.upload_cache(k, v) for k, v in host], mapping)
+    for layer, (key, value) in enumerate(host):
+        key, value = key.copy(), value.copy()
+        key[mapping[:, 1]], value[mapping[:, 1]] = key[mapping[:, 0]], value[mapping[:, 0]]
+        h.equal(f"layer {layer} key", h.host(caches[layer].key), key)
+        h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
+
+
+def check_swap(h: Harness, layers: int, block_size: int, blocks: int) -> None:
+    """Swap some blocks out to host space, then back in to other device blocks."""
+    device_blocks, host_blocks = 2 * blocks + 2, blocks + 3
+    spec = KVCacheSpec(layers, host_blocks, block_size, 2, 64, h.dtype)
+    device_shape = (device_blocks, *spec.block_shape[1:])
+    host = [(h.rand(*device_shape), h.rand(*device_shape)) for _ in range(layers)]
+    caches = [h.upload_cache(k, v) for k, v in host]
+    device_ids = h.rng.permutation(device_blocks)
+    out_ids, in_ids = device_ids[:blocks], device_ids[blocks: 2 * blocks]
+    host_ids = h.rng.permutation(host_blocks)[:blocks]
+    swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
+    caches = h.backend.swap_in(caches, swap, np.stack([host_ids, in_ids], axis=1))
+    for layer, (key, value) in enumerate(host):
+        key, value = key.copy(), value.copy()
+        key[in_ids], value[in_ids] = key[out_ids], value[out_ids]
+        h.equal(f"layer {layer} key", h.host(caches[layer].key), key)
+        h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
+
+
+def check_array_subset(h: Harness, shape: tuple) -> None:
+    """The array methods model graphs may use directly (see candelabra.core.ops)."""
+    a, b = h.rand(*shape), h.rand(*shape)
+    x, y = h.upload(a), h.upload(b)
+    h.require("shape", tuple(x.shape) == shape, f"{tuple(x.shape)}")
+    h.equal("reshape", h.host(x.reshape(shape[0] * shape[1], -1)), a.reshape(shape[0] * shape[1], -1))
+    for name, view, expected in [
+        ("x[i]", x[1], a[1]), ("x[a:b]", x[1:3], a[1:3]),
+        ("x[:, a:b]", x[:, 2:5], a[:, 2:5]), ("x[..., a:b]", x[..., 3:7], a[..., 3:7]),
+    ]:
+        h.equal(name, h.host(view), expected)
+    for name, result, expected in [
+        ("x + y", x + y, round_to(a.astype(np.float64) + b, h.dtype)),
+        ("x * y", x * y, round_to(a.astype(np.float64) * b, h.dtype)),
+        ("x * 0.5", x * 0.5, round_to(a * 0.5, h.dtype)),
+        ("x + 1.5", x + 1.5, round_to(a.astype(np.float64) + 1.5, h.dtype)),
+    ]:
+        h.require(f"{name} dtype", h.backend.dtype_of(result) == h.dtype, h.backend.dtype_of(result))
+        h.close(name, result, expected)
+
+
+def _grid(op: str, check, dtypes, **axes) -> list[Case]:
+    names = list(axes)
+    return [
+        Case(op, dtype, tuple(zip(names, values)), check)
+        for dtype in dtypes
+        for values in itertools.product(*axes.values())
+    ]
+
+
+def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
+    """The whole level-1 grid for a backend computing in `dtypes`."""
+    attention_heads = [(4, 4), (16, 4), (16, 2)]  # GQA ratios 1, 4 and 8
+    return [
+        *_grid("embedding", check_embedding, dtypes, vocab=[1000], hidden=[256], tokens=[17], scaled=[False, True]),
+        *_grid("embedding", check_embedding, dtypes, vocab=[32000], hidden=[896], tokens=[5], scaled=[True]),
+        *_grid("linear", check_linear, dtypes, tokens=[1, 7, 128], in_features=[896], out_features=[1152],
+               bias=[False, True]),
+        *_grid("linear", check_linear, dtypes, tokens=[33], in_features=[2048], out_features=[256], bias=[False]),
+        *_grid("rms_norm", check_rms_norm, dtypes, shape=[(1, 896), (37, 2048), (9, 8, 128)],
+               weight_offset=[0.0, 1.0]),
+        *_grid("add_rms_norm", check_add_rms_norm, dtypes, shape=[(1, 896), (21, 2560)], weight_offset=[0.0, 1.0]),
+        *_grid("layer_norm", check_layer_norm, dtypes, shape=[(1, 2560), (19, 640)], bias=[False, True]),
+        *_grid("rotary", check_rotary, dtypes, tokens=[13], heads=[(8, 2)], head_dim=[64, 128, 256],
+               rotary_dim=[None], style=["neox", "gptj"], scaling=["default"]),
+        *_grid("rotary", check_rotary, dtypes, tokens=[5], heads=[(4, 4)], head_dim=[80], rotary_dim=[32],
+               style=["neox", "gptj"], scaling=["default"]),
+        *_grid("rotary", check_rotary, dtypes, tokens=[11], heads=[(16, 8)], head_dim=[128], rotary_dim=[None],
+               style=["neox"], scaling=["linear", "llama3", "yarn"]),
+        *_grid("silu_and_mul", check_silu_and_mul, dtypes, tokens=[1, 23], intermediate=[4864]),
+        *_grid("gelu_and_mul", check_gelu_and_mul, dtypes, tokens=[1, 23], intermediate=[2048],
+               approximate=["none", "tanh"]),
+        *_grid("gelu", check_gelu, dtypes, shape=[(3, 1000), (17, 10240)], approximate=["none", "tanh"]),
+        *_grid("write_kv", check_write_kv, dtypes, block_size=[16, 32], kv_heads=[2, 8], head_dim=[128],
+               tokens=[1, 70], padded=[False, True]),
+        *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 128, 256], heads=attention_heads,
+               block_size=[16, 32], batch=["mixed"]),
+        *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(16, 4)], block_size=[16],
+               batch=["decode", "prefill"]),
+        *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 256], heads=[(8, 2)],
+               block_size=[16, 32], batch=["mixed", "decode"], sliding_window=[24, 100]),
+        *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(8, 4)], block_size=[16],
+               batch=["mixed", "decode"], logit_softcap=[2.0]),
+        *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[256], heads=[(8, 4)], block_size=[32],
+               batch=["mixed"], sliding_window=[40], logit_softcap=[5.0]),
+        *_grid("softcap", check_softcap, dtypes, shape=[(4, 32000), (64, 256)], cap=[30.0]),
+        *_grid("softmax", check_softmax, dtypes, shape=[(8, 1000), (3, 5, 311)], magnitude=["normal", "large"]),
+        *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=SAMPLING_MODES, logprobs=[0, 5]),
+        *_grid("sample", check_sample, dtypes, rows=[6], vocab=[32000], mode=["combined", "penalties"],
+               logprobs=[20]),
+        *_grid("sample", check_sample, dtypes, rows=[3], vocab=[151936], mode=["greedy", "combined"], logprobs=[1]),
+        *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
+               head_dim=[128]),
+        *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),
+        *_grid("swap", check_swap, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
+        *_grid("array_subset", check_array_subset, dtypes, shape=[(4, 6, 8)]),
+    ]

@@ -1,0 +1,232 @@
+"""The op interface: everything a model graph computes, defined once for every backend.
+
+Model graphs hold backend tensors (numpy arrays, torch tensors, mx.arrays) and may use only this
+subset of array methods on them directly; the conformance suite checks each backend honours it:
+
+    x.shape                   a tuple of ints
+    x.reshape(d0, d1, ...)    same element count; at most one -1
+    x[i], x[a:b], x[:, a:b], x[..., a:b]    basic indexing with ints and slices
+    x + y, x * y              elementwise, y a tensor of the same shape and dtype or a Python float;
+                              the result keeps x's dtype
+
+Everything heavier is an op below. Shared conventions:
+
+* T is the number of tokens in the step, B the number of sequences (or logit rows).
+* Float tensors are in the backend's compute dtype ("float32", "float16", "bfloat16"); integer
+  metadata is int32. Low-precision inputs are computed in at least float32 internally and the
+  result is rounded to the input dtype once, at the end, unless an op says otherwise.
+* Ops are functional: they return new tensors and leave their inputs unchanged, except
+  `write_kv`, which returns the updated cache (a backend may update it in place and return the
+  same object; the caller must use the returned value either way).
+* Nothing here synchronises with the host or has a data-dependent output shape, so a backend can
+  capture a whole decode step in a graph or evaluate it lazily.
+* A backend that cannot run an op (at all, or for some argument) raises `OpNotSupported`; the
+  base class raises it for every op a backend does not override.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+Tensor = Any
+RotaryStyle = Literal["neox", "gptj"]
+GeluApproximation = Literal["none", "tanh"]
+
+OP_NAMES: tuple[str, ...] = (
+    "embedding",
+    "linear",
+    "rms_norm",
+    "add_rms_norm",
+    "layer_norm",
+    "rotary",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "gelu",
+    "write_kv",
+    "paged_attention",
+    "softcap",
+    "softmax",
+    "sample",
+)
+
+
+class OpNotSupported(NotImplementedError):
+    """Raised by a backend for an op, or an op argument, that it does not implement."""
+
+    def __init__(self, backend: str, op: str, detail: str = "") -> None:
+        self.backend, self.op = backend, op
+        super().__init__(f"backend {backend!r} does not support {op}" + (f": {detail}" if detail else ""))
+
+
+class KVCache(NamedTuple):
+    """One layer's paged cache: `key` and `value`, each [num_blocks, block_size, num_kv_heads,
+    head_dim]. Slot s is row `s % block_size` of block `s // block_size`."""
+
+    key: Tensor
+    value: Tensor
+
+
+class SampleResult(NamedTuple):
+    """What `Ops.sample` returns, as backend tensors.
+
+    token_ids[B] int32; logprobs[B] float32 (of the chosen tokens); top_token_ids[B, K] int32 and
+    top_logprobs[B, K] float32 with K = num_top_logprobs, most probable first.
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor
+    top_token_ids: Tensor
+    top_logprobs: Tensor
+
+
+class Ops:
+    """The ops of one backend. Subclasses override what they implement."""
+
+    backend_name = "unnamed"
+
+    def supports(self, op: str) -> bool:
+        """Whether this backend implements `op` at all (it may still refuse some arguments)."""
+        if op not in OP_NAMES:
+            raise ValueError(f"unknown op {op!r}")
+        return getattr(type(self), op) is not getattr(Ops, op)
+
+    def _unsupported(self, op: str) -> OpNotSupported:
+        return OpNotSupported(self.backend_name, op)
+
+    def embedding(self, ids: Tensor, table: Tensor, scale: float | None = None) -> Tensor:
+        """Rows of `table` [V, H] at `ids` [T] (int32, each in [0, V)): out[t] = table[ids[t]].
+
+        With `scale`, each row is then multiplied by it (Gemma scales by sqrt(H)). Returns [T, H]
+        in the table's dtype.
+        """
+        raise self._unsupported("embedding")
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ weight.T (+ bias): x [..., K], weight [N, K], bias [N] -> [..., N].
+
+        Products are accumulated in at least float32.
+        """
+        raise self._unsupported("linear")
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, weight_offset: float = 0.0) -> Tensor:
+        """Root-mean-square norm over the last axis: x [..., H], weight [H] -> [..., H].
+
+        y = x / sqrt(mean(x**2, last axis) + eps) * (weight_offset + weight), in float32.
+        Gemma stores w - 1 and passes weight_offset=1.
+        """
+        raise self._unsupported("rms_norm")
+
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float, weight_offset: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        """Fused residual add and norm: returns (rms_norm(s, weight, eps, weight_offset), s) with
+        s = x + residual rounded to the input dtype, and the norm computed from that rounded s.
+        """
+        raise self._unsupported("add_rms_norm")
+
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+        """Layer norm over the last axis: x [..., H], weight and bias [H] -> [..., H].
+
+        y = (x - mean) / sqrt(var + eps) * weight (+ bias), var the biased (1/H) variance.
+        """
+        raise self._unsupported("layer_norm")
+
+    def rotary(
+        self,
+        q: Tensor,
+        k: Tensor,
+        positions: Tensor,
+        cos_sin: Tensor,
+        style: RotaryStyle = "neox",
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary position embedding of q [T, Hq, D] and k [T, Hk, D] at `positions` [T] int32.
+
+        `cos_sin` [max_positions, R] float32 is a table (see `candelabra.core.rope`): row p holds
+        cos(p * f_i) in columns [0, R/2) and sin(p * f_i) in [R/2, R), i = 0 .. R/2-1, already
+        carrying any scaling (linear, llama3, yarn and its attention factor). The first R <= D
+        features of each head rotate (partial rotary when R < D); the rest pass through. With
+        c, s the cos and sin of pair i at the token's position, each pair (a, b) becomes
+        (a*c - b*s, b*c + a*s), where pair i is
+            neox: (x[i], x[i + R/2])      gptj: (x[2i], x[2i + 1]).
+        Returns the rotated (q, k) in their input dtype.
+        """
+        raise self._unsupported("rotary")
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """Gated SiLU: x [..., 2I] -> silu(x[..., :I]) * x[..., I:], silu(a) = a / (1 + exp(-a))."""
+        raise self._unsupported("silu_and_mul")
+
+    def gelu_and_mul(self, x: Tensor, approximate: GeluApproximation = "none") -> Tensor:
+        """Gated GELU: x [..., 2I] -> gelu(x[..., :I], approximate) * x[..., I:]."""
+        raise self._unsupported("gelu_and_mul")
+
+    def gelu(self, x: Tensor, approximate: GeluApproximation = "none") -> Tensor:
+        """GELU, elementwise. "none": x/2 * (1 + erf(x / sqrt(2))); "tanh":
+        x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x**3)))."""
+        raise self._unsupported("gelu")
+
+    def write_kv(self, cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> KVCache:
+        """Store each token's key and value [T, Hk, D] in the cache at its slot.
+
+        Token t goes to slot `slot_mapping[t]` (int32 [T]); a slot of -1 writes nothing. Slots
+        are distinct. Every other slot keeps its contents. Returns the updated cache.
+        """
+        raise self._unsupported("write_kv")
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        cache: KVCache,
+        step: Any,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> Tensor:
+        """Causal attention of the step's queries over the paged cache: q [T, Hq, D] -> [T, Hq, D].
+
+        `step` is the backend's prepared `StepMetadata` (`Backend.prepare_step`); the cache must
+        already hold this step's keys and values (`write_kv` first). For sequence b, its j-th
+        key/value is at slot `block_tables[b, j // block_size] * block_size + j % block_size`,
+        j < seq_lens[b]. Its query token at position p (see StepMetadata) attends to the keys j
+        with j <= p and, given `sliding_window` W, also j > p - W (W keys in all, itself
+        included). Query head h reads KV head h // (Hq / Hk) (grouped-query attention).
+
+            s_j = scale * (q . k_j);  with `logit_softcap` c: s_j = c * tanh(s_j / c)
+            out = sum_j softmax(s)_j * v_j
+
+        Slots the step does not cover (other sequences' blocks, the tail of a last block, the
+        padding of block_tables) may hold anything, NaN included, and must not affect the output.
+        """
+        raise self._unsupported("paged_attention")
+
+    def softcap(self, x: Tensor, cap: float) -> Tensor:
+        """Soft-capping, elementwise: cap * tanh(x / cap)."""
+        raise self._unsupported("softcap")
+
+    def softmax(self, x: Tensor) -> Tensor:
+        """Softmax over the last axis, exp(x - max) / sum(exp(x - max)): finite for any finite x."""
+        raise self._unsupported("softmax")
+
+    def sample(self, logits: Tensor, params: Any) -> SampleResult:
+        """Choose one token per row of logits [B, V], given the backend's prepared
+        `SamplingMetadata` (`Backend.prepare_sampling`). In float32 at least, per row:
+
+        1. x = logits + logit bias (each (id, value) pair adds value to x[id]; pairs add up).
+        2. Repetition penalty r: for every distinct id in penalty_tokens, x[id] = x[id] / r if
+           x[id] > 0 else x[id] * r.
+        3. With c[id] the count of id in output_tokens: x[id] -= frequency_penalty * c[id] +
+           presence_penalty * (c[id] > 0).
+        4. logprobs = log_softmax(x). The result carries logprobs[chosen] and the
+           num_top_logprobs highest logprobs with their ids, highest first.
+        5. temperature 0: chosen = argmax(x), the lowest id among equal maxima. Otherwise
+           p = softmax(x / temperature), and a token stays a candidate only if it passes each
+           enabled filter, applied in turn to the candidates left by the previous one:
+           top_k: p is among the top_k largest (ties at the k-th value all stay);
+           top_p: the summed probability of the candidates more probable than it is < top_p
+                  times the candidates' total;
+           min_p: p >= min_p * max(p).
+           With q the candidates' probabilities normalised to sum 1 and taken in increasing id
+           order, chosen = the first candidate whose cumulative q exceeds uniform (the last
+           candidate if rounding leaves none).
+        """
+        raise self._unsupported("sample")

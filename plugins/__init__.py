@@ -1,0 +1,18 @@
+"""The plugin system: hooks, discovery through entry points, and the registries they fill."""
+
+from candelabra.plugins.hookspecs import hookimpl
+from candelabra.plugins.manager import BrokenPlugin, Plugins, backend_class, discover, installed_plugins
+from candelabra.plugins.registry import PluginSource, Registration, Registry, RegistryError
+
+__all__ = [
+    "BrokenPlugin",
+    "PluginSource",
+    "Plugins",
+    "Registration",
+    "Registry",
+    "RegistryError",
+    "backend_class",
+    "discover",
+    "hookimpl",
+    "installed_plugins",
+]
