@@ -1,0 +1,7 @@
+"""The shared conformance suite that every backend, in-tree or third-party, must pass.
+
+Run it with `candelabra conformance --backend NAME`, or with pytest and the plugin
+`candelabra.conformance.plugin`. Levels: "ops" (every op against a float64 oracle).
+"""
+
+LEVELS = ("ops",)

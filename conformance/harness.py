@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -11,7 +12,7 @@ import numpy as np
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
 from candelabra.core.backend import Backend
 from candelabra.core.dtypes import FLOAT_DTYPES
-from candelabra.core.ops import KVCache, OpNotSupported
+from candelabra.core.ops import OP_NAMES, KVCache, OpNotSupported
 
 PASSED, FAILED, NOT_SUPPORTED = "passed", "failed", "not supported"
 
@@ -27,8 +28,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        described = "-".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.op}[{self.dtype}{'-' if described else ''}{described}]"
+        described = "".join(f"-{k}={v}" for k, v in self.params)
+        return f"{self.op}-{self.dtype}{described}".replace(" ", "")
 
 
 @dataclass
@@ -127,12 +128,19 @@ class Harness:
             self.failures.append(f"{name}: {detail}" if detail else name)
 
 
+def case_seed(base_seed: int, case: Case) -> int:
+    """A case's own seed: fixed by the run's base seed and the case, so `--seed` reproduces a run."""
+    return zlib.crc32(case.id.encode()) ^ base_seed
+
+
 def run_case(backend: Backend, case: Case, seed: int) -> CaseResult:
     harness = Harness(backend, case.dtype, seed)
 
     def result(status: str, message: str = "") -> CaseResult:
         return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message)
 
+    if case.op in OP_NAMES and not backend.ops.supports(case.op):
+        return result(NOT_SUPPORTED, f"backend {backend.name!r} does not implement {case.op}")
     try:
         case.check(harness, **dict(case.params))
     except OpNotSupported as exc:

@@ -1,0 +1,114 @@
+"""The conformance suite as a pytest plugin.
+
+    pytest -p candelabra.conformance.plugin --pyargs candelabra.conformance --backend NAME
+
+or, the same with a table at the end, `candelabra conformance --backend NAME`. NAME is a
+registered backend or "package.module:BackendClass".
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from candelabra.conformance import LEVELS
+from candelabra.conformance import report as reporting
+from candelabra.conformance.harness import case_seed
+from candelabra.conformance.op_cases import op_cases
+from candelabra.plugins import RegistryError, backend_class
+
+
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("candelabra", "candelabra backend conformance")
+    group.addoption("--backend", help="backend to test: a registered name or package.module:Class")
+    group.addoption("--conformance-op", action="append", default=[], metavar="OP",
+                    help="run only the cases of this op (repeatable)")
+    group.addoption("--conformance-seed", type=int, default=None, metavar="N",
+                    help="base seed of the random inputs; a failure report names the one to reuse")
+    group.addoption("--conformance-json", default=None, metavar="FILE", help="also write the results as JSON")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--backend") is None:
+        return
+    spec = config.getoption("--backend")
+    try:
+        cls = backend_class(spec)
+    except RegistryError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    probe = cls.probe()
+    if not probe.available:
+        raise pytest.UsageError(f"backend {spec!r} is not available here: {probe.reason}")
+    known = {case.op for case in op_cases(cls.dtypes)}
+    unknown = set(config.getoption("--conformance-op")) - known
+    if unknown:
+        raise pytest.UsageError(
+            f"no conformance cases for {', '.join(sorted(unknown))}; ops are: {', '.join(sorted(known))}"
+        )
+    seed = config.getoption("--conformance-seed")
+    state = ConformanceRun(config, cls, probe.device, secrets.randbits(31) if seed is None else seed)
+    config.pluginmanager.register(state, "candelabra-conformance-run")
+
+
+def _run(config: pytest.Config) -> "ConformanceRun":
+    run = config.pluginmanager.get_plugin("candelabra-conformance-run")
+    if run is None:
+        raise pytest.UsageError("the conformance suite needs --backend NAME")
+    return run
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "op_case" in metafunc.fixturenames:
+        cases = _run(metafunc.config).cases()
+        metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
+
+
+@pytest.fixture(scope="session")
+def conformance_run(pytestconfig: pytest.Config) -> "ConformanceRun":
+    return _run(pytestconfig)
+
+
+class ConformanceRun:
+    """The backend under test, the run's base seed, and the results gathered for the table."""
+
+    def __init__(self, config: pytest.Config, cls: type, device: str, seed: int) -> None:
+        self.config, self.backend_class, self.device, self.seed = config, cls, device, seed
+        self.results: list[dict] = []
+        self._backend = None
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = self.backend_class()
+        return self._backend
+
+    def cases(self) -> list:
+        wanted = set(self.config.getoption("--conformance-op"))
+        return [c for c in op_cases(self.backend_class.dtypes) if not wanted or c.op in wanted]
+
+    def seed_for(self, case) -> int:
+        return case_seed(self.seed, case)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            self.results.extend(value for name, value in report.user_properties if name == "candelabra-conformance")
+
+    def pytest_report_header(self) -> str:
+        return f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}"
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.results:
+            return
+        terminalreporter.write_sep("=", f"conformance of backend {self.backend_class.name!r} ({self.device})")
+        terminalreporter.write_line(reporting.table(self.results))
+        terminalreporter.write_line(f"seed {self.seed}: rerun with --seed {self.seed} for the same inputs")
+        path = self.config.getoption("--conformance-json")
+        if path:
+            reporting.write_json(path, self.header(), self.results)
+            terminalreporter.write_line(f"results written to {path}")
+
+    def header(self) -> dict:
+        return {"backend": self.backend_class.name, "device": self.device, "levels": list(LEVELS), "seed": self.seed}

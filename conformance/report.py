@@ -1,0 +1,55 @@
+"""Summing conformance results up per op, as a table and as JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from candelabra.conformance.harness import FAILED, NOT_SUPPORTED, PASSED
+from candelabra.core.text_table import format_table
+
+HEADERS = ("op", "cases", "passed", "failed", "not supported", "worst NMSE")
+
+
+def summarize(results: list[dict]) -> dict[str, dict]:
+    """Per op, in first-seen order: counts by status and the worst NMSE over all its cases."""
+    summary: dict[str, dict] = {}
+    for result in results:
+        entry = summary.setdefault(
+            result["op"], {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None}
+        )
+        entry["cases"] += 1
+        entry[result["status"]] += 1
+        if result["worst_nmse"] is not None:
+            entry["worst_nmse"] = max(entry["worst_nmse"] or 0.0, result["worst_nmse"])
+    return summary
+
+
+def table(results: list[dict]) -> str:
+    rows = [
+        (op, s["cases"], s[PASSED], s[FAILED], s[NOT_SUPPORTED],
+         "" if s["worst_nmse"] is None else f"{s['worst_nmse']:.2e}")
+        for op, s in summarize(results).items()
+    ]
+    return format_table(HEADERS, rows)
+
+
+def write_json(path: str | os.PathLike, header: dict, results: list[dict]) -> None:
+    document = _strict({**header, "summary": summarize(results), "cases": results})
+    target = Path(path)
+    temporary = target.with_name(target.name + ".tmp")
+    temporary.write_text(json.dumps(document, indent=2, allow_nan=False))
+    temporary.replace(target)
+
+
+def _strict(value):
+    """JSON has no infinity or NaN: write them as the strings "inf", "-inf" and "nan"."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

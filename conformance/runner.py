@@ -1,0 +1,33 @@
+"""`candelabra conformance`: the pytest suite run in process, ending with the results table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from candelabra.conformance import LEVELS
+
+_SUITES = {"ops": Path(__file__).with_name("test_ops.py")}
+
+
+def run(
+    backend: str,
+    levels: Sequence[str] = LEVELS,
+    ops: Sequence[str] = (),
+    json_path: str | None = None,
+    seed: int | None = None,
+    pytest_args: Sequence[str] = (),
+) -> int:
+    """Run the suite's `levels` on `backend`; returns pytest's exit code (0: every case passed
+    or was not supported)."""
+    args = [str(_SUITES[level]) for level in levels]
+    args += ["-p", "candelabra.conformance.plugin", "-p", "no:cacheprovider", "--backend", backend,
+             "--rootdir", str(Path(__file__).parent), "-q", "--no-header"]
+    args += [arg for op in ops for arg in ("--conformance-op", op)]
+    if json_path:
+        args += ["--conformance-json", json_path]
+    if seed is not None:
+        args += ["--conformance-seed", str(seed)]
+    return int(pytest.main([*args, *pytest_args]))

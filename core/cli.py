@@ -1,0 +1,83 @@
+"""The `candelabra` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from candelabra.core.text_table import format_table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="candelabra", description="LLM serving with pluggable hardware backends")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    backends = commands.add_parser("backends", help="list installed backends, whether they can run here and why not")
+    backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    backends.set_defaults(run=_backends)
+
+    from candelabra.conformance import LEVELS
+
+    conformance = commands.add_parser("conformance", help="run the shared conformance suite on a backend")
+    conformance.add_argument("--backend", required=True, help="a registered backend name, or package.module:Class")
+    conformance.add_argument("--level", action="append", choices=LEVELS, help="suite level (default: all)")
+    conformance.add_argument("--op", action="append", default=[], help="only this op's cases (repeatable)")
+    conformance.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    conformance.add_argument("--seed", type=int, help="base seed of the random inputs, to repeat a run")
+    conformance.add_argument("pytest_args", nargs="*", help="passed on to pytest after --, e.g. -- -x -v")
+    conformance.set_defaults(run=_conformance)
+    return parser
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from candelabra.plugins import installed_plugins
+
+    plugins = installed_plugins()
+    rows = []
+    for registration in plugins.backends.registrations():
+        probe = registration.value.probe()
+        rows.append({
+            "name": registration.name,
+            "distribution": registration.source.distribution,
+            "available": probe.available,
+            "detail": probe.device if probe.available else probe.reason,
+        })
+    broken = [{"plugin": b.source.plugin, "distribution": b.source.distribution, "stage": b.stage, "error": b.error}
+              for b in plugins.broken]
+    conflicts = {name: [r.source.distribution for r in regs] for name, regs in plugins.backends.conflicts().items()}
+    if args.json:
+        print(json.dumps({"backends": rows, "broken_plugins": broken, "conflicts": conflicts}, indent=2))
+    else:
+        print(format_table(
+            ("backend", "distribution", "available", "device / why not"),
+            [(r["name"], r["distribution"], "yes" if r["available"] else "no", r["detail"]) for r in rows],
+        ))
+        for b in broken:
+            print(f"broken plugin {b['plugin']!r} from {b['distribution']} ({b['stage']}): {b['error']}")
+    for name, distributions in conflicts.items():
+        print(f"error: backend name {name!r} is claimed by {' and '.join(distributions)}; uninstall one of them",
+              file=sys.stderr)
+    return 1 if conflicts else 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from candelabra.conformance import LEVELS
+    from candelabra.conformance.runner import run
+
+    return run(args.backend, levels=args.level or LEVELS, ops=args.op, json_path=args.json, seed=args.seed,
+               pytest_args=args.pytest_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
