@@ -1,0 +1,42 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from candelabra.plugins import installed_plugins
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin_discovery():
+    """Each test sees the entry points installed at that moment."""
+    installed_plugins.cache_clear()
+    yield
+    installed_plugins.cache_clear()
+
+
+def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """The real console command, in a child process, as a user would run it."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "candelabra.core.cli", *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=600,
+    )
+
+
+def make_distribution(root: Path, name: str, modules: dict[str, str], entry_points: dict[str, str]) -> Path:
+    """A minimal installed distribution under `root` (a dist-info folder next to its modules),
+    found by importlib.metadata once `root` is on sys.path."""
+    root.mkdir(parents=True, exist_ok=True)
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    lines = "\n".join(f"{key} = {value}" for key, value in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[candelabra]\n{lines}\n")
+    return root

@@ -1,0 +1,30 @@
+"""The suite can fail: run it on backends with one subtly wrong op and expect exactly that op."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_candelabra
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, broken_op", [
+    ("SlidingWindowOffByOne", "paged_attention"),
+    ("PaddingSlotWrite", "write_kv"),
+    ("UnshiftedSoftmax", "softmax"),
+    ("InclusiveTopP", "sample"),
+])
+def test_conformance_catches_exactly_the_broken_op(tmp_path, backend, broken_op):
+    results = tmp_path / "results.json"
+    run = run_candelabra("conformance", "--backend", f"broken_backends:{backend}", "--json", str(results),
+                         env_extra={"PYTHONPATH": str(TESTS)})
+
+    assert run.returncode == 1, run.stdout + run.stderr
+    summary = json.loads(results.read_text())["summary"]
+    failing = {op for op, counts in summary.items() if counts["failed"]}
+    assert failing == {broken_op}
+    assert summary[broken_op]["passed"] > 0, "only the cases that exercise the bug should fail"
+    assert all(counts["not supported"] == 0 for counts in summary.values())
