@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import traceback
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -15,7 +15,6 @@ from candelabra.conformance import oracle
 from candelabra.conformance.compare import round_to
 from candelabra.conformance.harness import Case, Harness
 from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.ops import KVCache
 from candelabra.core.rope import RopeScaling, cos_sin_table
 from candelabra.core.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
 

@@ -19,8 +19,6 @@ from candelabra.conformance.op_cases import op_cases
 from candelabra.plugins import RegistryError, backend_class
 
 
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("candelabra", "candelabra backend conformance")
     group.addoption("--backend", help="backend to test: a registered name or package.module:Class")
@@ -53,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(state, "candelabra-conformance-run")
 
 
-def _run(config: pytest.Config) -> "ConformanceRun":
+def _run(config: pytest.Config) -> ConformanceRun:
     run = config.pluginmanager.get_plugin("candelabra-conformance-run")
     if run is None:
         raise pytest.UsageError("the conformance suite needs --backend NAME")
@@ -67,7 +65,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def conformance_run(pytestconfig: pytest.Config) -> "ConformanceRun":
+def conformance_run(pytestconfig: pytest.Config) -> ConformanceRun:
     return _run(pytestconfig)
 
 

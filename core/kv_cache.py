@@ -40,7 +40,7 @@ class KVCacheSpec:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def with_blocks_for(self, memory_bytes: int) -> "KVCacheSpec":
+    def with_blocks_for(self, memory_bytes: int) -> KVCacheSpec:
         """The same spec with as many blocks as fit in `memory_bytes`."""
         blocks = memory_bytes // self.bytes_per_block
         if blocks < 1:

@@ -30,7 +30,7 @@ class RopeScaling:
     attention_factor: float | None = None
 
     @classmethod
-    def from_hf(cls, entry: dict | None, max_position: int) -> "RopeScaling":
+    def from_hf(cls, entry: dict | None, max_position: int) -> RopeScaling:
         """Read a config.json `rope_scaling` dict (None means default)."""
         if not entry:
             return cls()

@@ -8,8 +8,8 @@ inside a step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import numpy as np
 
@@ -66,7 +66,7 @@ class StepMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         max_blocks: int | None = None,
-    ) -> "StepMetadata":
+    ) -> StepMetadata:
         """Lay out a batch from each sequence's new-token count, total length and block list."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens_arr = np.asarray(seq_lens, dtype=np.int64)

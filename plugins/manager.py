@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pluggy
 
@@ -107,13 +108,17 @@ def _collect(
         source = plugins.sources[impl.plugin_name]
         pending: list[Registration] = []
         try:
-            register = lambda *args: pending.append(make(args, source))  # noqa: E731
+            register = functools.partial(_register_into, pending, make, source)
             impl.function(*([register] if impl.argnames else []))
         except Exception as exc:  # noqa: BLE001 - a plugin's failure must not stop the others
             plugins.broken.append(BrokenPlugin(source, hook_name, _one_line(exc)))
             continue
         for registration in pending:
             registry.add(registration)
+
+
+def _register_into(pending: list, make: Callable, source: PluginSource, *args) -> None:
+    pending.append(make(args, source))
 
 
 def _backend_registration(args: tuple, source: PluginSource) -> Registration:

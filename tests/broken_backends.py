@@ -5,8 +5,7 @@ Each bug is one a real kernel could plausibly have.
 
 import numpy as np
 
-from candelabra.backends.cpu import CpuBackend
-from candelabra.backends.cpu import attention
+from candelabra.backends.cpu import CpuBackend, attention
 from candelabra.backends.cpu.ops import NumpyOps
 
 

@@ -8,7 +8,6 @@ import pytest
 
 from candelabra.conformance.op_cases import op_cases
 from candelabra.core.ops import OP_NAMES
-
 from conftest import run_candelabra
 
 

@@ -8,7 +8,7 @@ import pytest
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.compare import nmse, round_to
 from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.ops import OP_NAMES, Ops, OpNotSupported
+from candelabra.core.ops import OP_NAMES, OpNotSupported, Ops
 from candelabra.core.rope import RopeScaling, cos_sin_table, rope_frequencies
 
 

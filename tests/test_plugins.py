@@ -6,7 +6,6 @@ import pytest
 
 from candelabra.core.cli import main
 from candelabra.plugins import RegistryError, backend_class, discover
-
 from conftest import make_distribution
 
 GOOD_BACKEND = """

@@ -32,7 +32,8 @@ def _penalised_logits(logits: np.ndarray, p: SamplingMetadata) -> np.ndarray:
 
     has_bias = p.bias_token_ids >= 0
     if has_bias.any():
-        np.add.at(x, (np.broadcast_to(rows, has_bias.shape)[has_bias], p.bias_token_ids[has_bias]), p.bias_values[has_bias])
+        bias_rows = np.broadcast_to(rows, has_bias.shape)[has_bias]
+        np.add.at(x, (bias_rows, p.bias_token_ids[has_bias]), p.bias_values[has_bias])
 
     penalised = _token_mask(p.penalty_tokens, x.shape)
     r = p.repetition_penalty[:, None].astype(np.float32)
