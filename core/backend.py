@@ -51,9 +51,6 @@ class Backend:
         """Report availability without raising: a missing library or device is a reason string."""
         raise NotImplementedError(f"{cls.__name__} must implement probe()")
 
-    def device_name(self) -> str:
-        return self.probe().device or self.name
-
     def check_dtype(self, dtype: str) -> DType:
         """`dtype` if this backend computes in it, else a ValueError naming the ones it does."""
         if check_dtype(dtype) not in self.dtypes:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import pluggy
 
@@ -42,9 +41,8 @@ class Plugins:
     quantization_formats: Registry = field(default_factory=lambda: Registry("quantization format"))
 
 
-def discover(group: str = ENTRY_POINT_GROUP, extra: Iterable[tuple[str, Any]] = ()) -> Plugins:
-    """Load every plugin of the entry-point `group`, plus `extra` (name, module) pairs, and run
-    their registration hooks."""
+def discover(group: str = ENTRY_POINT_GROUP) -> Plugins:
+    """Load every plugin of the entry-point `group` and run their registration hooks."""
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     plugins = Plugins(manager)
@@ -56,8 +54,6 @@ def discover(group: str = ENTRY_POINT_GROUP, extra: Iterable[tuple[str, Any]] = 
             plugins.broken.append(BrokenPlugin(source, "import", _one_line(exc)))
             continue
         _register(plugins, entry_point.name, module, source)
-    for name, module in extra:
-        _register(plugins, name, module, PluginSource(name, "(registered in process)"))
     _collect(plugins, "register_backends", plugins.backends, _backend_registration)
     _collect(plugins, "register_model_architectures", plugins.model_architectures, _named_registration)
     _collect(plugins, "register_quantization_formats", plugins.quantization_formats, _named_registration)

@@ -82,3 +82,20 @@ class _InclusiveTopP(NumpyOps):
 class InclusiveTopP(_OneBrokenOp):
     name = "broken-top-p"
     ops_class = _InclusiveTopP
+
+
+class _ForgetsLastRow(NumpyOps):
+    def silu_and_mul(self, x):
+        gate, up = np.split(x, 2, axis=-1)
+        out = np.empty_like(gate)
+        rows = max(len(out) - 1, 1)
+        out[:rows] = gate[:rows] / (1 + np.exp(-gate[:rows])) * up[:rows]
+        return out
+
+
+class UnwrittenOutputRow(_OneBrokenOp):
+    """Leaves the last row of a multi-row output unwritten: only the poisoned run exposes it,
+    since the stale memory otherwise often holds a previous, correct result."""
+
+    name = "broken-unwritten"
+    ops_class = _ForgetsLastRow

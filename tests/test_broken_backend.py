@@ -16,6 +16,7 @@ TESTS = Path(__file__).resolve().parent
     ("PaddingSlotWrite", "write_kv"),
     ("UnshiftedSoftmax", "softmax"),
     ("InclusiveTopP", "sample"),
+    ("UnwrittenOutputRow", "silu_and_mul"),
 ])
 def test_conformance_catches_exactly_the_broken_op(tmp_path, backend, broken_op):
     results = tmp_path / "results.json"
