@@ -82,6 +82,7 @@ class Harness:
         poisoned_kwargs = {k: self._poisoned(v) for k, v in kwargs.items()}
         try:
             poisoned_result = op(*poisoned_args, **poisoned_kwargs)
+            self.backend.evaluate(poisoned_result)
             self.backend.synchronize()
             del poisoned_result
         except OpNotSupported:
@@ -89,6 +90,7 @@ class Harness:
         except Exception:  # noqa: BLE001 - NaN inputs may legitimately upset an op
             pass
         result = op(*args, **kwargs)
+        self.backend.evaluate(result)
         self.backend.synchronize()
         return result
 

@@ -123,13 +123,16 @@ def check_softmax(h: Harness, shape: tuple, magnitude: str) -> None:
     h.close("out", h.call(h.backend.ops.softmax, h.upload(x)), oracle.softmax(x))
 
 
-def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padded: bool) -> None:
+def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padding: str) -> None:
+    """padding: how many tokens carry slot -1 ("none", "some" or "all")."""
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
     key_cache, value_cache = h.rand(*shape), h.rand(*shape)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
-    if padded:
-        slots[h.rng.random(tokens) < 0.25] = NO_SLOT
+    if padding == "some":
+        slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
+    elif padding == "all":
+        slots[:] = NO_SLOT
     key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
     cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache), h.upload(key), h.upload(value),
                    h.upload(slots))
@@ -219,8 +222,11 @@ def _pad_values(lists: list[list[float]]) -> np.ndarray:
     return out
 
 
-def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int) -> None:
+def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int, tied: bool = False) -> None:
+    """`tied` puts logits on a coarse grid, so that many tie (as low-precision logits do)."""
     logits = h.rand(rows, vocab, scale=3.0)
+    if tied:
+        logits = np.round(logits * 2) / 2
     meta = _sampling_metadata(h, rows, vocab, mode, logprobs)
     result = h.call(h.backend.ops.sample, h.upload(logits), h.backend.prepare_sampling(meta))
     ref = oracle.sample(logits, meta)
@@ -235,9 +241,19 @@ def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int) ->
             inside = (ref["candidates"][row, token]
                       and ref["cdf_low"][row, token] - CDF_TOLERANCE <= u < ref["cdf_high"][row, token] + CDF_TOLERANCE)
             h.require(f"row {row}", inside, f"chose {token} for draw {u:.6f}, expected {ref['token_ids'][row]}")
-    h.close("logprobs", h.host(result.logprobs)[same], ref["logprobs"][same])
-    h.equal("top token ids", h.host(result.top_token_ids).astype(np.int64), ref["top_token_ids"])
+    rows_index = np.arange(rows)[:, None]
+    if tokens.shape == (rows,) and np.all((tokens >= 0) & (tokens < vocab)):
+        h.close("logprobs", result.logprobs, ref["all_logprobs"][rows_index[:, 0], tokens])
+    # Equal logprobs may come in any order: each returned id must carry the value returned for
+    # it, and the values must be the oracle's top values.
+    top_ids = h.host(result.top_token_ids).astype(np.int64)
     h.close("top logprobs", result.top_logprobs, ref["top_logprobs"])
+    h.require("top token ids shape", top_ids.shape == ref["top_token_ids"].shape, f"got {top_ids.shape}")
+    if top_ids.shape == ref["top_token_ids"].shape and top_ids.size:
+        h.require("top token ids in range", bool(np.all((top_ids >= 0) & (top_ids < vocab))))
+        h.require("top token ids distinct", all(len(set(row)) == len(row) for row in top_ids.tolist()))
+        h.close("logprobs of top token ids", ref["all_logprobs"][rows_index, np.clip(top_ids, 0, vocab - 1)],
+                ref["top_logprobs"])
 
 
 def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int) -> None:
@@ -336,7 +352,9 @@ def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
                approximate=["none", "tanh"]),
         *_grid("gelu", check_gelu, dtypes, shape=[(3, 1000), (17, 10240)], approximate=["none", "tanh"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16, 32], kv_heads=[2, 8], head_dim=[128],
-               tokens=[1, 70], padded=[False, True]),
+               tokens=[1, 70], padding=["none", "some"]),
+        *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],
+               padding=["all"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 128, 256], heads=attention_heads,
                block_size=[16, 32], batch=["mixed"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(16, 4)], block_size=[16],
@@ -353,6 +371,8 @@ def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
         *_grid("sample", check_sample, dtypes, rows=[6], vocab=[32000], mode=["combined", "penalties"],
                logprobs=[20]),
         *_grid("sample", check_sample, dtypes, rows=[3], vocab=[151936], mode=["greedy", "combined"], logprobs=[1]),
+        *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=["greedy", "top_k", "combined"],
+               logprobs=[5], tied=[True]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),
         *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),

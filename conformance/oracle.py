@@ -331,6 +331,7 @@ def sample(logits, meta: SamplingMetadata):
         "logprobs": np.zeros(rows),
         "top_token_ids": np.zeros((rows, k), dtype=np.int64),
         "top_logprobs": np.zeros((rows, k)),
+        "all_logprobs": np.zeros((rows, vocab)),
         "candidates": np.zeros((rows, vocab), dtype=bool),
         "cdf_low": np.zeros((rows, vocab)),
         "cdf_high": np.zeros((rows, vocab)),
@@ -342,6 +343,7 @@ def sample(logits, meta: SamplingMetadata):
         result["logprobs"][row] = logprobs[chosen]
         result["top_token_ids"][row] = top
         result["top_logprobs"][row] = logprobs[top]
+        result["all_logprobs"][row] = logprobs
         result["candidates"][row] = candidates
         result["cdf_low"][row] = cdf_low
         result["cdf_high"][row] = cdf_high

@@ -10,16 +10,15 @@ from pathlib import Path
 from candelabra.conformance.harness import FAILED, NOT_SUPPORTED, PASSED
 from candelabra.core.text_table import format_table
 
-HEADERS = ("op", "cases", "passed", "failed", "not supported", "worst NMSE")
+HEADERS = ("op", "dtype", "cases", "passed", "failed", "not supported", "worst NMSE")
 
 
-def summarize(results: list[dict]) -> dict[str, dict]:
-    """Per op, in first-seen order: counts by status and the worst NMSE over all its cases."""
-    summary: dict[str, dict] = {}
+def summarize(results: list[dict], by=("op",)) -> dict:
+    """Per op (or per `by` key tuple), in first-seen order: counts by status and the worst NMSE."""
+    summary: dict = {}
     for result in results:
-        entry = summary.setdefault(
-            result["op"], {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None}
-        )
+        key = result[by[0]] if len(by) == 1 else tuple(result[k] for k in by)
+        entry = summary.setdefault(key, {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None})
         entry["cases"] += 1
         entry[result["status"]] += 1
         if result["worst_nmse"] is not None:
@@ -29,15 +28,18 @@ def summarize(results: list[dict]) -> dict[str, dict]:
 
 def table(results: list[dict]) -> str:
     rows = [
-        (op, s["cases"], s[PASSED], s[FAILED], s[NOT_SUPPORTED],
+        (op, dtype, s["cases"], s[PASSED], s[FAILED], s[NOT_SUPPORTED],
          "" if s["worst_nmse"] is None else f"{s['worst_nmse']:.2e}")
-        for op, s in summarize(results).items()
+        for (op, dtype), s in summarize(results, by=("op", "dtype")).items()
     ]
     return format_table(HEADERS, rows)
 
 
 def write_json(path: str | os.PathLike, header: dict, results: list[dict]) -> None:
-    document = _strict({**header, "summary": summarize(results), "cases": results})
+    by_dtype: dict[str, dict] = {}
+    for (op, dtype), counts in summarize(results, by=("op", "dtype")).items():
+        by_dtype.setdefault(op, {})[dtype] = counts
+    document = _strict({**header, "summary": summarize(results), "summary_by_dtype": by_dtype, "cases": results})
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=2, allow_nan=False))

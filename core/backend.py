@@ -8,7 +8,8 @@ hook `register_backends` (see `candelabra.plugins`). The core then:
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
 * turns each step's host metadata into backend tensors once (`prepare_step`,
-  `prepare_sampling`) and runs the model graph on `ops`.
+  `prepare_sampling`), runs the model graph on `ops`, and calls `evaluate` once on the step's
+  results, so that a lazy backend (MLX) computes the whole step as one graph.
 
 Every call that changes a cache or swap space returns it, so a backend with immutable arrays
 (MLX) returns new ones while numpy and torch may change them in place and return the same objects.
@@ -80,8 +81,13 @@ class Backend:
         raise NotImplementedError
 
     def synchronize(self) -> None:
-        """Wait until all queued work has finished (and lazy work has been evaluated)."""
+        """Wait until all work handed to the device so far has finished."""
         raise NotImplementedError
+
+    def evaluate(self, *values: Any) -> None:
+        """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend
+        builds a whole step as one graph and the model runner calls this once per step, on the
+        step's outputs and updated caches; an eager backend has already computed them."""
 
     # weights
 

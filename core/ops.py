@@ -217,7 +217,8 @@ class Ops:
         3. With c[id] the count of id in output_tokens: x[id] -= frequency_penalty * c[id] +
            presence_penalty * (c[id] > 0).
         4. logprobs = log_softmax(x). The result carries logprobs[chosen] and the
-           num_top_logprobs highest logprobs with their ids, highest first.
+           num_top_logprobs highest logprobs with their ids, highest first (equal logprobs in
+           any order).
         5. temperature 0: chosen = argmax(x), the lowest id among equal maxima. Otherwise
            p = softmax(x / temperature), and a token stays a candidate only if it passes each
            enabled filter, applied in turn to the candidates left by the previous one:

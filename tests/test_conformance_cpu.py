@@ -18,7 +18,7 @@ def test_cpu_passes_every_op_case_with_table_and_json(tmp_path):
 
     assert run.returncode == 0, run.stdout + run.stderr
     header = next(line for line in run.stdout.splitlines() if line.startswith("op "))
-    assert header.split() == ["op", "cases", "passed", "failed", "not", "supported", "worst", "NMSE"]
+    assert header.split() == ["op", "dtype", "cases", "passed", "failed", "not", "supported", "worst", "NMSE"]
 
     document = json.loads(results.read_text())
     assert document["backend"] == "cpu" and document["levels"] == ["ops"]

@@ -90,12 +90,14 @@ def _top_k_top_p(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.
     descending = -np.sort(-probs, axis=1)
     vocab = probs.shape[1]
     k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
-    descending = np.where(np.arange(vocab) < k[:, None], descending, 0).astype(np.float64)
+    kth_value = descending[np.arange(len(k)), k - 1][:, None]
+    # Everything tied with the k-th value stays a candidate and counts towards top-p's total.
+    descending = np.where(descending >= kth_value, descending, 0).astype(np.float64)
     # Within the top-k candidates, a token survives top-p while the mass above it is < top_p.
     mass_above = np.cumsum(descending, axis=1) - descending
     survivors = (mass_above < top_p[:, None] * descending.sum(axis=1, keepdims=True)) & (descending > 0)
     survivors[:, 0] = True
-    last_survivor = vocab - 1 - np.argmax(survivors[:, ::-1], axis=1)
+    last_survivor = survivors.sum(axis=1) - 1  # mass_above only grows, so survivors are a prefix
     # Ties with the last survivor stay too.
     threshold = descending[np.arange(len(k)), last_survivor]
     return probs >= threshold[:, None].astype(probs.dtype)

@@ -1,0 +1,100 @@
+"""Paged attention in MLX over the step's gather layouts (see candelabra.core.attention_layout).
+
+Each group gathers its keys from the cache and runs one dense attention: MLX's fused
+scaled_dot_product_attention, or the plain softmax form when logits are soft-capped, which the
+fused kernel does not offer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from candelabra.core.attention_layout import GatherGroup
+from candelabra.core.step_metadata import StepMetadata
+
+
+@dataclass
+class _Group:
+    token_index: mx.array
+    slots: mx.array
+    key_pos: mx.array
+    query_pos: mx.array
+    valid: mx.array
+
+    def visible(self, sliding_window):
+        visible = self.valid & (self.key_pos <= self.query_pos)
+        if sliding_window is not None:
+            visible = visible & (self.key_pos > self.query_pos - sliding_window)
+        return visible
+
+
+@dataclass
+class MlxStep:
+    """The step's metadata as MLX arrays, with its gather groups and the permutation that puts
+    their concatenated outputs back in token order."""
+
+    meta: StepMetadata
+    positions: mx.array
+    slot_mapping: mx.array
+    groups: list[_Group]
+    token_order: mx.array
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def prepare(cls, meta: StepMetadata, groups: list[GatherGroup]) -> MlxStep:
+        order = np.concatenate([g.token_index for g in groups])
+        return cls(
+            meta=meta,
+            positions=mx.array(meta.positions),
+            slot_mapping=mx.array(meta.slot_mapping),
+            groups=[_Group(mx.array(g.token_index.astype(np.int32)), mx.array(g.slots.astype(np.int32)),
+                           mx.array(g.key_pos.astype(np.int32)), mx.array(g.query_pos.astype(np.int32)),
+                           mx.array(g.valid)) for g in groups],
+            token_order=mx.array(np.argsort(order).astype(np.int32)),
+        )
+
+    def visible(self, index: int, sliding_window: int | None):
+        key = (index, sliding_window)
+        if key not in self._masks:
+            self._masks[key] = self.groups[index].visible(sliding_window)
+        return self._masks[key]
+
+    def __getattr__(self, name: str):
+        if name == "meta":
+            raise AttributeError(name)
+        return getattr(self.meta, name)
+
+
+def paged_attention(q, cache, step: MlxStep, scale, sliding_window, logit_softcap):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = cache.key.shape[2]
+    keys = cache.key.reshape(-1, num_kv_heads, head_dim)
+    values = cache.value.reshape(-1, num_kv_heads, head_dim)
+    outputs = []
+    for index, group in enumerate(step.groups):
+        rows, queries = group.slots.shape[0], group.query_pos.shape[1]
+        grouped_q = q[group.token_index].reshape(rows, queries, num_heads, head_dim).transpose(0, 2, 1, 3)
+        k = keys[group.slots].transpose(0, 2, 1, 3)  # [R, Hk, S, D]
+        v = values[group.slots].transpose(0, 2, 1, 3)
+        visible = step.visible(index, sliding_window)[:, None]  # [R, 1, Qr, S]
+        if logit_softcap is None:
+            out = mx.fast.scaled_dot_product_attention(grouped_q, k, v, scale=scale, mask=visible)
+        else:
+            out = _softcapped(grouped_q, k, v, visible, scale, logit_softcap)
+        outputs.append(out.transpose(0, 2, 1, 3).reshape(rows * queries, num_heads, head_dim))
+    return mx.concatenate(outputs, axis=0)[step.token_order]
+
+
+def _softcapped(q, k, v, visible, scale, cap):
+    rows, num_heads, queries, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    grouped = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, queries, head_dim).astype(mx.float32)
+    scores = grouped @ k[:, :, None].astype(mx.float32).swapaxes(-1, -2) * scale
+    scores = mx.tanh(scores / cap) * cap
+    scores = mx.where(visible[:, :, None], scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1)
+    out = weights @ v[:, :, None].astype(mx.float32)
+    return out.reshape(rows, num_heads, queries, head_dim).astype(q.dtype)
