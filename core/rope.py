@@ -1,7 +1,14 @@
 """Rotary embedding tables: the cos/sin rows that `Ops.rotary` reads, with every scaling folded in.
 
-Scaling only changes the per-pair frequencies f_i and, for yarn, multiplies cos and sin by an
-attention factor, so backends never see it: they rotate with whatever table they are handed.
+Scaling only changes the per-pair frequencies f_i and, for yarn and longrope, multiplies cos and
+sin by an attention factor, so backends never see it: they rotate with whatever table they are
+handed.
+
+Two scalings change with the sequence's length: longrope switches to its long factors once a
+sequence outgrows the pre-training context, and dynamic NTK raises the base past the configured
+context. For them a model uses two tables, stacked: rows [0, P) for sequences within the context
+and rows [P, 2P) for longer ones (`RotaryTable.row_offset`). Dynamic NTK's long table uses the
+base for the longest context the factor allows, where Hugging Face recomputes it for every length.
 """
 
 from __future__ import annotations
@@ -11,51 +18,82 @@ from dataclasses import dataclass
 
 import numpy as np
 
+KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A Hugging Face `rope_scaling` entry. kind: "default", "linear", "llama3" or "yarn".
+    """A Hugging Face `rope_scaling` entry; `kind` is one of KINDS.
 
-    original_max_position is the pre-training context (llama3's
-    original_max_position_embeddings, yarn's likewise).
+    original_max_position is the pre-training context (original_max_position_embeddings),
+    max_position the model's configured context (max_position_embeddings).
     """
 
     kind: str = "default"
     factor: float = 1.0
     original_max_position: int | None = None
+    max_position: int | None = None
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, entry: dict | None, max_position: int) -> RopeScaling:
-        """Read a config.json `rope_scaling` dict (None means default)."""
+        """Read a config.json `rope_scaling` (or transformers 5 `rope_parameters`) dict; None or
+        an entry without a type means no scaling."""
         if not entry:
-            return cls()
+            return cls(max_position=max_position)
         kind = entry.get("rope_type", entry.get("type", "default"))
-        if kind not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(f"unsupported rope scaling {kind!r}")
+        if kind == "su":  # Phi-3's early name for longrope
+            kind = "longrope"
+        if kind not in KINDS:
+            raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(KINDS)}")
+        original = entry.get("original_max_position_embeddings") or max_position
+        factor = entry.get("factor")
+        if factor is None:
+            factor = max_position / original if kind == "longrope" else 1.0
         return cls(
             kind=kind,
-            factor=float(entry.get("factor", 1.0)),
-            original_max_position=entry.get("original_max_position_embeddings", max_position),
+            factor=float(factor),
+            original_max_position=int(original),
+            max_position=max_position,
             low_freq_factor=float(entry.get("low_freq_factor", 1.0)),
             high_freq_factor=float(entry.get("high_freq_factor", 4.0)),
-            beta_fast=float(entry.get("beta_fast", 32.0)),
-            beta_slow=float(entry.get("beta_slow", 1.0)),
+            beta_fast=float(entry.get("beta_fast") or 32.0),
+            beta_slow=float(entry.get("beta_slow") or 1.0),
             attention_factor=entry.get("attention_factor"),
+            short_factor=tuple(entry["short_factor"]) if entry.get("short_factor") else None,
+            long_factor=tuple(entry["long_factor"]) if entry.get("long_factor") else None,
         )
 
+    @property
+    def switches_with_length(self) -> bool:
+        return self.kind in ("longrope", "dynamic")
 
-def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling = RopeScaling()) -> np.ndarray:
-    """The rotary_dim / 2 angular frequencies f_i (float64) for one head."""
+    @property
+    def switch_length(self) -> int:
+        """Sequences longer than this use the long table."""
+        return self.original_max_position if self.kind == "longrope" else self.max_position
+
+
+def rope_frequencies(
+    rotary_dim: int, base: float, scaling: RopeScaling = RopeScaling(), long: bool = False
+) -> np.ndarray:
+    """The rotary_dim / 2 angular frequencies f_i (float64) for one head; `long` picks the
+    variant for sequences past `scaling.switch_length` (longrope and dynamic only)."""
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    if scaling.kind == "dynamic" and long:
+        longest = scaling.factor * scaling.max_position
+        stretch = scaling.factor * longest / scaling.max_position - (scaling.factor - 1)
+        base = base * stretch ** (rotary_dim / (rotary_dim - 2))
     freqs = 1.0 / base**exponents
-    if scaling.kind == "default":
+    if scaling.kind in ("default", "dynamic"):
         return freqs
     if scaling.kind == "linear":
         return freqs / scaling.factor
@@ -63,6 +101,11 @@ def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling = RopeSc
         return _llama3_frequencies(freqs, scaling)
     if scaling.kind == "yarn":
         return _yarn_frequencies(freqs, rotary_dim, base, scaling)
+    if scaling.kind == "longrope":
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, dtype=np.float64)
+        if factors.shape != freqs.shape:
+            raise ValueError(f"longrope needs {freqs.size} factors per list, got {factors.size}")
+        return freqs / factors
     raise ValueError(f"unsupported rope scaling {scaling.kind!r}")
 
 
@@ -94,19 +137,46 @@ def _yarn_frequencies(freqs: np.ndarray, rotary_dim: int, base: float, s: RopeSc
     return freqs / s.factor * (1 - keep_original) + freqs * keep_original
 
 
-def yarn_attention_factor(s: RopeScaling) -> float:
-    """The factor yarn multiplies cos and sin by (1 for every other scaling)."""
-    if s.kind != "yarn":
+def attention_factor(s: RopeScaling) -> float:
+    """The factor yarn and longrope multiply cos and sin by (1 for every other scaling)."""
+    if s.kind not in ("yarn", "longrope"):
         return 1.0
     if s.attention_factor is not None:
         return float(s.attention_factor)
-    return 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+    if s.factor <= 1:
+        return 1.0
+    if s.kind == "yarn":
+        return 0.1 * math.log(s.factor) + 1.0
+    return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position))
 
 
 def cos_sin_table(
-    rotary_dim: int, max_positions: int, base: float, scaling: RopeScaling = RopeScaling()
+    rotary_dim: int, max_positions: int, base: float, scaling: RopeScaling = RopeScaling(), long: bool = False
 ) -> np.ndarray:
-    """[max_positions, rotary_dim] float32: cos(p * f_i) then sin(p * f_i), times yarn's factor."""
-    angles = np.outer(np.arange(max_positions, dtype=np.float64), rope_frequencies(rotary_dim, base, scaling))
-    factor = yarn_attention_factor(scaling)
-    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * factor).astype(np.float32)
+    """[max_positions, rotary_dim] float32: cos(p * f_i) then sin(p * f_i), times the scaling's
+    attention factor."""
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), rope_frequencies(rotary_dim, base, scaling, long))
+    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * attention_factor(scaling)).astype(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class RotaryTable:
+    """A model's rotary table as `Ops.rotary` reads it, and how to index it for a sequence."""
+
+    table: np.ndarray  # [P, R], or [2P, R] for scalings that switch with length
+    max_positions: int
+    switch_length: int | None = None
+
+    @classmethod
+    def build(cls, rotary_dim: int, max_positions: int, base: float, scaling: RopeScaling) -> RotaryTable:
+        short = cos_sin_table(rotary_dim, max_positions, base, scaling)
+        if not scaling.switches_with_length:
+            return cls(short, max_positions)
+        long = cos_sin_table(rotary_dim, max_positions, base, scaling, long=True)
+        return cls(np.concatenate([short, long]), max_positions, scaling.switch_length)
+
+    def row_offset(self, seq_lens: np.ndarray) -> np.ndarray:
+        """Per sequence, what to add to its positions to reach its rows of the table."""
+        if self.switch_length is None:
+            return np.zeros_like(seq_lens)
+        return np.where(seq_lens > self.switch_length, self.max_positions, 0)

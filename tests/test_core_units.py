@@ -43,8 +43,8 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor():
 
 
 def test_unknown_rope_scaling_is_rejected():
-    with pytest.raises(ValueError, match="unsupported rope scaling 'su'"):
-        RopeScaling.from_hf({"type": "su"}, 4096)
+    with pytest.raises(ValueError, match="unsupported rope scaling 'ntk-by-parts'"):
+        RopeScaling.from_hf({"type": "ntk-by-parts"}, 4096)
     with pytest.raises(ValueError, match="rotary_dim must be even"):
         rope_frequencies(7, 10000.0)
 

@@ -1,0 +1,171 @@
+"""One configuration type for every architecture, read from a Hugging Face config.json dict.
+
+Both config.json styles are read: the hub's (`rope_theta`, `rope_scaling`, `rope_local_base_freq`)
+and transformers 5's (`rope_parameters`, per layer type where layers differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from candelabra.core.rope import RopeScaling
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+# candle-vllm's model-type words and the architectures each may name.
+MODEL_TYPE_WORDS: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaForCausalLM", "MistralForCausalLM"),
+    "llama3": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM", "LlamaForCausalLM"),
+    "yi": ("LlamaForCausalLM",),
+    "phi2": ("PhiForCausalLM",),
+    "phi3": ("Phi3ForCausalLM",),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    "stable-lm": ("StableLmForCausalLM",),
+    "glm4": ("Glm4ForCausalLM",),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    scaling: RopeScaling
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    layer_types: tuple[str, ...]
+    local_rope: RopeConfig | None = None  # Gemma 3's sliding-window layers
+    sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @classmethod
+    def from_hf(cls, config: dict) -> ModelConfig:
+        config = config.get("text_config", config) | {"architectures": config.get("architectures")}
+        architectures = config.get("architectures") or []
+        if not architectures:
+            raise ConfigError("config.json names no architecture ('architectures' is missing)")
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            num_layers = int(config["num_hidden_layers"])
+            max_positions = int(config.get("max_position_embeddings", 4096))
+            rope, local_rope = _rope_configs(config, max_positions)
+            eos = config.get("eos_token_id")
+            return cls(
+                architecture=architectures[0],
+                model_type=config.get("model_type", ""),
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=num_layers,
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                max_position_embeddings=max_positions,
+                norm_eps=float(config.get("rms_norm_eps") or config.get("layer_norm_eps") or 1e-6),
+                hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                rope=rope,
+                local_rope=local_rope,
+                layer_types=_layer_types(config, architectures[0], num_layers),
+                sliding_window=config.get("sliding_window"),
+                attn_logit_softcapping=config.get("attn_logit_softcapping"),
+                final_logit_softcapping=config.get("final_logit_softcapping"),
+                query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                raw=config,
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks {exc.args[0]!r}, which a {architectures[0]} needs") from exc
+
+    def check_model_type(self, word: str) -> None:
+        """Accept one of candle-vllm's model-type words only if it names this checkpoint's family."""
+        if word not in MODEL_TYPE_WORDS:
+            raise ConfigError(f"unknown model type {word!r}; expected one of {', '.join(MODEL_TYPE_WORDS)}")
+        if self.architecture not in MODEL_TYPE_WORDS[word]:
+            raise ConfigError(
+                f"model type {word!r} does not match the checkpoint, which is a {self.architecture}; "
+                "leave the model type out to use the checkpoint's own"
+            )
+
+
+def _rope_configs(config: dict, max_positions: int) -> tuple[RopeConfig, RopeConfig | None]:
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict) and FULL_ATTENTION in parameters:
+        full = _rope_config(parameters[FULL_ATTENTION], config, max_positions)
+        local = parameters.get(SLIDING_ATTENTION)
+        return full, _rope_config(local, config, max_positions) if local else None
+    if isinstance(parameters, dict):
+        return _rope_config(parameters, config, max_positions), None
+    legacy = {"rope_theta": config.get("rope_theta", 10000.0), **(config.get("rope_scaling") or {})}
+    local = None
+    if "rope_local_base_freq" in config:
+        local = _rope_config({"rope_theta": config["rope_local_base_freq"]}, config, max_positions)
+    return _rope_config(legacy, config, max_positions), local
+
+
+def _rope_config(entry: dict, config: dict, max_positions: int) -> RopeConfig:
+    partial = entry.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return RopeConfig(
+        theta=float(entry.get("rope_theta", config.get("rope_theta", 10000.0))),
+        scaling=RopeScaling.from_hf(entry, max_positions),
+        partial_rotary_factor=float(partial),
+    )
+
+
+def _layer_types(config: dict, architecture: str, num_layers: int) -> tuple[str, ...]:
+    if config.get("layer_types"):
+        types = tuple(config["layer_types"])
+        if len(types) != num_layers:
+            raise ConfigError(f"layer_types lists {len(types)} layers, num_hidden_layers says {num_layers}")
+        return types
+    if architecture == "Gemma2ForCausalLM":
+        return tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers))
+    if architecture.startswith("Gemma3"):
+        pattern = int(config.get("sliding_window_pattern", 6))
+        return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers))
+    if config.get("sliding_window") and config.get("use_sliding_window", architecture == "MistralForCausalLM"):
+        if architecture.startswith("Qwen"):  # Qwen slides from layer max_window_layers on
+            first_sliding = int(config.get("max_window_layers", num_layers))
+            return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+        return (SLIDING_ATTENTION,) * num_layers
+    return (FULL_ATTENTION,) * num_layers
