@@ -1,7 +1,8 @@
 """The shared conformance suite that every backend, in-tree or third-party, must pass.
 
 Run it with `candelabra conformance --backend NAME`, or with pytest and the plugin
-`candelabra.conformance.plugin`. Levels: "ops" (every op against a float64 oracle).
+`candelabra.conformance.plugin`. Levels: "ops" (every op against a float64 oracle) and "models"
+(every architecture against transformers on torch, which that level needs installed).
 """
 
-LEVELS = ("ops",)
+LEVELS = ("ops", "models")

@@ -12,9 +12,9 @@ import secrets
 
 import pytest
 
-from candelabra.conformance import LEVELS
 from candelabra.conformance import report as reporting
 from candelabra.conformance.harness import case_seed
+from candelabra.conformance.model_cases import MODEL_CASES
 from candelabra.conformance.op_cases import op_cases
 from candelabra.plugins import RegistryError, backend_class
 
@@ -62,6 +62,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "op_case" in metafunc.fixturenames:
         cases = _run(metafunc.config).cases()
         metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
+    if "model_case" in metafunc.fixturenames:
+        _run(metafunc.config)
+        _require_reference_stack()
+        metafunc.parametrize("model_case", MODEL_CASES, ids=[c.id for c in MODEL_CASES])
+
+
+def _require_reference_stack() -> None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise pytest.UsageError(
+            f"model conformance compares with transformers on torch, which cannot be imported ({exc}); "
+            "install torch and `pip install 'candelabra[dev]'`, or run --level ops"
+        ) from exc
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +90,7 @@ class ConformanceRun:
     def __init__(self, config: pytest.Config, cls: type, device: str, seed: int) -> None:
         self.config, self.backend_class, self.device, self.seed = config, cls, device, seed
         self.results: list[dict] = []
+        self.model_results: list[dict] = []
         self._backend = None
 
     @property
@@ -92,21 +108,29 @@ class ConformanceRun:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":
-            self.results.extend(value for name, value in report.user_properties if name == "candelabra-conformance")
+            for name, value in report.user_properties:
+                if name == "candelabra-conformance":
+                    self.results.append(value)
+                elif name == "candelabra-conformance-model":
+                    self.model_results.append(value)
 
     def pytest_report_header(self) -> str:
         return f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}"
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.results:
+        if not (self.results or self.model_results):
             return
         terminalreporter.write_sep("=", f"conformance of backend {self.backend_class.name!r} ({self.device})")
-        terminalreporter.write_line(reporting.table(self.results))
+        if self.results:
+            terminalreporter.write_line(reporting.table(self.results))
+        if self.model_results:
+            terminalreporter.write_line(reporting.model_table(self.model_results))
         terminalreporter.write_line(f"seed {self.seed}: rerun with --seed {self.seed} for the same inputs")
         path = self.config.getoption("--conformance-json")
         if path:
-            reporting.write_json(path, self.header(), self.results)
+            reporting.write_json(path, self.header(), self.results, self.model_results)
             terminalreporter.write_line(f"results written to {path}")
 
     def header(self) -> dict:
-        return {"backend": self.backend_class.name, "device": self.device, "levels": list(LEVELS), "seed": self.seed}
+        levels = [level for level, results in (("ops", self.results), ("models", self.model_results)) if results]
+        return {"backend": self.backend_class.name, "device": self.device, "levels": levels, "seed": self.seed}

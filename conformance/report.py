@@ -35,11 +35,21 @@ def table(results: list[dict]) -> str:
     return format_table(HEADERS, rows)
 
 
-def write_json(path: str | os.PathLike, header: dict, results: list[dict]) -> None:
+MODEL_HEADERS = ("model case", "architecture", "status", "logits NMSE", "greedy tokens")
+
+
+def model_table(results: list[dict]) -> str:
+    rows = [(r["case"], r["architecture"], r["status"], "" if r["nmse"] is None else f"{r['nmse']:.2e}", r["greedy"])
+            for r in results]
+    return format_table(MODEL_HEADERS, rows)
+
+
+def write_json(path: str | os.PathLike, header: dict, results: list[dict], model_results: list[dict] = ()) -> None:
     by_dtype: dict[str, dict] = {}
     for (op, dtype), counts in summarize(results, by=("op", "dtype")).items():
         by_dtype.setdefault(op, {})[dtype] = counts
-    document = _strict({**header, "summary": summarize(results), "summary_by_dtype": by_dtype, "cases": results})
+    document = _strict({**header, "summary": summarize(results), "summary_by_dtype": by_dtype, "cases": results,
+                        "models": list(model_results)})
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=2, allow_nan=False))

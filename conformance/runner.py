@@ -9,7 +9,7 @@ import pytest
 
 from candelabra.conformance import LEVELS
 
-_SUITES = {"ops": Path(__file__).with_name("test_ops.py")}
+_SUITES = {"ops": Path(__file__).with_name("test_ops.py"), "models": Path(__file__).with_name("test_models.py")}
 
 
 def run(

@@ -1,0 +1,175 @@
+"""Level 2 of conformance: every architecture against transformers on torch, in float32.
+
+For each family a tiny checkpoint with fresh random weights is made with transformers (a few
+layers, hidden size 64, grouped-query attention where the family uses it, a sliding window
+shorter than the prompt), saved as safetensors and loaded by candelabra. The backend's logits
+for every prompt position must match transformers' within the float32 NMSE threshold, and 16
+greedy tokens decoded through the paged cache must be transformers' tokens.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse
+from candelabra.core.backend import Backend
+from candelabra.core.model_runner import ModelRunner
+from candelabra.core.step_metadata import StepMetadata
+
+VOCAB, PROMPT_TOKENS, GREEDY_TOKENS, BLOCK_SIZE = 211, 21, 16, 16
+# A greedy step is a tie, not a failure, when transformers' two best logits are this close.
+GREEDY_TIE_MARGIN = 1e-4
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_LONGROPE = {
+    "max_position_embeddings": 256, "original_max_position_embeddings": 24,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
+                     "long_factor": [2.0 + i / 4 for i in range(8)]}}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    config_class: str  # a transformers configuration class
+    settings: dict = field(default_factory=dict)
+    prompt_tokens: int = PROMPT_TOKENS
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+
+MODEL_CASES = [
+    ModelCase("llama", "LlamaConfig"),
+    ModelCase("llama3.1-rope", "LlamaConfig", {"rope_scaling": _LLAMA3}),
+    ModelCase("llama-linear-rope", "LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ModelCase("mistral-sliding-window", "MistralConfig", {"sliding_window": 7}),
+    ModelCase("qwen2", "Qwen2Config"),
+    ModelCase("qwen2-yarn", "Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 64}}),
+    ModelCase("qwen3", "Qwen3Config", {"head_dim": 32}),
+    ModelCase("gemma", "GemmaConfig", {"head_dim": 16, "num_key_value_heads": 1}),
+    ModelCase("gemma2", "Gemma2Config", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
+                                         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    ModelCase("gemma3", "Gemma3TextConfig", {"head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 16,
+                                             "layer_types": ["sliding_attention", "sliding_attention",
+                                                             "full_attention"]}),
+    ModelCase("phi3-longrope", "Phi3Config", _LONGROPE),
+    # A prompt past original_max_position_embeddings: every position rotates with the long factors.
+    ModelCase("phi3-longrope-long-prompt", "Phi3Config", _LONGROPE, prompt_tokens=30),
+    ModelCase("phi2", "PhiConfig", {"num_key_value_heads": 4, "partial_rotary_factor": 0.5}),
+    ModelCase("stablelm", "StableLmConfig", {"num_key_value_heads": 4, "use_qkv_bias": True}),
+    ModelCase("stablelm-parallel", "StableLmConfig", {"num_key_value_heads": 4, "use_parallel_residual": True}),
+    ModelCase("glm4", "Glm4Config", {"head_dim": 16}),
+]
+
+
+@dataclass
+class ModelResult:
+    case: str
+    architecture: str
+    status: str
+    nmse: float | None
+    greedy: str  # "16/16", or how far it matched and why it stopped
+    seed: int
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def make_reference(case: ModelCase, seed: int):
+    """A transformers model of `case`'s family with fresh random weights, in float32."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = getattr(transformers, case.config_class)(**(_COMMON | case.settings))
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger than the default init, so logits spread and greedy rarely ties
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def reference_logits(model, token_ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(token_ids, dtype=torch.long)[None]).logits[0].double().numpy()
+
+
+class _IncrementalReference:
+    """transformers decoding with its own KV cache, one token at a time, as its generate() does
+    (a cached key keeps the rotation it was written with, as in candelabra's paged cache)."""
+
+    def __init__(self, model, prompt: np.ndarray) -> None:
+        import torch
+
+        self.model, self.torch = model, torch
+        with torch.no_grad():
+            output = model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True)
+        self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
+
+    def feed(self, token: int) -> None:
+        with self.torch.no_grad():
+            output = self.model(self.torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
+        self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
+
+
+def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int]) -> str:
+    """Decode one token per step through the paged cache while transformers, decoding with its
+    own cache, picks the same token. Returns how many matched ("16/16" when all did)."""
+    tokens, next_token = list(prompt), first_token
+    expected_stream = _IncrementalReference(reference, prompt)
+    for step in range(GREEDY_TOKENS):
+        expected_logits = expected_stream.logits
+        if next_token != int(np.argmax(expected_logits)):
+            second, best = np.sort(expected_logits)[-2:]
+            tie = best - second <= GREEDY_TIE_MARGIN * max(1.0, abs(best))
+            return f"{step}/{GREEDY_TOKENS}, then a tie" if tie else f"{step}/{GREEDY_TOKENS}"
+        tokens.append(next_token)
+        expected_stream.feed(next_token)
+        if step + 1 < GREEDY_TOKENS:
+            decode = StepMetadata.build([1], [len(tokens)], [blocks], BLOCK_SIZE)
+            next_token = int(np.argmax(backend.to_host(runner.execute(np.array([next_token]), decode))[0]))
+    return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
+
+
+def run_model_case(backend: Backend, case: ModelCase, seed: int) -> ModelResult:
+    from candelabra.core.models import load_model
+    from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+
+    reference = make_reference(case, seed)
+    architecture = type(reference).__name__
+    prompt = np.random.default_rng(seed).integers(3, VOCAB, case.prompt_tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)
+        with SafetensorsCheckpoint(folder) as checkpoint:
+            model = load_model(checkpoint, backend, "float32")
+
+    total = case.prompt_tokens + GREEDY_TOKENS
+    blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
+    runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
+
+    prefill = StepMetadata.build([case.prompt_tokens], [case.prompt_tokens], [blocks], BLOCK_SIZE)
+    logits = backend.to_host(runner.execute(prompt, prefill, all_logits=True))
+    error = nmse(logits, reference_logits(reference, prompt))
+
+    greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks)
+    passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie")
+    passed_nmse = error <= NMSE_THRESHOLDS["float32"]
+    problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {NMSE_THRESHOLDS['float32']:.0e}"]) + (
+        [] if passed_greedy else [f"greedy tokens diverged after {greedy}"])
+    return ModelResult(case.name, architecture, "passed" if not problems else "failed", error, greedy, seed,
+                       "; ".join(problems))

@@ -1,0 +1,331 @@
+"""A Hugging Face config.json dict synthesized from a GGUF file's metadata.
+
+GGUF keeps hyperparameters under keys named for its architecture ("qwen2.block_count"); each
+supported architecture maps to one Hugging Face class here. What GGUF does not store is filled
+in the way llama.cpp itself fills it in when it runs the file (Gemma's query scaling, Gemma 3's
+local/global layer pattern and local rope base).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from candelabra.core.weights import CheckpointError
+from candelabra.core.weights.gguf_file import GGUFFile, TensorInfo
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_class: str
+    model_type: str
+    hidden_act: str
+    layer_norm: bool = False  # LayerNorm with layer_norm_eps rather than RMSNorm with rms_norm_eps
+    extras: Callable[[Metadata, dict], dict] | None = None  # keys only this architecture has
+
+
+class Metadata:
+    """Typed access to a GGUF file's metadata; architecture keys are named without their prefix."""
+
+    def __init__(self, file: GGUFFile, arch: str) -> None:
+        self.file, self.arch = file, arch
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.file.metadata
+
+    def raw(self, full_key: str, default: object = _REQUIRED) -> object:
+        if full_key in self.file.metadata:
+            return self.file.metadata[full_key]
+        if default is _REQUIRED:
+            raise CheckpointError(self.file.path, f"lacks the metadata key {full_key!r}, which {self.arch} models need")
+        return default
+
+    def integer(self, key: str, default: object = _REQUIRED, full: bool = False) -> int:
+        full_key = key if full else f"{self.arch}.{key}"
+        value = self.raw(full_key, default)
+        if isinstance(value, np.ndarray) and value.size and np.all(value == value.flat[0]):
+            value = value.flat[0].item()  # a per-layer array that is the same for every layer
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, np.ndarray):
+                raise CheckpointError(self.file.path, f"{full_key} varies per layer, which candelabra does not support")
+            raise CheckpointError(self.file.path, f"metadata {full_key!r} is {value!r}, expected an integer")
+        return value
+
+    def positive(self, key: str, default: object = _REQUIRED) -> int:
+        value = self.integer(key, default)
+        if value <= 0:
+            raise CheckpointError(self.file.path, f"metadata {self.arch}.{key} is {value}, expected a positive integer")
+        return value
+
+    def number(self, key: str, default: object = _REQUIRED) -> float:
+        if not self.has(key) and default is not _REQUIRED:
+            return default  # type: ignore[return-value]
+        value = self.raw(f"{self.arch}.{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(self.file.path, f"metadata {self.arch}.{key} is {value!r}, expected a number")
+        return float(value)
+
+    def text(self, key: str, default: object = _REQUIRED) -> str:
+        value = self.raw(f"{self.arch}.{key}", default)
+        if not isinstance(value, str):
+            raise CheckpointError(self.file.path, f"metadata {self.arch}.{key} is {value!r}, expected a string")
+        return value
+
+
+def synthesize_config(file: GGUFFile) -> dict:
+    arch_name = file.metadata.get("general.architecture")
+    if arch_name is None:
+        raise CheckpointError(file.path, "lacks the metadata key 'general.architecture'; is it a model file?")
+    if arch_name not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise CheckpointError(file.path, f"holds a {arch_name!r} model; candelabra reads GGUF files of: {supported}")
+    arch = ARCHITECTURES[arch_name]
+    meta = Metadata(file, arch_name)
+    config = base_config(meta, arch)
+    if arch.extras is not None:
+        config.update(arch.extras(meta, config))
+    return config
+
+
+def base_config(meta: Metadata, arch: Architecture) -> dict:
+    hidden_size = meta.positive("embedding_length")
+    heads = meta.positive("attention.head_count")
+    head_dim = meta.positive("attention.key_length", hidden_size // heads)
+    config = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "vocab_size": vocab_size(meta),
+        "hidden_size": hidden_size,
+        "intermediate_size": meta.positive("feed_forward_length"),
+        "num_hidden_layers": meta.positive("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.positive("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": meta.positive("context_length"),
+        "hidden_act": arch.hidden_act,
+        "rope_theta": meta.number("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in meta.file.tensors,
+    }
+    if arch.layer_norm:
+        config["layer_norm_eps"] = meta.number("attention.layer_norm_epsilon")
+    else:
+        config["rms_norm_eps"] = meta.number("attention.layer_norm_rms_epsilon")
+    if meta.has("rope.dimension_count"):
+        config["partial_rotary_factor"] = meta.positive("rope.dimension_count") / head_dim
+    if (rope_scaling := rope_scaling_from_metadata(meta)) is not None:
+        config["rope_scaling"] = rope_scaling
+    if meta.integer("attention.sliding_window", 0) > 0:
+        config["sliding_window"] = meta.integer("attention.sliding_window")
+    for gguf_key, hf_key in TOKEN_IDS.items():
+        if gguf_key in meta.file.metadata:
+            config[hf_key] = meta.integer(gguf_key, full=True)
+    return config
+
+
+TOKEN_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+
+def vocab_size(meta: Metadata) -> int:
+    """The embedding's row count, as Hugging Face counts it (it may exceed the tokenizer's)."""
+    embedding = meta.file.tensors.get("token_embd.weight")
+    if embedding is not None:
+        return embedding.shape[0]
+    tokens = meta.raw("tokenizer.ggml.tokens", None)
+    if tokens is None:
+        raise CheckpointError(meta.file.path, "has neither a token_embd.weight tensor nor tokenizer.ggml.tokens")
+    return len(tokens)
+
+
+def rope_scaling_from_metadata(meta: Metadata) -> dict | None:
+    if meta.has("rope.scale_linear"):  # the key older converters wrote
+        return {"rope_type": "linear", "factor": meta.number("rope.scale_linear")}
+    kind = meta.text("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor")}
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": meta.number("rope.scaling.factor"),
+            "original_max_position_embeddings": meta.positive("rope.scaling.original_context_length"),
+        }
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if meta.has(f"rope.scaling.{gguf_key}"):
+                scaling[hf_key] = meta.number(f"rope.scaling.{gguf_key}")
+        return scaling
+    if kind == "longrope":
+        return None  # Phi-3 keeps its factors in tensors; phi3_extras reads them
+    raise CheckpointError(meta.file.path, f"uses rope scaling {kind!r}; candelabra supports linear, yarn and longrope")
+
+
+def has_tensor(meta: Metadata, name: str) -> bool:
+    return name in meta.file.tensors
+
+
+def read_vector(meta: Metadata, name: str) -> list[float]:
+    info: TensorInfo = meta.file.tensors[name]
+    return meta.file.read_rows(info).reshape(-1).tolist()
+
+
+# Per-architecture keys.
+
+
+def llama_extras(meta: Metadata, config: dict) -> dict:
+    extras = {
+        "attention_bias": has_tensor(meta, "blk.0.attn_q.bias"),
+        "mlp_bias": has_tensor(meta, "blk.0.ffn_up.bias"),
+    }
+    if has_tensor(meta, "rope_freqs.weight"):
+        factors = np.array(read_vector(meta, "rope_freqs.weight"))
+        if not np.allclose(factors, 1.0):
+            extras["rope_scaling"] = llama3_rope_scaling(meta, config, factors)
+    return extras
+
+
+def llama3_rope_scaling(meta: Metadata, config: dict, factors: np.ndarray) -> dict:
+    """Llama 3.1's rope scaling recovered from the per-frequency factors llama.cpp stores.
+
+    The factors depend on (factor, low_freq_factor, high_freq_factor, original context) only
+    through factor and two combinations of the others, so any original context length fits
+    exactly; the file's own value is used when it has one, else Llama 3's 8192.
+    """
+    original = meta.positive("rope.scaling.original_context_length", 8192)
+    rotary_dim = 2 * len(factors)
+    inv_freq = config["rope_theta"] ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
+    inverse_wavelength = inv_freq / (2 * math.pi)
+    factor = float(factors.max())
+    blended = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    low_freq_factor, high_freq_factor = 1.0, 4.0
+    if blended.sum() >= 2:
+        # Between the thresholds 1/f = (1 - s)/factor + s with s linear in 1/wavelength.
+        smooth = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inverse_wavelength[blended], smooth, 1)
+        low_freq_factor = -intercept * original / slope
+        high_freq_factor = low_freq_factor + original / slope
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low_freq_factor),
+        "high_freq_factor": float(high_freq_factor),
+        "original_max_position_embeddings": original,
+    }
+    if not np.allclose(llama3_factors(scaling, inverse_wavelength), factors, rtol=1e-4):
+        raise CheckpointError(meta.file.path, "has rope_freqs.weight factors that do not follow Llama 3 rope scaling")
+    return scaling
+
+
+def llama3_factors(scaling: dict, inverse_wavelength: np.ndarray) -> np.ndarray:
+    """What each frequency is divided by under Llama 3 rope scaling."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = np.clip((original * inverse_wavelength - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def attention_bias_extras(meta: Metadata, config: dict) -> dict:
+    return {"attention_bias": has_tensor(meta, "blk.0.attn_q.bias") or has_tensor(meta, "blk.0.attn_qkv.bias")}
+
+
+def query_pre_attn_scalar(config: dict, large_model_layers: int) -> int:
+    # llama.cpp scales queries by 1/sqrt(hidden/heads) for Gemma 2 27B (46 layers) and Gemma 3 27B
+    # (62 layers), by 1/sqrt(head_dim) otherwise; their Hugging Face configs say the same.
+    if config["num_hidden_layers"] == large_model_layers:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def gemma_extras(meta: Metadata, config: dict) -> dict:
+    return {"hidden_activation": "gelu_pytorch_tanh"}
+
+
+def gemma2_extras(meta: Metadata, config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": query_pre_attn_scalar(config, large_model_layers=46),
+        "attn_logit_softcapping": meta.number("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": meta.number("final_logit_softcapping", 30.0),
+        "layer_types": ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(layers)],
+    }
+
+
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # five local layers, then one global; llama.cpp hardcodes it too
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def gemma3_extras(meta: Metadata, config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    extras = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": query_pre_attn_scalar(config, large_model_layers=62),
+        "rope_theta": meta.number("rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": meta.number("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE),
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": meta.number("final_logit_softcapping", None),
+    }
+    if "sliding_window" not in config:
+        extras["sliding_window_pattern"] = 1
+        extras["layer_types"] = ["full_attention"] * layers
+        return extras
+    pattern = meta.raw(f"{meta.arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, np.ndarray):  # one flag per layer: true where the layer is local
+        if len(pattern) != layers:
+            raise CheckpointError(meta.file.path, f"has {len(pattern)} sliding-window flags for {layers} layers")
+        extras["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern.tolist()]
+        return extras
+    pattern = meta.integer("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    extras["sliding_window_pattern"] = pattern
+    extras["layer_types"] = [
+        "sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(layers)
+    ]
+    return extras
+
+
+def phi3_extras(meta: Metadata, config: dict) -> dict:
+    extras: dict = {}
+    if meta.has("rope.scaling.original_context_length"):
+        extras["original_max_position_embeddings"] = meta.positive("rope.scaling.original_context_length")
+    if has_tensor(meta, "rope_factors_long.weight") and has_tensor(meta, "rope_factors_short.weight"):
+        extras["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": read_vector(meta, "rope_factors_long.weight"),
+            "short_factor": read_vector(meta, "rope_factors_short.weight"),
+        }
+    return extras
+
+
+def phi2_extras(meta: Metadata, config: dict) -> dict:
+    return {"qk_layernorm": False}
+
+
+def stablelm_extras(meta: Metadata, config: dict) -> dict:
+    parallel = meta.raw(f"{meta.arch}.use_parallel_residual", not has_tensor(meta, "blk.0.ffn_norm.weight"))
+    return {
+        "use_qkv_bias": has_tensor(meta, "blk.0.attn_q.bias"),
+        "qk_layernorm": has_tensor(meta, "blk.0.attn_q_norm.weight"),
+        "use_parallel_residual": bool(parallel),
+    }
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("LlamaForCausalLM", "llama", "silu", extras=llama_extras),
+    "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", "silu"),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", "silu", extras=attention_bias_extras),
+    "gemma": Architecture("GemmaForCausalLM", "gemma", "gelu_pytorch_tanh", extras=gemma_extras),
+    "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", "gelu_pytorch_tanh", extras=gemma2_extras),
+    "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", "gelu_pytorch_tanh", extras=gemma3_extras),
+    "phi3": Architecture("Phi3ForCausalLM", "phi3", "silu", extras=phi3_extras),
+    "phi2": Architecture("PhiForCausalLM", "phi", "gelu_new", layer_norm=True, extras=phi2_extras),
+    "stablelm": Architecture("StableLmForCausalLM", "stablelm", "silu", layer_norm=True, extras=stablelm_extras),
+    "glm4": Architecture("Glm4ForCausalLM", "glm4", "silu", extras=attention_bias_extras),
+}

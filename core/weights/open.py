@@ -1,0 +1,74 @@
+"""Open whichever checkpoint the command line names, as candle-vllm's flags do:
+`--weight-path` a folder (safetensors, or one .gguf), `--weight-file` a file in it (or on its own),
+`--model-id` (with `--revision`) a model in the local Hugging Face cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from candelabra.core.weights import Checkpoint, CheckpointError
+from candelabra.core.weights.hf_cache import resolve_snapshot
+from candelabra.core.weights.safetensors import SafetensorsCheckpoint, is_safetensors_folder
+
+USAGE = "pass --weight-path FOLDER, --weight-file FILE or --model-id ORG/NAME"
+
+
+def open_checkpoint(
+    weight_path: str | Path | None = None,
+    weight_file: str | None = None,
+    model_id: str | None = None,
+    revision: str | None = None,
+) -> Checkpoint:
+    """The checkpoint the flags name; CheckpointError saying what to pass when they name none."""
+    return open_path(checkpoint_path(weight_path, weight_file, model_id, revision))
+
+
+def checkpoint_path(
+    weight_path: str | Path | None, weight_file: str | None, model_id: str | None, revision: str | None
+) -> Path:
+    if weight_path is not None and model_id is not None:
+        raise CheckpointError(f"--weight-path {weight_path}", f"given with --model-id {model_id}; pass one, not both")
+    if revision is not None and model_id is None:
+        raise CheckpointError(f"--revision {revision}", "applies to --model-id only; pass --model-id ORG/NAME with it")
+    if weight_path is not None:
+        root: Path | None = Path(weight_path).expanduser()
+    elif model_id is not None:
+        root = resolve_snapshot(model_id, revision)
+    else:
+        root = None
+    if weight_file is None:
+        if root is None:
+            raise CheckpointError("no checkpoint given", USAGE)
+        return root
+    file = Path(weight_file).expanduser()
+    return file if root is None or file.is_absolute() else root / file
+
+
+def open_path(path: Path) -> Checkpoint:
+    if not path.exists():
+        raise CheckpointError(path, f"does not exist; {USAGE}")
+    if path.is_file():
+        return open_file(path)
+    if is_safetensors_folder(path):
+        return SafetensorsCheckpoint(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return open_file(ggufs[0])
+    if ggufs:
+        names = ", ".join(gguf.name for gguf in ggufs)
+        raise CheckpointError(path, f"holds several GGUF files ({names}); choose one with --weight-file NAME")
+    raise CheckpointError(
+        path,
+        "holds neither model.safetensors, model.safetensors.index.json nor a .gguf file; "
+        "pass a Hugging Face model folder or a GGUF file",
+    )
+
+
+def open_file(path: Path) -> Checkpoint:
+    if path.suffix == ".gguf":
+        from candelabra.core.weights.gguf import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
+    if path.suffix == ".safetensors":
+        return SafetensorsCheckpoint(path)
+    raise CheckpointError(path, "is neither a .safetensors nor a .gguf file; pass a model folder or one of those")

@@ -1,0 +1,36 @@
+"""Model conformance: every architecture matches transformers on both in-tree backends, and the
+check can fail."""
+
+import json
+
+import pytest
+
+from candelabra.backends.cpu import CpuBackend
+from candelabra.conformance.model_cases import MODEL_CASES, run_model_case
+from candelabra.core.models.base import DecoderModel
+from conftest import run_candelabra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_every_architecture_matches_transformers(tmp_path, backend):
+    results = tmp_path / "models.json"
+    run = run_candelabra("conformance", "--backend", backend, "--level", "models", "--json", str(results))
+
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
+    assert "model case" in run.stdout and "greedy tokens" in run.stdout  # the table
+    models = json.loads(results.read_text())["models"]
+    assert [m["case"] for m in models] == [c.name for c in MODEL_CASES]
+    assert all(m["status"] == "passed" and m["greedy"] == "16/16" for m in models), models
+    architectures = {m["architecture"] for m in models}
+    assert architectures == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                             "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                             "PhiForCausalLM", "StableLmForCausalLM", "Glm4ForCausalLM"}
+
+
+def test_a_subtly_wrong_model_fails(monkeypatch):
+    """Rotating keys with the wrong layout is caught by the logits and the greedy tokens."""
+    monkeypatch.setattr(DecoderModel, "rotary_style", "gptj")
+    case = next(c for c in MODEL_CASES if c.name == "qwen2")
+    result = run_model_case(CpuBackend(), case, seed=11)
+    assert result.status == "failed" and "logits NMSE" in result.message
