@@ -21,7 +21,9 @@ def test_every_architecture_matches_transformers(tmp_path, backend):
     assert "model case" in run.stdout and "greedy tokens" in run.stdout  # the table
     models = json.loads(results.read_text())["models"]
     assert [m["case"] for m in models] == [c.name for c in MODEL_CASES]
-    assert all(m["status"] == "passed" and m["greedy"] == "16/16" for m in models), models
+    # all 16 greedy tokens match, unless transformers itself met a tie on the way
+    assert all(m["status"] == "passed" and (m["greedy"] == "16/16" or m["greedy"].endswith("tie"))
+               for m in models), models
     architectures = {m["architecture"] for m in models}
     assert architectures == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                              "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",

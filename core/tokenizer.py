@@ -1,0 +1,72 @@
+"""The checkpoint's own tokenizer and chat template, through transformers.
+
+Chat templates are Jinja programs shipped inside checkpoints; transformers renders them in
+jinja2's immutable sandbox, so a template cannot reach Python internals or change its inputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from candelabra.core.weights import Checkpoint, CheckpointError
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self._hf = hf_tokenizer
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(ids)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cls(AutoTokenizer.from_pretrained(**checkpoint.tokenizer_files()), eos_token_ids)
+        except (OSError, ValueError, KeyError) as exc:
+            problem = " ".join(str(exc).split())
+            raise CheckpointError(checkpoint.path, f"its tokenizer cannot be loaded: {problem}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for `messages`; `template_kwargs` reach the template (for example
+        Qwen3's enable_thinking)."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model has no chat template; send it plain text as a completion instead")
+        from jinja2.exceptions import SecurityError, TemplateError
+
+        try:
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                **template_kwargs)
+        except SecurityError as exc:
+            raise ChatTemplateError(f"the chat template tried something unsafe and was stopped: {exc}") from exc
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        # The template writes the special tokens itself (BOS included), so none are added here.
+        return self.encode(text, add_special_tokens=False)
