@@ -41,7 +41,8 @@ def test_same_seed_draws_the_same_inputs(tmp_path):
 def test_plain_pytest_invocation_runs_the_suite():
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "candelabra.conformance.plugin", "--pyargs",
-         "candelabra.conformance", "--backend", "cpu", "--conformance-op", "softmax", "-q", "-p", "no:cacheprovider"],
+         "candelabra.conformance.test_ops", "--backend", "cpu", "--conformance-op", "softmax", "-q",
+         "-p", "no:cacheprovider"],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr

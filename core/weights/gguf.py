@@ -45,6 +45,10 @@ class GGUFCheckpoint(Checkpoint):
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self._recipe(name).shape
 
+    def gguf_name(self, name: str) -> str:
+        """The name of the GGUF tensor this tensor is read from."""
+        return self._recipe(name).source
+
     def gguf_type(self, name: str) -> str:
         """How the file stores the tensor ("Q4_K", "F32", ...)."""
         return self._file.tensors[self._recipe(name).source].ggml_type.name

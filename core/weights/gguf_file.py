@@ -121,8 +121,8 @@ class GGUFFile:
             raise
 
     def read_rows(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) of the tensor (rows of its last GGUF dim), dequantized to a float32
-        array of shape [stop - start, dims[0]] that owns its memory."""
+        """Rows [start, stop) of the tensor (its row-major layout's leading dims, flattened),
+        dequantized to a float32 array of shape [stop - start, dims[0]], never a view of the map."""
         stop = info.n_rows if stop is None else stop
         begin = info.offset + start * info.row_bytes
         count = (stop - start) * info.row_bytes
@@ -133,7 +133,10 @@ class GGUFFile:
             problem = f"tensor {info.name!r} ends past the end of the file (truncated since opened?)"
             raise CheckpointError(self.path, problem)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=count, offset=begin).reshape(stop - start, info.row_bytes)
-        rows = dequantize(raw, info.ggml_type)
+        try:
+            rows = dequantize(raw, info.ggml_type)
+        except (ValueError, NotImplementedError) as error:
+            raise CheckpointError(self.path, f"tensor {info.name!r} cannot be dequantized: {error}") from None
         if np.may_share_memory(rows, raw):
             rows = rows.copy()
         return rows.astype(np.float32, copy=False).reshape(stop - start, info.dims[0])
