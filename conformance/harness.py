@@ -32,6 +32,8 @@ class Case:
         described = "".join(f"-{k}={v}" for k, v in self.params)
         return f"{self.op}-{self.dtype}{described}".replace(" ", "")
 
+    name = id
+
 
 @dataclass
 class CaseResult:
@@ -131,9 +133,9 @@ class Harness:
             self.failures.append(f"{name}: {detail}" if detail else name)
 
 
-def case_seed(base_seed: int, case: Case) -> int:
+def case_seed(base_seed: int, case_name: str) -> int:
     """A case's own seed: fixed by the run's base seed and the case, so `--seed` reproduces a run."""
-    return zlib.crc32(case.id.encode()) ^ base_seed
+    return zlib.crc32(case_name.encode()) ^ base_seed
 
 
 def run_case(backend: Backend, case: Case, seed: int) -> CaseResult:

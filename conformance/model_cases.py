@@ -2,7 +2,9 @@
 
 For each family a tiny checkpoint with fresh random weights is made with transformers (a few
 layers, hidden size 64, grouped-query attention where the family uses it, a sliding window
-shorter than the prompt), saved as safetensors and loaded by candelabra. The backend's logits
+shorter than the prompt), saved as safetensors and loaded by candelabra. GGUF cases write such
+models as llama.cpp would, in several tensor types, and compare with transformers running the
+same quantized-then-dequantized weights. The backend's logits
 for every prompt position must match transformers' within the float32 NMSE threshold, and 16
 greedy tokens decoded through the paged cache must be transformers' tokens.
 """
@@ -41,10 +43,6 @@ class ModelCase:
     settings: dict = field(default_factory=dict)
     prompt_tokens: int = PROMPT_TOKENS
 
-    @property
-    def id(self) -> str:
-        return self.name
-
 
 MODEL_CASES = [
     ModelCase("llama", "LlamaConfig"),
@@ -69,6 +67,28 @@ MODEL_CASES = [
     ModelCase("stablelm-parallel", "StableLmConfig", {"num_key_value_heads": 4, "use_parallel_residual": True}),
     ModelCase("glm4", "Glm4Config", {"head_dim": 16}),
 ]
+
+
+# GGUF architectures and tensor types for the quantized cases (K-quants cannot be made in Python;
+# the default model's Q4_K and Q6_K tensors cover them).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+GGUF_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+@dataclass(frozen=True)
+class GGUFModelCase:
+    """A tiny model written as llama.cpp writes GGUF, 2-D weights in `ggml_type`, checked against
+    transformers running the same weights quantized and dequantized by gguf."""
+
+    arch: str
+    ggml_type: str
+
+    @property
+    def name(self) -> str:
+        return f"gguf-{self.arch}-{self.ggml_type.lower()}"
+
+
+GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES]
 
 
 @dataclass
@@ -146,23 +166,52 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
-def run_model_case(backend: Backend, case: ModelCase, seed: int) -> ModelResult:
+def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int) -> ModelResult:
     from candelabra.core.models import load_model
+    from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
-    reference = make_reference(case, seed)
-    architecture = type(reference).__name__
-    prompt = np.random.default_rng(seed).integers(3, VOCAB, case.prompt_tokens)
     with tempfile.TemporaryDirectory() as folder:
-        reference.save_pretrained(folder)
-        with SafetensorsCheckpoint(folder) as checkpoint:
+        if isinstance(case, GGUFModelCase):
+            reference, path = _gguf_reference(case, seed, folder)
+            checkpoint = GGUFCheckpoint(path)
+            prompt_tokens, vocab = PROMPT_TOKENS, reference.config.vocab_size
+        else:
+            reference = make_reference(case, seed)
+            reference.save_pretrained(folder)
+            checkpoint = SafetensorsCheckpoint(folder)
+            prompt_tokens, vocab = case.prompt_tokens, VOCAB
+        with checkpoint:
             model = load_model(checkpoint, backend, "float32")
+    prompt = np.random.default_rng(seed).integers(3, vocab, prompt_tokens)
+    return _compare(backend, case.name, reference, model, prompt, seed)
 
-    total = case.prompt_tokens + GREEDY_TOKENS
+
+def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
+    """The GGUF file of a fresh tiny model, and that model with the weights the file holds."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from candelabra.conformance.gguf_models import convert_to_gguf, round_tripped, tiny_model
+
+    kind = GGMLQuantizationType[case.ggml_type]
+    model = tiny_model(case.arch, seed)
+    path = f"{folder}/{case.name}.gguf"
+    convert_to_gguf(model, case.arch, path, kind)
+    with torch.no_grad():  # what the file stores: every 2-D weight through the quantizer
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.copy_(torch.from_numpy(round_tripped(parameter.numpy(), kind)))
+    return model, path
+
+
+def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int) -> ModelResult:
+    architecture = type(reference).__name__
+    total = len(prompt) + GREEDY_TOKENS
     blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
     runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
 
-    prefill = StepMetadata.build([case.prompt_tokens], [case.prompt_tokens], [blocks], BLOCK_SIZE)
+    prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], BLOCK_SIZE)
     logits = backend.to_host(runner.execute(prompt, prefill, all_logits=True))
     error = nmse(logits, reference_logits(reference, prompt))
 
@@ -171,5 +220,5 @@ def run_model_case(backend: Backend, case: ModelCase, seed: int) -> ModelResult:
     passed_nmse = error <= NMSE_THRESHOLDS["float32"]
     problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {NMSE_THRESHOLDS['float32']:.0e}"]) + (
         [] if passed_greedy else [f"greedy tokens diverged after {greedy}"])
-    return ModelResult(case.name, architecture, "passed" if not problems else "failed", error, greedy, seed,
+    return ModelResult(name, architecture, "passed" if not problems else "failed", error, greedy, seed,
                        "; ".join(problems))

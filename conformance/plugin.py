@@ -14,7 +14,7 @@ import pytest
 
 from candelabra.conformance import report as reporting
 from candelabra.conformance.harness import case_seed
-from candelabra.conformance.model_cases import MODEL_CASES
+from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES
 from candelabra.conformance.op_cases import op_cases
 from candelabra.plugins import RegistryError, backend_class
 
@@ -65,7 +65,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "model_case" in metafunc.fixturenames:
         _run(metafunc.config)
         _require_reference_stack()
-        metafunc.parametrize("model_case", MODEL_CASES, ids=[c.id for c in MODEL_CASES])
+        cases = MODEL_CASES + GGUF_MODEL_CASES
+        metafunc.parametrize("model_case", cases, ids=[c.name for c in cases])
 
 
 def _require_reference_stack() -> None:
@@ -104,7 +105,7 @@ class ConformanceRun:
         return [c for c in op_cases(self.backend_class.dtypes) if not wanted or c.op in wanted]
 
     def seed_for(self, case) -> int:
-        return case_seed(self.seed, case)
+        return case_seed(self.seed, case.name)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":

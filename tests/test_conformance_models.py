@@ -6,7 +6,7 @@ import json
 import pytest
 
 from candelabra.backends.cpu import CpuBackend
-from candelabra.conformance.model_cases import MODEL_CASES, run_model_case
+from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES, run_model_case
 from candelabra.core.models.base import DecoderModel
 from conftest import run_candelabra
 
@@ -20,7 +20,7 @@ def test_every_architecture_matches_transformers(tmp_path, backend):
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
     assert "model case" in run.stdout and "greedy tokens" in run.stdout  # the table
     models = json.loads(results.read_text())["models"]
-    assert [m["case"] for m in models] == [c.name for c in MODEL_CASES]
+    assert [m["case"] for m in models] == [c.name for c in MODEL_CASES + GGUF_MODEL_CASES]
     # all 16 greedy tokens match, unless transformers itself met a tie on the way
     assert all(m["status"] == "passed" and (m["greedy"] == "16/16" or m["greedy"].endswith("tie"))
                for m in models), models

@@ -8,7 +8,6 @@ compute the same logits. Malformed files must fail at once with one CheckpointEr
 real default model and Gemma 3 270M (slow) must load as transformers' own GGUF loader does.
 """
 
-import copy
 import hashlib
 import logging
 import os
@@ -23,8 +22,21 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
+from candelabra.conformance.gguf_models import (
+    CASES,
+    HF_CLASSES,
+    LLAMA3_SCALING,
+    PHI3_LONGROPE,
+    convert_to_gguf,
+    encoded,
+    gguf_metadata,
+    head_dim_of,
+    round_tripped,
+    tiny_model,
+    write_gguf,
+)
 from candelabra.core import default_model
 from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.gguf import GGUFCheckpoint
@@ -35,155 +47,8 @@ from candelabra.core.weights.gguf_tensors import LAYOUTS
 # Writing GGUF files
 
 
-def write_gguf(path, arch, metadata, tensors):
-    """A GGUF file with `metadata` {key: value} and `tensors` {name: float array, or (raw bytes,
-    GGML type) for data already quantized}."""
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
-    for name, tensor in tensors.items():
-        if isinstance(tensor, tuple):
-            writer.add_tensor(name, tensor[0], raw_dtype=tensor[1])
-        else:
-            writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def encoded(array, ggml_type):
-    """`array` as the writer takes it in `ggml_type`."""
-    data = quantize(array.astype(np.float32), ggml_type)
-    return data if ggml_type in (Q.F32, Q.F16) else (data, ggml_type)
-
-
-def round_tripped(array, ggml_type):
-    """What a reader should return for `array` stored as `ggml_type`."""
-    data = quantize(array.astype(np.float32), ggml_type)
-    return dequantize(data, ggml_type).astype(np.float32).reshape(array.shape)
-
-
 # ---------------------------------------------------------------------------------------------
 # Tiny transformers models, converted as llama.cpp converts them
-
-COMMON = {
-    "vocab_size": 100,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-RMS = {"rms_norm_eps": 1e-6}
-LAYER_NORM = {"layer_norm_eps": 1e-5}
-# Llama 3 rope scaling squeezed into 8 frequencies, two of them between the thresholds.
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 4.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 8.0,
-    "original_max_position_embeddings": 256,
-}
-PHI3_LONGROPE = {"rope_type": "longrope", "long_factor": [1.0, 1.5, 2.0, 4.0], "short_factor": [1.0, 1.1, 1.2, 1.3]}
-
-# GGUF architecture -> transformers config for a tiny random model of it.
-CASES = {
-    "llama": {"model_type": "llama", "head_dim": 16, "tie_word_embeddings": False, "attention_bias": True, **RMS,
-              "rope_theta": 10000.0, "rope_scaling": LLAMA3_SCALING},
-    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True, "rope_theta": 1e6, **RMS},
-    "qwen3": {"model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": True, **RMS},
-    "gemma": {"model_type": "gemma", "head_dim": 32, "num_key_value_heads": 1, **RMS},
-    "gemma2": {"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
-               "attn_logit_softcapping": 40.0, "final_logit_softcapping": 20.0, **RMS},
-    "gemma3": {"model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 4,
-               "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4, **RMS},
-    "phi3": {"model_type": "phi3", "tie_word_embeddings": False, "partial_rotary_factor": 0.5,
-             "rope_scaling": PHI3_LONGROPE, "original_max_position_embeddings": 64, **RMS},
-    "phi2": {"model_type": "phi", "num_key_value_heads": 4, "partial_rotary_factor": 0.5, **LAYER_NORM},
-    "stablelm": {"model_type": "stablelm", "qk_layernorm": True, "use_qkv_bias": True,
-                 "use_parallel_residual": False, "partial_rotary_factor": 0.25, **LAYER_NORM},
-    "glm4": {"model_type": "glm4", "head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.5, **RMS},
-}
-HF_CLASSES = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
-    "glm4": "Glm4ForCausalLM",
-}  # fmt: skip
-
-
-def tiny_model(arch):
-    """A random transformers model for `arch` in float32, every parameter (norms too) random and
-    a bfloat16 value, as real checkpoints' are (so Gemma's norm + 1 - 1 is exact)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    settings = copy.deepcopy({**COMMON, **CASES[arch]})  # transformers edits the rope dicts it is given
-    config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter).mul(0.3).bfloat16().float())
-    return model
-
-
-def settings_of(arch):
-    return {**COMMON, **CASES[arch]}
-
-
-def head_dim_of(arch):
-    settings = settings_of(arch)
-    return settings.get("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
-
-
-def gguf_metadata(arch):
-    """The hyperparameters llama.cpp's converter writes for this architecture."""
-    s, a = settings_of(arch), arch
-    metadata = {
-        f"{a}.context_length": s["max_position_embeddings"],
-        f"{a}.embedding_length": s["hidden_size"],
-        f"{a}.block_count": s["num_hidden_layers"],
-        f"{a}.feed_forward_length": s["intermediate_size"],
-        f"{a}.attention.head_count": s["num_attention_heads"],
-        f"{a}.attention.head_count_kv": s["num_key_value_heads"],
-        f"{a}.rope.freq_base": float(s.get("rope_theta", 10000.0)),
-        "tokenizer.ggml.bos_token_id": s["bos_token_id"],
-        "tokenizer.ggml.eos_token_id": s["eos_token_id"],
-        "tokenizer.ggml.padding_token_id": s["pad_token_id"],
-    }
-    if "rms_norm_eps" in s:
-        metadata[f"{a}.attention.layer_norm_rms_epsilon"] = s["rms_norm_eps"]
-    else:
-        metadata[f"{a}.attention.layer_norm_epsilon"] = s["layer_norm_eps"]
-    if "head_dim" in s:
-        metadata[f"{a}.attention.key_length"] = metadata[f"{a}.attention.value_length"] = s["head_dim"]
-    if arch in ("llama", "phi3", "phi2", "stablelm", "glm4"):
-        metadata[f"{a}.rope.dimension_count"] = int(head_dim_of(arch) * s.get("partial_rotary_factor", 1.0))
-    if "sliding_window" in s:
-        metadata[f"{a}.attention.sliding_window"] = s["sliding_window"]
-    if arch == "gemma2":
-        metadata[f"{a}.attn_logit_softcapping"] = s["attn_logit_softcapping"]
-        metadata[f"{a}.final_logit_softcapping"] = s["final_logit_softcapping"]
-    if arch == "phi3":
-        metadata[f"{a}.rope.scaling.original_context_length"] = s["original_max_position_embeddings"]
-    if arch == "stablelm":
-        metadata[f"{a}.use_parallel_residual"] = s["use_parallel_residual"]
-    return metadata
 
 
 # The least a file needs besides metadata: an embedding (it sets vocab_size).
@@ -194,80 +59,6 @@ def minimal_metadata(arch="qwen2", **changes):
     metadata = {key.replace("qwen2.", f"{arch}."): value for key, value in gguf_metadata("qwen2").items()}
     metadata.update(changes)
     return {key: value for key, value in metadata.items() if value is not None}
-
-
-def permute_like_llama_cpp(weights, n_heads):
-    """LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py, for q_proj/k_proj rows."""
-    rows = weights.shape[0]
-    permuted = weights.reshape(n_heads, 2, rows // n_heads // 2, *weights.shape[1:]).swapaxes(1, 2)
-    return permuted.reshape(weights.shape)
-
-
-def llama3_rope_factors(arch):
-    """The rope_freqs.weight llama.cpp's converter writes for Llama 3 rope scaling."""
-    s = settings_of(arch)
-    scaling, dim = s["rope_scaling"], head_dim_of(arch)
-    factors = []
-    for freq in 1.0 / (s["rope_theta"] ** (np.arange(0, dim, 2) / dim)):
-        wavelength = 2 * np.pi / freq
-        original = scaling["original_max_position_embeddings"]
-        if wavelength < original / scaling["high_freq_factor"]:
-            factors.append(1.0)
-        elif wavelength > original / scaling["low_freq_factor"]:
-            factors.append(scaling["factor"])
-        else:
-            smooth = (original / wavelength - scaling["low_freq_factor"]) / (
-                scaling["high_freq_factor"] - scaling["low_freq_factor"]
-            )
-            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
-def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False):
-    """`model` written as llama.cpp's converter writes it: tensors named by gguf's own table,
-    q/k rows permuted (llama), norms + 1 (Gemma), StableLM's per-head norms stacked; 2-D
-    weights stored as `ggml_type`; with `fuse_qkv`, q/k/v fused into attn_qkv."""
-    s = settings_of(arch)
-    arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    name_map = gguf.get_tensor_name_map(arch_enum, s["num_hidden_layers"])
-    tensors, stacked_norms = {}, {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        data = tensor.detach().float().numpy().copy()
-        module, suffix = hf_name.rsplit(".", 1)
-        if ".norms." in module:
-            stacked, head = module.rsplit(".norms.", 1)
-            stacked_norms.setdefault(stacked, {})[int(head)] = data
-            continue
-        if arch == "llama" and module.endswith("q_proj"):
-            data = permute_like_llama_cpp(data, s["num_attention_heads"])
-        if arch == "llama" and module.endswith("k_proj"):
-            data = permute_like_llama_cpp(data, s["num_key_value_heads"])
-        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
-            data = data + 1
-        gguf_name = name_map.get_name(module)
-        assert gguf_name is not None, f"gguf has no GGUF name for {module}"
-        tensors[f"{gguf_name}.{suffix}"] = data
-    for module, heads in stacked_norms.items():
-        tensors[f"{name_map.get_name(module)}.weight"] = np.stack([heads[head] for head in sorted(heads)])
-    if fuse_qkv:
-        for layer in range(s["num_hidden_layers"]):
-            for suffix in ("weight", "bias"):
-                parts = [tensors.pop(f"blk.{layer}.attn_{x}.{suffix}", None) for x in "qkv"]
-                if parts[0] is not None:
-                    tensors[f"blk.{layer}.attn_qkv.{suffix}"] = np.concatenate(parts)
-    if arch == "llama":
-        tensors["rope_freqs.weight"] = llama3_rope_factors(arch)
-    if arch == "phi3":
-        tensors["rope_factors_long.weight"] = np.array(s["rope_scaling"]["long_factor"], dtype=np.float32)
-        tensors["rope_factors_short.weight"] = np.array(s["rope_scaling"]["short_factor"], dtype=np.float32)
-    stored = {
-        name: encoded(data, ggml_type) if data.ndim == 2 and not name.startswith("rope_") else data
-        for name, data in tensors.items()
-    }
-    write_gguf(path, arch, gguf_metadata(arch), stored)
-    return tensors
 
 
 def hf_model_from(checkpoint):
