@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 QWEN_PROMPTS = [
     "What is a KV cache?",
     "Write a Python function that checks whether a number is prime.",
-    "Explain the difference between a list and a tuple in Python.",
+    "Write a bubble sort in C.",
 ]
 GREEDY_TOKENS = 32
 BLOCK_SIZE = 16
