@@ -9,7 +9,8 @@ first slot, which always holds real data, so a gather never touches a slot the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,3 +61,25 @@ def _group(meta: StepMetadata, seqs: np.ndarray, span: int, tokens: np.ndarray) 
         query_pos=meta.positions[tokens].astype(np.int64)[:, :, None],
         valid=valid[:, None, :],
     )
+
+
+@dataclass
+class GatheredStep:
+    """A prepared step for a gathering backend: the host metadata (whose fields it exposes), its
+    gather groups in the backend's arrays (anything with `visible(sliding_window)`), and their
+    visibility masks, computed once per sliding window and shared by all layers."""
+
+    meta: StepMetadata
+    groups: list[Any]
+    _masks: dict = field(default_factory=dict, init=False, repr=False)
+
+    def visible(self, index: int, sliding_window: int | None):
+        key = (index, sliding_window)
+        if key not in self._masks:
+            self._masks[key] = self.groups[index].visible(sliding_window)
+        return self._masks[key]
+
+    def __getattr__(self, name: str):
+        if name == "meta":
+            raise AttributeError(name)
+        return getattr(self.meta, name)

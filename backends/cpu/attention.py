@@ -5,43 +5,21 @@ The decodes of a step share one batched matmul; each multi-token sequence is one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from candelabra.core.attention_layout import GatherGroup, gather_groups
+from candelabra.core.attention_layout import GatheredStep, gather_groups
 from candelabra.core.ops import KVCache
 from candelabra.core.step_metadata import StepMetadata
 
 
-@dataclass
-class CpuStep:
-    """A StepMetadata with its gather layouts and, per sliding window, their visibility masks."""
-
-    meta: StepMetadata
-    groups: list[GatherGroup]
-    _masks: dict = field(default_factory=dict)
-
-    def visible(self, index: int, sliding_window: int | None) -> np.ndarray:
-        key = (index, sliding_window)
-        if key not in self._masks:
-            self._masks[key] = self.groups[index].visible(sliding_window)
-        return self._masks[key]
-
-    def __getattr__(self, name: str):
-        if name == "meta":
-            raise AttributeError(name)
-        return getattr(self.meta, name)
-
-
-def prepare_step(meta: StepMetadata) -> CpuStep:
-    return CpuStep(meta, gather_groups(meta))
+def prepare_step(meta: StepMetadata) -> GatheredStep:
+    return GatheredStep(meta, gather_groups(meta))
 
 
 def paged_attention(
     q: np.ndarray,
     cache: KVCache,
-    step: CpuStep,
+    step: GatheredStep,
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,

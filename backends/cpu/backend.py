@@ -7,8 +7,9 @@ import os
 import numpy as np
 import psutil
 
-from candelabra.backends.cpu.attention import CpuStep, prepare_step
+from candelabra.backends.cpu.attention import prepare_step
 from candelabra.backends.cpu.ops import NumpyOps
+from candelabra.core.attention_layout import GatheredStep
 from candelabra.core.backend import Backend, Probe
 from candelabra.core.kv_cache import KVCacheSpec
 from candelabra.core.ops import KVCache
@@ -66,7 +67,7 @@ class CpuBackend(Backend):
     def swap_in(self, caches, swap, mapping):
         return _copy_between(swap, caches, mapping)
 
-    def prepare_step(self, meta: StepMetadata) -> CpuStep:
+    def prepare_step(self, meta: StepMetadata) -> GatheredStep:
         return prepare_step(meta)
 
     def prepare_sampling(self, meta: SamplingMetadata) -> SamplingMetadata:

@@ -7,12 +7,12 @@ fused kernel does not offer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from candelabra.core.attention_layout import GatherGroup
+from candelabra.core.attention_layout import GatheredStep, GatherGroup
 from candelabra.core.step_metadata import StepMetadata
 
 
@@ -31,41 +31,27 @@ class _Group:
         return visible
 
 
-@dataclass
-class MlxStep:
-    """The step's metadata as MLX arrays, with its gather groups and the permutation that puts
-    their concatenated outputs back in token order."""
+@dataclass(kw_only=True)
+class MlxStep(GatheredStep):
+    """The step's metadata as MLX arrays, with the permutation that puts the gather groups'
+    concatenated outputs back in token order."""
 
-    meta: StepMetadata
     positions: mx.array
     slot_mapping: mx.array
-    groups: list[_Group]
     token_order: mx.array
-    _masks: dict = field(default_factory=dict)
 
     @classmethod
     def prepare(cls, meta: StepMetadata, groups: list[GatherGroup]) -> MlxStep:
         order = np.concatenate([g.token_index for g in groups])
         return cls(
             meta=meta,
-            positions=mx.array(meta.positions),
-            slot_mapping=mx.array(meta.slot_mapping),
             groups=[_Group(mx.array(g.token_index.astype(np.int32)), mx.array(g.slots.astype(np.int32)),
                            mx.array(g.key_pos.astype(np.int32)), mx.array(g.query_pos.astype(np.int32)),
                            mx.array(g.valid)) for g in groups],
+            positions=mx.array(meta.positions),
+            slot_mapping=mx.array(meta.slot_mapping),
             token_order=mx.array(np.argsort(order).astype(np.int32)),
         )
-
-    def visible(self, index: int, sliding_window: int | None):
-        key = (index, sliding_window)
-        if key not in self._masks:
-            self._masks[key] = self.groups[index].visible(sliding_window)
-        return self._masks[key]
-
-    def __getattr__(self, name: str):
-        if name == "meta":
-            raise AttributeError(name)
-        return getattr(self.meta, name)
 
 
 def paged_attention(q, cache, step: MlxStep, scale, sliding_window, logit_softcap):

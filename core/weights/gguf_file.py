@@ -16,7 +16,6 @@ constants and dequantization come from the gguf package.
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -27,6 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC,
 from gguf.quants import dequantize
 
 from candelabra.core.weights import CheckpointError
+from candelabra.core.weights.mapped_file import MappedFile
 
 SUPPORTED_VERSIONS = (2, 3)
 Q = GGMLQuantizationType
@@ -104,15 +104,12 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file = None
-        self._map: mmap.mmap | None = None
+        self._mapped: MappedFile | None = None
         try:
-            self._file = open(self.path, "rb")
-            size = os.fstat(self._file.fileno()).st_size
-            if size == 0:
+            self._mapped = MappedFile(self.path)
+            if self._mapped.size == 0:
                 raise CheckpointError(self.path, "is empty; expected a GGUF file")
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-            self.metadata, self.tensors, self.data_start = _HeaderParser(self.path, self._map).parse()
+            self.metadata, self.tensors, self.data_start = _HeaderParser(self.path, self._mapped.map).parse()
         except OSError as error:
             self.close()
             raise CheckpointError(self.path, f"cannot be read: {error.strerror or error}") from None
@@ -126,13 +123,13 @@ class GGUFFile:
         stop = info.n_rows if stop is None else stop
         begin = info.offset + start * info.row_bytes
         count = (stop - start) * info.row_bytes
-        if self._map is None:
+        if self._mapped is None:
             raise CheckpointError(self.path, "is closed; open the checkpoint again to load tensors")
-        # Reading a mapped page that the file no longer holds would crash the process (SIGBUS).
-        if begin + count > os.fstat(self._file.fileno()).st_size:
+        if not self._mapped.holds(begin + count):
             problem = f"tensor {info.name!r} ends past the end of the file (truncated since opened?)"
             raise CheckpointError(self.path, problem)
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=count, offset=begin).reshape(stop - start, info.row_bytes)
+        raw = np.frombuffer(self._mapped.map, dtype=np.uint8, count=count, offset=begin)
+        raw = raw.reshape(stop - start, info.row_bytes)
         try:
             rows = dequantize(raw, info.ggml_type)
         except (ValueError, NotImplementedError) as error:
@@ -142,12 +139,9 @@ class GGUFFile:
         return rows.astype(np.float32, copy=False).reshape(stop - start, info.dims[0])
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
 
 
 class _HeaderParser:

@@ -14,14 +14,13 @@ its dtype, shape and [begin, end) byte offsets into the data that follows, then 
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from candelabra.core.weights import Checkpoint, CheckpointError
+from candelabra.core.weights.mapped_file import MappedFile
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,8 +64,7 @@ class SafetensorsFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.data_start, self.entries = read_header(self.path)
-        self._file = None
-        self._map: mmap.mmap | None = None
+        self._mapped: MappedFile | None = None
 
     def load(self, name: str) -> np.ndarray:
         entry = self.entries[name]
@@ -74,31 +72,25 @@ class SafetensorsFile:
         if raw_dtype is None:
             problem = f"tensor {name!r} is {entry.dtype}, which is not supported; use a BF16, F16 or F32 checkpoint"
             raise CheckpointError(self.path, problem)
-        data = self._mapped()
-        # Reading a mapped page that the file no longer holds would crash the process (SIGBUS).
-        if self.data_start + entry.end > min(len(data), os.fstat(self._file.fileno()).st_size):
+        mapped = self._mapped_file()
+        if not mapped.holds(self.data_start + entry.end):
             raise CheckpointError(self.path, f"tensor {name!r} ends past the end of the file (truncated since opened?)")
         count = (entry.end - entry.begin) // raw_dtype.itemsize
-        raw = np.frombuffer(data, dtype=raw_dtype, count=count, offset=self.data_start + entry.begin)
+        raw = np.frombuffer(mapped.map, dtype=raw_dtype, count=count, offset=self.data_start + entry.begin)
         return to_float32(raw, entry.dtype).reshape(entry.shape)
 
-    def _mapped(self) -> mmap.mmap:
-        if self._map is None:
+    def _mapped_file(self) -> MappedFile:
+        if self._mapped is None:
             try:
-                self._file = open(self.path, "rb")
-                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mapped = MappedFile(self.path)
             except (OSError, ValueError) as error:
-                self.close()
                 raise CheckpointError(self.path, f"cannot be memory-mapped: {one_line(error)}") from None
-        return self._map
+        return self._mapped
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
