@@ -13,6 +13,7 @@ import secrets
 import pytest
 
 from candelabra.conformance import report as reporting
+from candelabra.conformance.engine_cases import ENGINE_CASES
 from candelabra.conformance.harness import case_seed
 from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES
 from candelabra.conformance.op_cases import op_cases
@@ -67,6 +68,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         _require_reference_stack()
         cases = MODEL_CASES + GGUF_MODEL_CASES
         metafunc.parametrize("model_case", cases, ids=[c.name for c in cases])
+    if "engine_case" in metafunc.fixturenames:
+        _run(metafunc.config)
+        metafunc.parametrize("engine_case", ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
 
 
 def _require_reference_stack() -> None:
@@ -92,6 +96,7 @@ class ConformanceRun:
         self.config, self.backend_class, self.device, self.seed = config, cls, device, seed
         self.results: list[dict] = []
         self.model_results: list[dict] = []
+        self.engine_results: list[dict] = []
         self._backend = None
 
     @property
@@ -114,24 +119,29 @@ class ConformanceRun:
                     self.results.append(value)
                 elif name == "candelabra-conformance-model":
                     self.model_results.append(value)
+                elif name == "candelabra-conformance-engine":
+                    self.engine_results.append(value)
 
     def pytest_report_header(self) -> str:
         return f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}"
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not (self.results or self.model_results):
+        if not (self.results or self.model_results or self.engine_results):
             return
         terminalreporter.write_sep("=", f"conformance of backend {self.backend_class.name!r} ({self.device})")
         if self.results:
             terminalreporter.write_line(reporting.table(self.results))
         if self.model_results:
             terminalreporter.write_line(reporting.model_table(self.model_results))
+        if self.engine_results:
+            terminalreporter.write_line(reporting.engine_table(self.engine_results))
         terminalreporter.write_line(f"seed {self.seed}: rerun with --seed {self.seed} for the same inputs")
         path = self.config.getoption("--conformance-json")
         if path:
-            reporting.write_json(path, self.header(), self.results, self.model_results)
+            reporting.write_json(path, self.header(), self.results, self.model_results, self.engine_results)
             terminalreporter.write_line(f"results written to {path}")
 
     def header(self) -> dict:
-        levels = [level for level, results in (("ops", self.results), ("models", self.model_results)) if results]
+        levels = [level for level, results in
+                  (("ops", self.results), ("models", self.model_results), ("engine", self.engine_results)) if results]
         return {"backend": self.backend_class.name, "device": self.device, "levels": levels, "seed": self.seed}

@@ -9,7 +9,8 @@ import pytest
 
 from candelabra.conformance import LEVELS
 
-_SUITES = {"ops": Path(__file__).with_name("test_ops.py"), "models": Path(__file__).with_name("test_models.py")}
+_SUITES = {level: Path(__file__).with_name(f"test_{name}.py")
+           for level, name in (("ops", "ops"), ("models", "models"), ("engine", "engine"))}
 
 
 def run(

@@ -1,0 +1,219 @@
+"""Level 3 of conformance: the engine gives every request exactly the tokens it gets alone.
+
+A tiny random Qwen2-style checkpoint (written directly with safetensors, with a word-level
+tokenizer, so this level needs no torch) runs on the backend under test. Greedy outputs must be
+identical whether a request runs alone or among others arriving at random steps, with chunked
+prefill on and off, on prefix-cache hits and misses, and after forced preemption by recompute
+and by swap; n > 1 samples under a fixed seed must reproduce. Every case ends with all blocks free.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from candelabra.core.backend import Backend
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 2, 4, 2, 16, 128
+BLOCK_SIZE, MAX_TOKENS = 16, 12
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    name: str
+    description: str
+
+
+ENGINE_CASES = [
+    EngineCase("staggered-arrivals", "requests arriving at random steps, alone vs together"),
+    EngineCase("chunked-prefill", "prefill in chunks of 5 tokens vs whole"),
+    EngineCase("prefix-cache", "a prompt sharing a cached prefix vs no cache"),
+    EngineCase("preempt-recompute", "a KV cache too small for all, preempting by recompute"),
+    EngineCase("preempt-swap", "a KV cache too small for all, preempting by swapping to host"),
+    EngineCase("parallel-samples", "n = 3 seeded samples, twice"),
+]
+
+
+@dataclass
+class EngineResult:
+    case: str
+    status: str
+    detail: str
+    seed: int
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def write_tiny_checkpoint(folder: Path, seed: int) -> None:
+    """A random Qwen2ForCausalLM (GQA, qkv biases) and a word-level tokenizer ("w0" .. "w159")."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape, scale=0.15):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": weight(VOCAB, HIDDEN, scale=1.0), "model.norm.weight": 1 + weight(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            tensors[f"{p}.self_attn.{name}_proj.weight"] = weight(rows * HEAD_DIM, HIDDEN)
+            tensors[f"{p}.self_attn.{name}_proj.bias"] = weight(rows * HEAD_DIM)
+        tensors[f"{p}.self_attn.o_proj.weight"] = weight(HIDDEN, HEADS * HEAD_DIM)
+        tensors[f"{p}.mlp.gate_proj.weight"] = weight(INTERMEDIATE, HIDDEN)
+        tensors[f"{p}.mlp.up_proj.weight"] = weight(INTERMEDIATE, HIDDEN)
+        tensors[f"{p}.mlp.down_proj.weight"] = weight(HIDDEN, INTERMEDIATE)
+        tensors[f"{p}.input_layernorm.weight"] = 1 + weight(HIDDEN)
+        tensors[f"{p}.post_attention_layernorm.weight"] = 1 + weight(HIDDEN)
+    tensors["lm_head.weight"] = weight(VOCAB, HIDDEN, scale=0.5)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 1,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    vocabulary = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    raw = RawTokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
+
+
+class _Harness:
+    """Fresh engines over one loaded model, and requests run to completion on them."""
+
+    def __init__(self, backend: Backend, folder: Path) -> None:
+        from candelabra.core.models import load_model
+        from candelabra.core.tokenizer import Tokenizer
+        from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+
+        checkpoint = SafetensorsCheckpoint(folder)
+        self.model = load_model(checkpoint, backend, backend.dtypes[0])
+        self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
+
+    def engine(self, **options):
+        from candelabra.core.engine import EngineConfig, LLMEngine
+        from candelabra.core.model_runner import ModelRunner
+
+        config = EngineConfig(**{"num_blocks": 64, "block_size": BLOCK_SIZE, **options})
+        return LLMEngine(ModelRunner(self.model, config.num_blocks, config.block_size), self.tokenizer, config)
+
+    def run(self, engine, prompts: list[list[int]], params, arrivals: list[int] | None = None) -> list:
+        """Outputs per prompt; prompt i joins at step arrivals[i] (all at once by default)."""
+        arrivals = arrivals or [0] * len(prompts)
+        finished, step = {}, 0
+        pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        while pending or engine.has_unfinished_requests():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                engine.add_request(f"r{i}", prompts[i], params)
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            step += 1
+            if step > 10_000:
+                raise RuntimeError("the engine did not finish its requests")
+        return [finished[f"r{i}"] for i in range(len(prompts))]
+
+    def alone(self, prompts, params, **options) -> list:
+        return [self.run(self.engine(**options), [p], params)[0] for p in prompts]
+
+
+def _all_blocks_free(engine) -> str:
+    blocks = engine.blocks
+    if blocks.num_free_blocks != blocks.num_blocks or blocks.num_free_host_blocks != blocks.num_host_blocks:
+        return (f"blocks leaked: {blocks.num_blocks - blocks.num_free_blocks} device and "
+                f"{blocks.num_host_blocks - blocks.num_free_host_blocks} host blocks still held")
+    return ""
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def run_engine_case(backend: Backend, case: EngineCase, seed: int) -> EngineResult:
+    from candelabra.core.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as folder:
+        write_tiny_checkpoint(Path(folder), seed)
+        h = _Harness(backend, Path(folder))
+    prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 60, 6)]
+    problems, detail = [], ""
+
+    if case.name == "staggered-arrivals":
+        engine = h.engine()
+        together = h.run(engine, prompts, greedy, arrivals=sorted(rng.integers(0, 15, len(prompts)).tolist()))
+        problems.append(_differ(_tokens(together), _tokens(h.alone(prompts, greedy))))
+        detail = f"{len(prompts)} requests"
+    elif case.name == "chunked-prefill":
+        engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
+        chunked = h.run(engine, prompts, greedy)
+        whole = h.alone(prompts, greedy, prefill_chunk_size=0, max_num_batched_tokens=512)
+        problems.append(_differ(_tokens(chunked), _tokens(whole)))
+        detail = f"{engine.stats['steps']} steps chunked"
+    elif case.name == "prefix-cache":
+        shared = rng.integers(2, VOCAB, 3 * BLOCK_SIZE + 5).tolist()
+        first, second = shared + [7, 8, 9], shared + [11, 12]
+        engine = h.engine(enable_prefix_caching=True)
+        outputs = h.run(engine, [first], greedy) + h.run(engine, [second], greedy)
+        uncached = h.alone([first, second], greedy, enable_prefix_caching=False)
+        problems.append(_differ(_tokens(outputs), _tokens(uncached)))
+        hits = outputs[1].num_cached_tokens
+        if hits < 3 * BLOCK_SIZE:
+            problems.append(f"the second prompt reused {hits} cached tokens, expected {3 * BLOCK_SIZE}")
+        detail = f"{hits} prompt tokens from the cache"
+    elif case.name in ("preempt-recompute", "preempt-swap"):
+        mode = case.name.split("-")[1]
+        # Each request needs 5 blocks and 10 exist: most are preempted, some several times, and
+        # their blocks are reused by others while they wait.
+        long_prompts = [rng.integers(2, VOCAB, 40).tolist() for _ in range(8)]
+        longer = SamplingParams(temperature=0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+        engine = h.engine(num_blocks=10, num_host_blocks=40 if mode == "swap" else 0, preemption=mode)
+        together = h.run(engine, long_prompts, longer)
+        problems.append(_differ(_tokens(together), _tokens(h.alone(long_prompts, longer))))
+        count = engine.scheduler.num_preemptions[mode]
+        if not count:
+            problems.append(f"no preemption by {mode} happened")
+        detail = f"{count} preemptions by {mode}"
+    elif case.name == "parallel-samples":
+        seed = int(rng.integers(2**31))
+        sampled = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
+        single = SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
+        first_run = _tokens(h.run(engine := h.engine(), prompts[:2], sampled))
+        problems.append(_differ(first_run, _tokens(h.run(h.engine(), prompts[:2], sampled))))
+        if all(len({tuple(t) for t in samples}) == 1 for samples in first_run):
+            problems.append("the n samples of a request are all identical")
+        # Sample 0 draws from the request's own seed, as an n = 1 request with that seed does.
+        problems.append(_differ([s[:1] for s in first_run], _tokens(h.run(h.engine(), prompts[:2], single))))
+        # Greedy samples share the prompt's blocks copy-on-write and must all be the lone greedy output.
+        greedy_three = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        shared = _tokens(h.run(h.engine(), prompts[:3], greedy_three))
+        alone = _tokens(h.alone(prompts[:3], greedy))
+        problems.append(_differ([s for samples in shared for s in samples],
+                                [s for samples in alone for s in samples for _ in range(3)]))
+        detail = "3 samples per request"
+    else:
+        raise ValueError(f"unknown engine case {case.name!r}")
+
+    problems.append(_all_blocks_free(engine))
+    problems = [p for p in problems if p]
+    return EngineResult(case.name, "failed" if problems else "passed", detail, seed, "; ".join(problems))
+
+
+def _differ(got: list, expected: list) -> str:
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return f"request {i} got tokens {a}, alone it gets {b}"
+    return ""

@@ -1,0 +1,211 @@
+"""Chooses each step's batch: continuous batching under a token budget, with chunked prefill.
+
+Per step: running sequences first, oldest first (a decode is one token, an unfinished prefill
+continues with its next chunk); then swapped-out requests come back when there is room; then
+waiting requests are admitted first come, first served, while the token budget, the sequence
+limit and the KV blocks allow. When a running sequence needs a block and none is left, the
+newest running request is preempted: swapped out to host memory if there is room there (and
+`preemption` allows it), else freed to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from candelabra.core.block_manager import BlockManager
+from candelabra.core.sequence import Sequence, SequenceStatus
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens fed to the model for this sequence in this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so that it produces a new token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_size: int = 0, preemption: str = "auto") -> None:
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_chunk_size, self.preemption = prefill_chunk_size, preemption
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.swapped: deque[list[Sequence]] = deque()  # whole requests, oldest first
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # queue management
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (n > 1) runs beside its parent."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(self._request_members(seq.request_id)[-1]) + 1, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(group) for group in self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if self.blocks.has(seq.seq_id):
+            self.blocks.free(seq.seq_id)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Stop every sequence of the request, wherever it is, and free its blocks."""
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        for group in [g for g in self.swapped if g[0].request_id == request_id]:
+            self.swapped.remove(group)
+            aborted += group
+        aborted += self._request_members(request_id)
+        for seq in aborted:
+            self.finish(seq, "abort")
+        return aborted
+
+    # scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        queue = deque(self._running_requests())
+        kept: list[list[Sequence]] = []
+        while queue:
+            group = queue.popleft()
+            plan = self._plan(group, budget)
+            # Room is made for a whole request before any of it is appended, and only requests not
+            # yet visited in this step are preempted for it, so no half-scheduled request is swapped.
+            while plan and not self._fits(plan):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    plan = None
+            if plan is None:
+                continue
+            for seq, tokens in plan:
+                out.block_copies += self.blocks.append(seq.seq_id, seq.token_ids[self.blocks.num_tokens(seq.seq_id):])
+                out.scheduled.append(ScheduledSequence(seq, tokens))
+                budget -= tokens
+            kept.append(group)
+        self.running = [seq for group in kept for seq in group]
+        if not out.preempted:
+            self._swap_in(out)
+            self._admit(out, budget)
+        return out
+
+    def _plan(self, group: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens) for the members that fit in `budget` this step."""
+        plan = []
+        for seq in group:
+            wanted = seq.num_uncomputed_tokens
+            tokens = min(wanted, budget, self.prefill_chunk_size or wanted)
+            if tokens == 0 or (not self.prefill_chunk_size and tokens < wanted):
+                break  # out of budget (an unchunked prefill waits for room for all of it)
+            plan.append((seq, tokens))
+            budget -= tokens
+        return plan
+
+    def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Whether the planned sequences can all hold their new tokens."""
+        missing = [(seq, seq.num_tokens - self.blocks.num_tokens(seq.seq_id)) for seq, _ in plan]
+        if not all(self.blocks.can_append(seq.seq_id, count) for seq, count in missing):
+            return False
+        # Each growing member may need one fresh block (new or copy-on-write) of its own.
+        growing = sum(1 for _, count in missing if count)
+        return len(missing) == 1 or self.blocks.num_free_blocks >= growing
+
+    def _preempt(self, group: list[Sequence], out: SchedulerOutput) -> None:
+        ids = [s.seq_id for s in group]
+        out.preempted += group
+        if self.preemption != "recompute" and self.blocks.can_swap_out(ids):
+            out.swap_out += self.blocks.swap_out(ids)
+            for seq in group:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.num_preemptions["swap"] += 1
+            return
+        if self.preemption == "swap":
+            raise RuntimeError("preemption by swap was required but the host swap space is full")
+        for seq in reversed(group):
+            self.blocks.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.num_preemptions["recompute"] += 1
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            ids = [s.seq_id for s in group]
+            if len(self.running) + len(group) > self.max_num_seqs or not self.blocks.can_swap_in(ids):
+                return
+            self.swapped.popleft()
+            out.swap_in += self.blocks.swap_in(ids)
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.token_ids):
+                return
+            cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
+            wanted = seq.num_tokens - cached
+            tokens = min(wanted, budget, self.prefill_chunk_size or wanted)
+            if not self.prefill_chunk_size and tokens < wanted:
+                self.blocks.free(seq.seq_id)  # wait for a step with room for the whole prompt
+                return
+            self.waiting.popleft()
+            seq.num_computed_tokens = cached
+            seq.num_cached_prompt_tokens = max(seq.num_cached_prompt_tokens, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, tokens))
+            budget -= tokens
+
+    def _request_members(self, request_id: str) -> list[Sequence]:
+        return [s for s in self.running if s.request_id == request_id]
+
+    def _running_requests(self) -> list[list[Sequence]]:
+        """Running sequences grouped by request, oldest request first."""
+        groups: dict[str, list[Sequence]] = {}
+        for seq in self.running:
+            groups.setdefault(seq.request_id, []).append(seq)
+        return list(groups.values())

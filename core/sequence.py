@@ -1,0 +1,64 @@
+"""One generated sequence: its tokens, where its computation stands, and how it ended."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import numpy as np
+
+from candelabra.core.sampling_params import SamplingParams
+
+_next_id = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt and its generated tokens. `num_computed_tokens` of them have their K/V in the
+    cache; the rest are computed by the coming steps (a whole or chunked prefill, or a decode)."""
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int, rng: np.random.Generator) -> None:
+        self.seq_id = next(_next_id)
+        self.request_id, self.index = request_id, index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params, self.arrival, self.rng = params, arrival, rng
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int, rng: np.random.Generator) -> Sequence:
+        child = Sequence(self.request_id, index, self.prompt_token_ids, self.params, self.arrival, rng)
+        child.output_token_ids = list(self.output_token_ids)
+        child.status, child.num_computed_tokens = self.status, self.num_computed_tokens
+        child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
+                f"{self.num_computed_tokens}/{self.num_tokens} computed)")
