@@ -77,7 +77,9 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
     tensors["lm_head.weight"] = weight(VOCAB, HIDDEN, scale=0.5)
     save_file(tensors, str(folder / "model.safetensors"))
     config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        # No model_type: transformers would pick Qwen's tokenizer class from it and replace the
+        # word-level splitting with Qwen's.
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 1,
@@ -87,6 +89,7 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
     raw = RawTokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
+
 
 
 class _Harness:
