@@ -290,6 +290,7 @@ class LLMEngine:
 
 
 def _samples(item: ScheduledSequence) -> bool:
+    """Whether the step just run reached the end of the sequence, so it gets a new token."""
     return item.seq.num_computed_tokens == item.seq.num_tokens
 
 

@@ -24,11 +24,6 @@ class ScheduledSequence:
     seq: Sequence
     num_tokens: int  # tokens fed to the model for this sequence in this step
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so that it produces a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
 
 @dataclass
 class SchedulerOutput:
@@ -37,10 +32,6 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:
