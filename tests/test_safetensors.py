@@ -17,8 +17,8 @@ CONFIG = {"model_type": "llama", "hidden_size": 4}
 
 def save_tiny_llama(folder, dtype_name="float32", **save_options):
     """A random 2-layer Llama saved by transformers; returns its state_dict."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64,
