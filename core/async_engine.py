@@ -1,58 +1,107 @@
 """The engine's step loop in a background thread, streaming each request's outputs to asyncio.
 
-`generate()` is an async iterator of RequestOutputs (each carrying the new text and tokens since
-the previous one). A consumer that stops iterating early (a client that disconnected, a
-cancelled task) aborts its request, which frees its blocks at once. A step that fails fails the
-requests in it, and the loop goes on serving the others.
+Only the engine thread touches the engine: callers check a request on their own thread (so a bad
+one fails at once, before anything is queued) and hand it over with an abort, if any, through a
+command queue, so the event loop never waits for a step to end. `add_request()` returns a
+RequestStream, an async iterator of RequestOutputs (each with the text and tokens new since the
+previous one); closing it early (a client that disconnected, a cancelled task) aborts the request,
+which frees its blocks. A step that fails fails the requests in it, and the loop goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 from collections.abc import AsyncIterator
 
-from candelabra.core.engine import LLMEngine, RequestOutput
+from candelabra.core.engine import CheckedRequest, LLMEngine, RequestOutput
 from candelabra.core.sampling_params import SamplingParams
 
 log = logging.getLogger("candelabra")
 
 
+class RequestStream:
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, checked: CheckedRequest) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.prompt_token_ids = checked.prompt_token_ids
+        self.max_tokens = checked.max_tokens
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._commands: collections.deque = collections.deque()
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Each counter is written by one thread only: handed over by callers, taken by the loop.
+        self._adds_handed, self._adds_taken = 0, 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: handed over, queued in the scheduler, or swapped out."""
+        return self._adds_handed - self._adds_taken + self.engine.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len({seq.request_id for seq in list(self.engine.scheduler.running)})
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> RequestStream:
+        """Check and queue a request; ValueError at once for a bad one. Call from the event loop
+        that will consume the stream."""
+        checked = self.engine.check_request(prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._adds_handed += 1
+        self._commands.append(("add", request_id, checked, (asyncio.get_running_loop(), queue)))
+        self._work.set()
+        return RequestStream(self, request_id, queue, checked)
+
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; raises ValueError at once for a bad request."""
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._work.set()
-        finished = False
+        """Outputs of one request as they come; raises ValueError for a bad request."""
+        stream = self.add_request(request_id, prompt, params)
         try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+        self._commands.append(("abort", request_id))
+        self._work.set()
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -61,31 +110,57 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
                 self._work.wait()
                 self._work.clear()
                 continue
-            with self._lock:
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(exc)
-                    continue
-                deliveries = [(self._streams.get(o.request_id), o) for o in outputs]
-                for output in outputs:
-                    if output.finished:
-                        self._streams.pop(output.request_id, None)
-            for stream, output in deliveries:
-                if stream is not None:
-                    loop, queue = stream
-                    loop.call_soon_threadsafe(queue.put_nowait, output)
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if output.finished:
+                    self._streams.pop(output.request_id, None)
+                if stream is not None and not _deliver(stream, output):
+                    self._streams.pop(output.request_id, None)
+                    self.engine.abort_request(output.request_id)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "abort":
+                log.debug("abort %s", command[1])
+                self._streams.pop(command[1], None)
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, checked, stream = command
+            log.debug("add %s: %d prompt tokens, up to %d new", request_id, len(checked.prompt_token_ids),
+                      checked.max_tokens)
+            self._adds_taken += 1
+            try:
+                self.engine.add_checked_request(request_id, checked)
+            except Exception as exc:  # noqa: BLE001 - the error belongs to that request's caller
+                _deliver(stream, ValueError(str(exc)))
+                continue
+            self._streams[request_id] = stream
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"generation failed: {exc}")
-        for request_id, (loop, queue) in list(self._streams.items()):
+        for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+            _deliver(stream, error)
         self._streams.clear()
+
+
+def _deliver(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> bool:
+    """Hand `item` to the consumer's event loop; False when that loop has closed."""
+    loop, queue = stream
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True

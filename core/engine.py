@@ -60,6 +60,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed `LLMEngine.check_request`, ready to be added."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
 class _Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
                  seed: int) -> None:
@@ -103,14 +112,21 @@ class LLMEngine:
     # requests
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        self.add_checked_request(request_id, self.check_request(prompt, params))
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> CheckedRequest:
+        """Tokenize and bound a request; ValueError saying what is wrong. It changes nothing, so
+        it may run on another thread while the engine steps."""
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} already exists")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("the prompt is empty")
         if max(token_ids) >= self.model.config.vocab_size or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {self.model.config.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) leaves no room to generate within the model's context "
+                f"length ({self.max_model_len} tokens)")
         default_max = self.config.max_gen_tokens or max(1, self.max_model_len // 5)
         max_tokens = params.max_tokens or min(default_max, self.max_model_len - len(token_ids))
         if len(token_ids) + max_tokens > self.max_model_len:
@@ -122,8 +138,14 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache "
                 f"({capacity} tokens); give the cache more memory")
+        return CheckedRequest(token_ids, params, max_tokens)
+
+    def add_checked_request(self, request_id: str, checked: CheckedRequest) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        token_ids, params = checked.prompt_token_ids, checked.params
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
-        request = _Request(request_id, token_ids, params, max_tokens, seed)
+        request = _Request(request_id, token_ids, params, checked.max_tokens, seed)
         seq = Sequence(request_id, 0, token_ids, params, next(self._arrivals), _sequence_rng(seed, 0))
         self._attach(request, seq)
         self.requests[request_id] = request

@@ -31,17 +31,20 @@ def choose_backend(name: str = "auto"):
             raise RuntimeError(f"backend {name!r} is not available: {probe.reason}")
         return cls
     registry = installed_plugins().backends
-    reasons = []
+    passed_over = []
     for candidate in AUTO_ORDER:
         if candidate not in registry:
+            passed_over.append(f"{candidate}: not installed")
             continue
         cls = registry.get(candidate)
         probe = cls.probe()
         if probe.available and (candidate != "metal" or probe.device.startswith("gpu")):
-            log.info("backend auto: chose %s (%s)", candidate, probe.device)
+            log.info("backend auto: chose %s, on %s (passed over: %s)", candidate, probe.device,
+                     "; ".join(passed_over) or "none")
             return cls
-        reasons.append(f"{candidate}: {probe.reason or 'runs on ' + probe.device}")
-    raise RuntimeError("no backend is available: " + "; ".join(reasons))
+        passed_over.append(f"{candidate}: {probe.reason}" if not probe.available else
+                           f"{candidate}: runs on {probe.device}, slower than the numpy backend")
+    raise RuntimeError("no backend is available: " + "; ".join(passed_over))
 
 
 def kv_blocks_for(model, block_size: int, memory_mb: float) -> int:
@@ -57,19 +60,22 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", dtype: str | None = None,
                  kvcache_mem_gpu: float = 1024, kvcache_mem_cpu: float = 128, model_id: str | None = None,
+                 weight_file: str | None = None, revision: str | None = None, model_type: str | None = None,
                  **engine_options) -> None:
         from candelabra.core.default_model import default_model_path
         from candelabra.core.weights.open import open_checkpoint
 
-        if model is None and model_id is None:
+        if model is None and model_id is None and weight_file is None:
             model = default_model_path()
         path = Path(model) if model is not None else None
-        if path is not None and path.is_file():
+        if path is not None and path.is_file() and weight_file is None:
             checkpoint = open_checkpoint(weight_path=path.parent, weight_file=path.name)
         else:
-            checkpoint = open_checkpoint(weight_path=path, model_id=model_id)
+            checkpoint = open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id,
+                                         revision=revision)
+        self.checkpoint = checkpoint
         self.backend = choose_backend(backend)()
-        self.model = load_model(checkpoint, self.backend, dtype, progress=True)
+        self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         config = EngineConfig(**engine_options)
         config.num_blocks = kv_blocks_for(self.model, config.block_size, kvcache_mem_gpu)
