@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -37,7 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     conformance.add_argument("--seed", type=int, help="base seed of the random inputs, to repeat a run")
     conformance.add_argument("pytest_args", nargs="*", help="passed on to pytest after --, e.g. -- -x -v")
     conformance.set_defaults(run=_conformance)
+
+    _add_command(commands, "serve", "candelabra.core.server.launch",
+                 "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)")
     return parser
+
+
+def _add_command(commands, name: str, module: str, help_text: str) -> None:
+    """A command whose module brings its own arguments (`add_arguments`) and entry (`run`)."""
+    command_module = importlib.import_module(module)
+    command = commands.add_parser(name, help=help_text, description=help_text)
+    command_module.add_arguments(command)
+    command.set_defaults(run=command_module.run)
 
 
 def _backends(args: argparse.Namespace) -> int:

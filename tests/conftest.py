@@ -40,3 +40,15 @@ def make_distribution(root: Path, name: str, modules: dict[str, str], entry_poin
     lines = "\n".join(f"{key} = {value}" for key, value in entry_points.items())
     (info / "entry_points.txt").write_text(f"[candelabra]\n{lines}\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory):
+    """A real `candelabra serve` on 127.0.0.1 (cpu backend) serving a tiny random model with a
+    chat template; `.url` and `.model`."""
+    from live_server import LiveServer, write_chat_checkpoint
+
+    folder = write_chat_checkpoint(tmp_path_factory.mktemp("served-model"))
+    with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "4",
+                    "--kvcache-mem-cpu", "1", "--served-model-name", "tiny-chat") as server:
+        yield server

@@ -1,0 +1,194 @@
+"""Request bodies of the OpenAI API, validated by pydantic, with the usual extras (top_k, min_p,
+repetition_penalty, ignore_eos, ...). Unknown fields are ignored, as OpenAI-compatible servers
+do; fields this server cannot honour are refused by name rather than silently dropped."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Probability = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by chat completions and completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    # Extras beyond OpenAI's set.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: Probability = 0.0
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    repeat_last_n: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        """A string, a list of strings, or candle-vllm's {"Single": s} / {"Multiple": [...]}."""
+        if isinstance(value, dict) and len(value) == 1:
+            (kind, inner), = value.items()
+            if kind == "Single":
+                value = inner
+            elif kind == "Multiple":
+                return inner
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        if value is not None and len(value) > 16:
+            raise ValueError(f"at most 16 stop strings are allowed, got {len(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> GenerationRequest:
+        extra = self.model_extra or {}
+        for name in ("tools", "functions"):
+            if extra.get(name):
+                raise ValueError(f"{name} (function calling) is not supported by this server")
+        response_format = extra.get("response_format")
+        if response_format and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
+            raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    raise ValueError(f"content parts of type {part.get('type')!r} are not supported; send text")
+        return value
+
+    def for_template(self) -> dict:
+        """The message as chat templates expect it: plain text content, known roles."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        for key, value in (self.model_extra or {}).items():
+            if key in ("reasoning_content", "tool_calls", "tool_call_id"):
+                message[key] = value
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must contain at least one message")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
+            raise ValueError("a token id prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_completion_fields(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and best_of != self.n:
+            raise ValueError("best_of other than n is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported by this server")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)

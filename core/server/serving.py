@@ -1,0 +1,420 @@
+"""Turning OpenAI requests into engine requests, and engine outputs into OpenAI responses:
+whole JSON bodies, or server-sent event streams of chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from candelabra.core.async_engine import AsyncEngine, RequestStream
+from candelabra.core.engine import CompletionOutput, RequestOutput
+from candelabra.core.sampling_params import SamplingParams
+from candelabra.core.server.errors import APIError, bad_request, error_body
+from candelabra.core.server.metrics import RequestTimer, ServerMetrics
+from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+from candelabra.core.tokenizer import ChatTemplateError
+
+# JSON has no infinities; OpenAI reports impossible tokens at this log probability.
+LOWEST_LOGPROB = -9999.0
+
+
+@dataclass
+class ServerDefaults:
+    """Sampling defaults set by `candelabra serve`'s flags, used where a request names none."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    thinking: bool | None = None  # enable_thinking passed to the chat template
+
+
+@dataclass
+class Served:
+    """What the handlers need: the model's name and tokenizer, the engine, limits and metrics."""
+
+    name: str
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    defaults: ServerDefaults = field(default_factory=ServerDefaults)
+    max_waiting: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    llm: object | None = None  # the LLM the engine came from, for start-up details
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model.config.vocab_size
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model has thinking tags as tokens of their own (a reasoning model)."""
+        encode = self.tokenizer.encode
+        return len(encode("<think>", add_special_tokens=False)) == 1 and \
+            len(encode("</think>", add_special_tokens=False)) == 1
+
+
+class Generation:
+    """One API request in flight: its engine requests (one per prompt), timers, and choices."""
+
+    def __init__(self, served: Served, kind: str, request: GenerationRequest, prompts: list[list[int]],
+                 params: SamplingParams) -> None:
+        self.served, self.kind, self.request, self.params = served, kind, request, params
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        engine = served.engine
+        if served.max_waiting is not None and engine.num_waiting + len(prompts) > served.max_waiting:
+            raise APIError(503, f"the server is at capacity: {engine.num_waiting} requests are waiting "
+                                f"(--max-waiting {served.max_waiting}); retry later", code="server_busy",
+                           headers={"Retry-After": "1"})
+        self.streams: list[RequestStream] = []
+        self.timers: list[RequestTimer] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                self.streams.append(engine.add_request(f"{self.id}-{i}", prompt, params))
+        except ValueError as exc:
+            self.close()
+            code = "context_length_exceeded" if "context length" in str(exc) else None
+            raise bad_request(str(exc), code=code) from exc
+        self.timers = [RequestTimer(served.metrics, len(s.prompt_token_ids)) for s in self.streams]
+        self.finals: list[RequestOutput | None] = [None] * len(prompts)
+
+    def close(self, reason: str = "abort") -> None:
+        for stream in self.streams:
+            stream.close()
+        for timer in self.timers:
+            timer.end(reason)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all prompts as they come."""
+        if len(self.streams) == 1:
+            async for output in self.streams[0]:
+                yield 0, self._seen(0, output)
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    await queue.put((i, output))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(self.streams)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                remaining -= item.finished
+                yield i, self._seen(i, item)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _seen(self, i: int, output: RequestOutput) -> RequestOutput:
+        self.timers[i].tokens(sum(len(o.delta_token_ids) for o in output.outputs))
+        if output.finished:
+            self.finals[i] = output
+            reasons = {o.finish_reason for o in output.outputs}
+            self.timers[i].end("length" if reasons == {"length"} else "stop")
+        return output
+
+    def usage(self) -> dict:
+        finals = [f for f in self.finals if f is not None]
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def choice_index(self, prompt_index: int, output: CompletionOutput) -> int:
+        return prompt_index * self.request.n + output.index
+
+
+def sampling_params(request: GenerationRequest, served: Served, max_tokens: int | None,
+                    num_logprobs: int | None) -> SamplingParams:
+    defaults = served.defaults
+    vocab = served.vocab_size
+
+    def pick(value, default, fallback):
+        return value if value is not None else (default if default is not None else fallback)
+
+    logit_bias = {}
+    for key, value in (request.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})", "logit_bias")
+        logit_bias[token] = value
+    for token in request.stop_token_ids or []:
+        if token >= vocab:
+            raise bad_request(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})",
+                              "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=pick(request.temperature, defaults.temperature, 1.0),
+            top_p=pick(request.top_p, defaults.top_p, 1.0),
+            top_k=pick(request.top_k, defaults.top_k, 0),
+            min_p=request.min_p,
+            repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+            repeat_last_n=pick(request.repeat_last_n, defaults.repeat_last_n, None),
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            seed=None if request.seed is None else request.seed % 2**64,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=list(request.stop or []),
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            logit_bias=logit_bias,
+            logprobs=num_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+def check_model(served: Served, name: str | None) -> None:
+    if name is not None and name != served.name:
+        raise APIError(400, f"model {name!r} is not served here; this server serves {served.name!r}", "model",
+                       "model_not_found")
+
+
+# ---- chat completions
+
+
+async def chat_completion(served: Served, request: ChatCompletionRequest, http: Request):
+    check_model(served, request.model)
+    template_kwargs = {} if served.defaults.thinking is None else {"enable_thinking": served.defaults.thinking}
+    template_kwargs.update(request.chat_template_kwargs or {})
+    messages = [m.for_template() for m in request.messages]
+    tokenizer = served.tokenizer
+    try:
+        prompt_text = tokenizer.render_chat(messages, request.add_generation_prompt, **template_kwargs)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs)
+    generation = Generation(served, "chat", request, [prompt_ids], params)
+    in_thought = opens_thinking(prompt_text) if served.thinks else None
+    if request.stream:
+        return _event_stream(_chat_chunks(generation, in_thought), generation)
+    await _until_done_or_disconnected(generation, http)
+    final = generation.finals[0]
+    choices = []
+    for output in final.outputs:
+        reasoning, content = split_reasoning(output.text, in_thought) if in_thought is not None else (None, output.text)
+        message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        choices.append({"index": output.index, "message": message, "finish_reason": output.finish_reason,
+                        "logprobs": _chat_logprobs(tokenizer, output.logprobs) if request.logprobs else None})
+    return JSONResponse({"id": generation.id, "object": "chat.completion", "created": generation.created,
+                         "model": served.name, "choices": choices, "usage": generation.usage()})
+
+
+async def _chat_chunks(generation: Generation, in_thought: bool | None) -> AsyncIterator[dict]:
+    tokenizer, request = generation.served.tokenizer, generation.request
+    splitters: dict[int, ReasoningSplitter] = {}
+    reported_logprobs: dict[int, int] = {}
+    finished: set[int] = set()
+
+    def chunk(choices: list[dict]) -> dict:
+        body = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
+                "model": generation.served.name, "choices": choices}
+        if request.include_usage:
+            body["usage"] = None
+        return body
+
+    async for _, output in generation.outputs():
+        for out in output.outputs:
+            index = out.index
+            if index not in splitters:
+                splitters[index] = ReasoningSplitter(bool(in_thought))
+                reported_logprobs[index] = 0
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            if in_thought is not None:
+                reasoning, content = splitters[index].feed(out.delta_text)
+                if out.finish_reason is not None:
+                    more_reasoning, more_content = splitters[index].finish()
+                    reasoning, content = reasoning + more_reasoning, content + more_content
+            else:
+                reasoning, content = "", out.delta_text
+            logprobs = None
+            if request.logprobs and out.logprobs is not None:
+                logprobs = _chat_logprobs(tokenizer, out.logprobs[reported_logprobs[index]:])
+                reported_logprobs[index] = len(out.logprobs)
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+            if delta or (logprobs and logprobs["content"]):
+                yield chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            if out.finish_reason is not None and index not in finished:
+                finished.add(index)
+                yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+    if request.include_usage:
+        yield {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
+               "model": generation.served.name, "choices": [], "usage": generation.usage()}
+
+
+def _chat_logprobs(tokenizer, entries: list[dict] | None) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode())}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                        for e in entries or []]}
+
+
+# ---- completions
+
+
+async def completion(served: Served, request: CompletionRequest, http: Request):
+    check_model(served, request.model)
+    tokenizer = served.tokenizer
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
+    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs)
+    generation = Generation(served, "completion", request, prompts, params)
+    echoes = [_echo_text(tokenizer, p) for p in request.prompts()] if request.echo else None
+    if request.stream:
+        return _event_stream(_completion_chunks(generation, echoes), generation)
+    await _until_done_or_disconnected(generation, http)
+    choices = []
+    for i, final in enumerate(generation.finals):
+        for out in final.outputs:
+            choices.append({
+                "index": generation.choice_index(i, out), "text": (echoes[i] if echoes else "") + out.text,
+                "logprobs": _completion_logprobs(tokenizer, out.logprobs, 0) if request.logprobs is not None else None,
+                "finish_reason": out.finish_reason})
+    choices.sort(key=lambda c: c["index"])
+    return JSONResponse({"id": generation.id, "object": "text_completion", "created": generation.created,
+                         "model": served.name, "choices": choices, "usage": generation.usage()})
+
+
+def _echo_text(tokenizer, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+async def _completion_chunks(generation: Generation, echoes: list[str] | None) -> AsyncIterator[dict]:
+    tokenizer, request = generation.served.tokenizer, generation.request
+    started: set[int] = set()
+    finished: set[int] = set()
+    text_offsets: dict[int, int] = {}
+    reported_logprobs: dict[int, int] = {}
+
+    def chunk(index: int, text: str, logprobs, finish_reason) -> dict:
+        body = {"id": generation.id, "object": "text_completion", "created": generation.created,
+                "model": generation.served.name,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if request.include_usage:
+            body["usage"] = None
+        return body
+
+    async for i, output in generation.outputs():
+        for out in output.outputs:
+            index = generation.choice_index(i, out)
+            text = out.delta_text
+            if index not in started:
+                started.add(index)
+                text = (echoes[i] if echoes else "") + text
+                text_offsets[index], reported_logprobs[index] = 0, 0
+            logprobs = None
+            if request.logprobs is not None and out.logprobs is not None:
+                entries = out.logprobs[reported_logprobs[index]:]
+                reported_logprobs[index] = len(out.logprobs)
+                logprobs = _completion_logprobs(tokenizer, entries, text_offsets[index])
+            text_offsets[index] += len(text)
+            ends = out.finish_reason is not None and index not in finished
+            if ends:
+                finished.add(index)
+            if text or ends or (logprobs and logprobs["tokens"]):
+                yield chunk(index, text, logprobs, out.finish_reason if ends else None)
+    if request.include_usage:
+        yield {"id": generation.id, "object": "text_completion", "created": generation.created,
+               "model": generation.served.name, "choices": [], "usage": generation.usage()}
+
+
+def _completion_logprobs(tokenizer, entries: list[dict] | None, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries or []:
+        text = tokenizer.decode([entry["token_id"]], skip_special_tokens=False)
+        tokens.append(text)
+        token_logprobs.append(max(entry["logprob"], LOWEST_LOGPROB))
+        top.append({tokenizer.decode([t], skip_special_tokens=False): max(lp, LOWEST_LOGPROB)
+                    for t, lp in entry["top"]})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# ---- delivery
+
+
+async def _until_done_or_disconnected(generation: Generation, http: Request) -> None:
+    """Run the generation to its end; abort it when the client goes away first."""
+
+    async def drain() -> None:
+        async for _ in generation.outputs():
+            pass
+
+    task = asyncio.create_task(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                task.result()
+                return
+            if await http.is_disconnected():
+                task.cancel()
+                generation.close()
+                raise APIError(499, "the client disconnected")
+    except RuntimeError as exc:  # the engine failed this request
+        generation.close("error")
+        raise APIError(500, str(exc)) from exc
+    finally:
+        if not task.done():
+            task.cancel()
+            generation.close()
+
+
+def _event_stream(chunks: AsyncIterator[dict], generation: Generation) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        ended = "abort"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            ended = None
+        except RuntimeError as exc:  # the engine failed this request; tell the client in the stream
+            ended = "error"
+            yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+        finally:
+            if ended:
+                generation.close(ended)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,114 @@
+"""A real `candelabra serve` in a child process, on 127.0.0.1 and a free port, serving a tiny
+random model whose word-level vocabulary has thinking tags and whose chat template can open one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from candelabra.conformance.engine_cases import write_tiny_checkpoint
+
+THINK_WORDS = {"w158": "<think>", "w159": "</think>"}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{{ raise_exception('this template takes no tool messages') }}{% endif %}"
+    "{{ {'system': 'w4', 'user': 'w5', 'assistant': 'w6'}[m['role']] }} {{ m['content'] }} "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}w6{% if enable_thinking %} <think>{% endif %}{% endif %}"
+)
+
+
+def write_chat_checkpoint(folder: Path, seed: int = 11) -> Path:
+    write_tiny_checkpoint(folder, seed)
+    tokenizer_file = folder / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for word, tag in THINK_WORDS.items():
+        vocab[tag] = vocab.pop(word)
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
+class LiveServer:
+    """`candelabra serve ARGS --port 0`; `.url` once it answers /health. Use as a context manager."""
+
+    def __init__(self, *args: str, env: dict | None = None, log: Path | None = None) -> None:
+        self.args, self.env, self.url, self.model = args, env, "", ""
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LiveServer:
+        command = [sys.executable, "-m", "candelabra.core.cli", "serve", "--port", "0", *self.args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, **(self.env or {})})
+        lines = []
+        deadline = time.monotonic() + 300
+        for line in self.process.stdout:
+            lines.append(line)
+            found = re.match(r"serving\s+(http://\S+)", line)
+            if found:
+                self.url = found.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.url:
+            self.process.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(lines) + (self.process.stdout.read() or ""))
+        self.startup = "".join(lines)
+        self._drain_output()
+        self._wait_healthy()
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self._auth()).json()["data"][0]["id"]
+        return self
+
+    def _auth(self) -> dict:
+        key = (self.env or {}).get("CANDELABRA_API_KEY")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _drain_output(self) -> None:
+        """Keep reading the child's output so it never blocks on a full pipe."""
+        import threading
+
+        def drain():
+            for line in self.process.stdout:
+                self.output.append(line)
+
+        self.output: list[str] = []
+        threading.Thread(target=drain, daemon=True).start()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.url}/health did not answer")
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled-or-model-labelled sample from /metrics."""
+        text = httpx.get(f"{self.url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name} not in /metrics")
+
+    def __exit__(self, *exc) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

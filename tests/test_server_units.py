@@ -1,0 +1,103 @@
+"""Pieces of the server that need no server: thinking separation and request validation."""
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest
+from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+
+PIECES = ["<", "think", ">", "</", "think>", "</think>", "<think>", "a", " b", "\n", "c<", "<t", "d"]
+
+
+def reference(text: str, starts_in_reasoning: bool) -> tuple[str | None, str]:
+    """What a reader would say: the thinking ends at the first close tag; a reply that starts
+    (after blanks) with the open tag thinks; the answer loses its leading blanks after a thought."""
+    if not starts_in_reasoning:
+        if not text.lstrip().startswith("<think>"):
+            return None, text
+        text = text.lstrip()[len("<think>"):]
+    thought, closed, answer = text.partition("</think>")
+    return thought, answer.lstrip() if closed else ""
+
+
+@pytest.mark.parametrize("starts_in_reasoning", [False, True])
+def test_streamed_split_matches_the_whole_text_split(starts_in_reasoning):
+    rng = random.Random(1234)
+    for _ in range(3000):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
+        splitter = ReasoningSplitter(starts_in_reasoning)
+        reasoning, content, rest = "", "", text
+        while rest:
+            cut = rng.randint(1, len(rest))
+            r, c = splitter.feed(rest[:cut])
+            reasoning, content, rest = reasoning + r, content + c, rest[cut:]
+        r, c = splitter.finish()
+        reasoning, content = reasoning + r, content + c
+        expected = reference(text, starts_in_reasoning)
+        assert (reasoning if splitter.thought else None, content) == expected, text
+        assert split_reasoning(text, starts_in_reasoning) == expected, text
+
+
+def test_prompts_that_open_a_thought():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens_thinking("<|im_start|>assistant\n")
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("stop, expected", [
+    ("x", ["x"]), (["x", "y"], ["x", "y"]), ({"Single": "x"}, ["x"]), ({"Multiple": ["x", "y"]}, ["x", "y"]),
+    (None, None),
+])
+def test_stop_in_every_accepted_form(stop, expected):
+    assert ChatCompletionRequest(messages=MESSAGES, stop=stop).stop == expected
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"stop": [""]}, "must not be empty"),
+    ({"stop": {"Other": "x"}}, "stop"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
+    ({"tools": [{"type": "function"}]}, "not supported"),
+    ({"response_format": {"type": "json_object"}}, "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "send text"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_chat_requests_refused(fields, problem):
+    with pytest.raises(ValidationError, match=problem):
+        ChatCompletionRequest(**{"messages": MESSAGES, **fields})
+
+
+def test_text_parts_and_developer_role_reach_the_template_as_plain_text():
+    request = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+    ])
+    assert [m.for_template() for m in request.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}]
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("text", ["text"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"prompt": []}, "empty"), ({"prompt": [[]]}, "empty"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo together with logprobs"),
+    ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
+])
+def test_completion_requests_refused(fields, problem):
+    with pytest.raises(ValidationError, match=problem):
+        CompletionRequest(**fields)
