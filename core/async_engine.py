@@ -61,6 +61,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Each counter is written by one thread only: handed over by callers, taken by the loop.
         self._adds_handed, self._adds_taken = 0, 0
+        self._counts = (0, 0)  # running and waiting requests, published by the engine thread
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
         self._thread.start()
@@ -72,11 +73,11 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: handed over, queued in the scheduler, or swapped out."""
-        return self._adds_handed - self._adds_taken + self.engine.scheduler.num_waiting
+        return self._adds_handed - self._adds_taken + self._counts[1]
 
     @property
     def num_running(self) -> int:
-        return len({seq.request_id for seq in list(self.engine.scheduler.running)})
+        return self._counts[0]
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> RequestStream:
@@ -111,6 +112,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._run_commands()
+            self._publish_counts()
             if not self.engine.has_unfinished_requests():
                 self._work.wait()
                 self._work.clear()
@@ -128,6 +130,12 @@ class AsyncEngine:
                 if stream is not None and not _deliver(stream, output):
                     self._streams.pop(output.request_id, None)
                     self.engine.abort_request(output.request_id)
+
+    def _publish_counts(self) -> None:
+        scheduler = self.engine.scheduler
+        waiting = {seq.request_id for seq in scheduler.waiting}
+        waiting.update(group[0].request_id for group in scheduler.swapped)
+        self._counts = (len({seq.request_id for seq in scheduler.running}), len(waiting))
 
     def _run_commands(self) -> None:
         while self._commands:
