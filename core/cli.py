@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_command(commands, "serve", "candelabra.core.server.launch",
                  "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)")
+    _add_command(commands, "chat", "candelabra.core.chat", "chat in the terminal with a running server")
+    _add_command(commands, "bench", "candelabra.core.bench",
+                 "load a running server with concurrent streaming requests; throughput and latency")
     return parser
 
 
