@@ -97,7 +97,7 @@ def test_chat_logprobs(client, live_server):
                                            top_logprobs=3, **GREEDY)
     content = reply.choices[0].logprobs.content
     assert len(content) == 12
-    assert "".join(" " + e.token for e in content) == reply.choices[0].message.content
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
     for entry in content:
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
@@ -136,9 +136,15 @@ def test_completion_logprobs(client, live_server):
                                        logprobs=2, **WORDS).choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert " ".join(lp.tokens) == choice.text.strip()
+    assert "".join(lp.tokens) == choice.text
+    assert all(choice.text[at:at + len(token)] == token for at, token in zip(lp.text_offset, lp.tokens))
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and top[token] == pytest.approx(logprob) and logprob == max(top.values())
+    chunks = list(client.completions.create(model=live_server.model, prompt="w80 w81", temperature=0, max_tokens=5,
+                                            logprobs=2, stream=True, **WORDS))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == lp.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == lp.text_offset
 
 
 # ---- errors

@@ -24,6 +24,8 @@ from candelabra.core.tokenizer import ChatTemplateError
 
 # JSON has no infinities; OpenAI reports impossible tokens at this log probability.
 LOWEST_LOGPROB = -9999.0
+# Tokens of context used to find the text a token adds (a leading space, a completed character).
+PIECE_CONTEXT = 4
 
 
 @dataclass
@@ -229,7 +231,8 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         choices.append({"index": output.index, "message": message, "finish_reason": output.finish_reason,
-                        "logprobs": _chat_logprobs(tokenizer, output.logprobs) if request.logprobs else None})
+                        "logprobs": _chat_logprobs(tokenizer, final.prompt_token_ids, output.logprobs)
+                        if request.logprobs else None})
     return JSONResponse({"id": generation.id, "object": "chat.completion", "created": generation.created,
                          "model": served.name, "choices": choices, "usage": generation.usage()})
 
@@ -264,7 +267,9 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
                 reasoning, content = "", out.delta_text
             logprobs = None
             if request.logprobs and out.logprobs is not None:
-                logprobs = _chat_logprobs(tokenizer, out.logprobs[reported_logprobs[index]:])
+                start = reported_logprobs[index]
+                logprobs = _chat_logprobs(tokenizer, output.prompt_token_ids + out.token_ids[:start],
+                                          out.logprobs[start:])
                 reported_logprobs[index] = len(out.logprobs)
             delta = {}
             if reasoning:
@@ -281,13 +286,30 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
                "model": generation.served.name, "choices": [], "usage": generation.usage()}
 
 
-def _chat_logprobs(tokenizer, entries: list[dict] | None) -> dict:
-    def item(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode())}
+def _logprob_rows(tokenizer, preceding: list[int], entries: list[dict] | None) -> list[tuple]:
+    """(text, logprob, [(text, logprob) of the top alternatives]) per sampled token, each text being
+    what the token adds after the tokens before it, so that the texts join into the output."""
+    rows, history = [], list(preceding[-PIECE_CONTEXT:])
+    for entry in entries or []:
+        context = history[-PIECE_CONTEXT:]
+        top = [(_piece(tokenizer, context, t), max(lp, LOWEST_LOGPROB)) for t, lp in entry["top"]]
+        rows.append((_piece(tokenizer, context, entry["token_id"]), max(entry["logprob"], LOWEST_LOGPROB), top))
+        history.append(entry["token_id"])
+    return rows
 
-    return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
-                        for e in entries or []]}
+
+def _piece(tokenizer, context: list[int], token: int) -> str:
+    before = tokenizer.decode(context, skip_special_tokens=False)
+    after = tokenizer.decode([*context, token], skip_special_tokens=False)
+    return after[len(before):] if after.startswith(before) else tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _chat_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None) -> dict:
+    def item(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(text, logprob), "top_logprobs": [item(*alt) for alt in top]}
+                        for text, logprob, top in _logprob_rows(tokenizer, preceding, entries)]}
 
 
 # ---- completions
@@ -308,7 +330,8 @@ async def completion(served: Served, request: CompletionRequest, http: Request):
         for out in final.outputs:
             choices.append({
                 "index": generation.choice_index(i, out), "text": (echoes[i] if echoes else "") + out.text,
-                "logprobs": _completion_logprobs(tokenizer, out.logprobs, 0) if request.logprobs is not None else None,
+                "logprobs": _completion_logprobs(tokenizer, final.prompt_token_ids, out.logprobs, 0)
+                if request.logprobs is not None else None,
                 "finish_reason": out.finish_reason})
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({"id": generation.id, "object": "text_completion", "created": generation.created,
@@ -344,9 +367,9 @@ async def _completion_chunks(generation: Generation, echoes: list[str] | None) -
                 text_offsets[index], reported_logprobs[index] = 0, 0
             logprobs = None
             if request.logprobs is not None and out.logprobs is not None:
-                entries = out.logprobs[reported_logprobs[index]:]
-                reported_logprobs[index] = len(out.logprobs)
-                logprobs = _completion_logprobs(tokenizer, entries, text_offsets[index])
+                start, reported_logprobs[index] = reported_logprobs[index], len(out.logprobs)
+                logprobs = _completion_logprobs(tokenizer, output.prompt_token_ids + out.token_ids[:start],
+                                                out.logprobs[start:], text_offsets[index])
             text_offsets[index] += len(text)
             ends = out.finish_reason is not None and index not in finished
             if ends:
@@ -358,17 +381,15 @@ async def _completion_chunks(generation: Generation, echoes: list[str] | None) -
                "model": generation.served.name, "choices": [], "usage": generation.usage()}
 
 
-def _completion_logprobs(tokenizer, entries: list[dict] | None, offset: int) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries or []:
-        text = tokenizer.decode([entry["token_id"]], skip_special_tokens=False)
+def _completion_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None, offset: int) -> dict:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for text, logprob, top in _logprob_rows(tokenizer, preceding, entries):
         tokens.append(text)
-        token_logprobs.append(max(entry["logprob"], LOWEST_LOGPROB))
-        top.append({tokenizer.decode([t], skip_special_tokens=False): max(lp, LOWEST_LOGPROB)
-                    for t, lp in entry["top"]})
+        token_logprobs.append(logprob)
+        top_logprobs.append(dict(top))
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 # ---- delivery
