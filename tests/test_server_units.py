@@ -101,3 +101,17 @@ def test_completion_prompt_forms(prompt, expected):
 def test_completion_requests_refused(fields, problem):
     with pytest.raises(ValidationError, match=problem):
         CompletionRequest(**fields)
+
+
+def test_backend_auto_says_which_and_why(caplog):
+    import logging
+
+    from candelabra.core.llm import choose_backend
+
+    with caplog.at_level(logging.INFO, logger="candelabra"):
+        chosen = choose_backend("auto")
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"backend auto: chose {chosen.name}" in message
+    assert "passed over: cuda: not installed; gcu: not installed" in message
+    if chosen.name == "cpu":  # MLX's CPU build here: passed over with its reason
+        assert "metal: runs on cpu" in message and "slower than the numpy backend" in message
