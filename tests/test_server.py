@@ -420,3 +420,19 @@ def test_sampling_flags_are_defaults_that_requests_override(chat_checkpoint):
         # --thinking opens the template's thought without the request asking.
         reply = client.chat.completions.create(model=server.model, messages=MESSAGES, **WORDS)
         assert reply.choices[0].message.reasoning_content is not None
+
+
+def test_the_checkpoints_generation_config_sets_defaults_under_the_flags(tmp_path):
+    folder = write_chat_checkpoint(tmp_path)
+    (folder / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5, "do_sample": false}')
+    with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "2") as server:
+        assert "sampling  temperature 0.0, top_k 5 (requests may override)" in server.startup
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        texts = {client.completions.create(model=server.model, prompt="w40 w41", max_tokens=8, seed=s,
+                                           **WORDS).choices[0].text for s in range(3)}
+        greedy = client.completions.create(model=server.model, prompt="w40 w41", max_tokens=8, temperature=0,
+                                           **WORDS).choices[0].text
+        assert texts == {greedy}
+    with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "2",
+                    "--generation-config", "none", "--top-p", "0.9") as server:
+        assert "sampling  top_p 0.9 (requests may override)" in server.startup

@@ -115,3 +115,23 @@ def test_backend_auto_says_which_and_why(caplog):
     assert "passed over: cuda: not installed; gcu: not installed" in message
     if chosen.name == "cpu":  # MLX's CPU build here: passed over with its reason
         assert "metal: runs on cpu" in message and "slower than the numpy backend" in message
+
+
+def test_generation_config_is_read_and_checked(tmp_path):
+    from candelabra.core.generation_config import recommended_sampling
+    from candelabra.core.weights import CheckpointError
+
+    class Folder:
+        path = tmp_path
+
+    assert recommended_sampling(Folder()) == {}
+    config = tmp_path / "generation_config.json"
+    config.write_text('{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": true}')
+    assert recommended_sampling(Folder()) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                              "repetition_penalty": 1.05}
+    config.write_text('{"temperature": "hot"}')
+    with pytest.raises(CheckpointError, match="temperature must be a number"):
+        recommended_sampling(Folder())
+    config.write_text("{broken")
+    with pytest.raises(CheckpointError, match="generation_config.json: cannot be read as JSON"):
+        recommended_sampling(Folder())

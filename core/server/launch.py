@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--repeat-last-n", type=int, help="the repetition penalty looks at the last N tokens")
     sampling.add_argument("--max-gen-tokens", type=int, help="max tokens per response (default: a fifth of the "
                                                               "context)")
+    sampling.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                          help="auto: the checkpoint's generation_config.json sets defaults under these flags; "
+                               "none: ignore it (default auto)")
     sampling.add_argument("--thinking", action="store_true",
                           help="let reasoning models think (enable_thinking in the chat template)")
 
@@ -111,6 +114,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _load(args: argparse.Namespace):
     from candelabra.core.async_engine import AsyncEngine
+    from candelabra.core.generation_config import recommended_sampling
     from candelabra.core.llm import LLM
     from candelabra.core.server.metrics import ServerMetrics
     from candelabra.core.server.serving import Served, ServerDefaults
@@ -124,9 +128,11 @@ def _load(args: argparse.Namespace):
               weight_file=args.weight_file, revision=args.revision, model_type=args.model_type, **engine_options)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
     engine = AsyncEngine(llm.engine)
-    defaults = ServerDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              repetition_penalty=args.penalty, repeat_last_n=args.repeat_last_n,
-                              thinking=True if args.thinking else None)
+    recommended = recommended_sampling(llm.checkpoint) if args.generation_config == "auto" else {}
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "repetition_penalty": args.penalty}
+    chosen = {**recommended, **{key: value for key, value in flags.items() if value is not None}}
+    defaults = ServerDefaults(**chosen, repeat_last_n=args.repeat_last_n, thinking=True if args.thinking else None)
     return Served(name, engine, ServerMetrics(engine, name), defaults, args.max_waiting, llm=llm)
 
 
@@ -172,7 +178,17 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
         f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB); "
         f"swap space {config.num_host_blocks} blocks",
         f"context   {engine.max_model_len} tokens; up to {config.max_num_seqs} sequences per batch",
+        f"sampling  {_describe_defaults(served.defaults)}",
         f"API key   {'required' if args.api_key else 'not required'}",
         f"serving   {url}  (OpenAI API at {url}/v1)",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _describe_defaults(defaults) -> str:
+    """The sampling defaults requests get, e.g. "temperature 0.7, top_p 0.8 (requests may override)"."""
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_last_n")
+    set_ = [f"{name} {getattr(defaults, name)}" for name in names if getattr(defaults, name) is not None]
+    if defaults.thinking:
+        set_.append("thinking on")
+    return (", ".join(set_) + " (requests may override)") if set_ else "OpenAI's defaults (temperature 1, top_p 1)"

@@ -36,7 +36,7 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     # Extras beyond OpenAI's set.
     top_k: int | None = Field(default=None, ge=-1)
-    min_p: Probability = 0.0
+    min_p: Probability | None = None
     repetition_penalty: float | None = Field(default=None, gt=0)
     repeat_last_n: int | None = Field(default=None, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

@@ -35,6 +35,7 @@ class ServerDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     repeat_last_n: int | None = None
     thinking: bool | None = None  # enable_thinking passed to the chat template
@@ -178,7 +179,7 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
             temperature=pick(request.temperature, defaults.temperature, 1.0),
             top_p=pick(request.top_p, defaults.top_p, 1.0),
             top_k=pick(request.top_k, defaults.top_k, 0),
-            min_p=request.min_p,
+            min_p=pick(request.min_p, defaults.min_p, 0.0),
             repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
             repeat_last_n=pick(request.repeat_last_n, defaults.repeat_last_n, None),
             presence_penalty=request.presence_penalty,
