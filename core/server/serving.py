@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from candelabra.core.server.metrics import RequestTimer, ServerMetrics
 from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from candelabra.core.tokenizer import ChatTemplateError
+
+log = logging.getLogger("candelabra")
 
 # JSON has no infinities; OpenAI reports impossible tokens at this log probability.
 LOWEST_LOGPROB = -9999.0
@@ -138,6 +141,10 @@ class Generation:
             self.finals[i] = output
             reasons = {o.finish_reason for o in output.outputs}
             self.timers[i].end("length" if reasons == {"length"} else "stop")
+            log.debug("%s: %d prompt tokens (%d cached), %d generated in %.2f s, finished by %s", output.request_id,
+                      len(output.prompt_token_ids), output.num_cached_tokens,
+                      sum(len(o.token_ids) for o in output.outputs), time.perf_counter() - self.timers[i].arrival,
+                      "/".join(sorted(reasons)))
         return output
 
     def usage(self) -> dict:
