@@ -334,7 +334,8 @@ def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
     return [
         *_grid("embedding", check_embedding, dtypes, vocab=[1000], hidden=[256], tokens=[17], scaled=[False, True]),
         *_grid("embedding", check_embedding, dtypes, vocab=[32000], hidden=[896], tokens=[5], scaled=[True]),
-        *_grid("linear", check_linear, dtypes, tokens=[1, 7, 128], in_features=[896], out_features=[1152],
+        # 2 and 3 rows: decode batches of a few requests, which backends may special-case.
+        *_grid("linear", check_linear, dtypes, tokens=[1, 2, 3, 7, 128], in_features=[896], out_features=[1152],
                bias=[False, True]),
         *_grid("linear", check_linear, dtypes, tokens=[33], in_features=[2048], out_features=[256], bias=[False]),
         *_grid("rms_norm", check_rms_norm, dtypes, shape=[(1, 896), (37, 2048), (9, 8, 128)],

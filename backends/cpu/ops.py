@@ -11,6 +11,12 @@ from candelabra.core.ops import KVCache, Ops, SampleResult
 
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2 / math.pi))
 
+# OpenBLAS multiplies one row by a weight as a matrix-vector product at memory speed, but two or
+# three rows as a matrix-matrix product that first repacks the whole weight: 2.5x slower than two
+# separate rows for a 4864 x 896 weight, 3.7x for the 151936 x 896 LM head. From four rows on the
+# repacking pays for itself. Rows are therefore multiplied one by one up to this many.
+ROW_BY_ROW_MAX = 3
+
 
 class NumpyOps(Ops):
     backend_name = "cpu"
@@ -20,7 +26,12 @@ class NumpyOps(Ops):
         return rows * np.float32(scale) if scale is not None else rows
 
     def linear(self, x, weight, bias=None):
-        out = x @ weight.T
+        if x.ndim == 2 and 1 < x.shape[0] <= ROW_BY_ROW_MAX:
+            out = np.empty((x.shape[0], weight.shape[0]), dtype=np.result_type(x, weight))
+            for row, out_row in zip(x, out):
+                np.matmul(weight, row, out=out_row)
+        else:
+            out = x @ weight.T
         return out + bias if bias is not None else out
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
