@@ -26,7 +26,6 @@ class RequestStream:
     def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, checked: CheckedRequest) -> None:
         self.engine, self.request_id, self._queue = engine, request_id, queue
         self.prompt_token_ids = checked.prompt_token_ids
-        self.max_tokens = checked.max_tokens
         self.finished = False
 
     def __aiter__(self) -> RequestStream:

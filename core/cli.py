@@ -12,7 +12,8 @@ from candelabra.core.text_table import format_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(chosen=next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
@@ -20,7 +21,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The command line; only the `chosen` command's module is imported to add its arguments."""
     parser = argparse.ArgumentParser(prog="candelabra", description="LLM serving with pluggable hardware backends")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -39,20 +41,24 @@ def _parser() -> argparse.ArgumentParser:
     conformance.add_argument("pytest_args", nargs="*", help="passed on to pytest after --, e.g. -- -x -v")
     conformance.set_defaults(run=_conformance)
 
-    _add_command(commands, "serve", "candelabra.core.server.launch",
-                 "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)")
-    _add_command(commands, "chat", "candelabra.core.chat", "chat in the terminal with a running server")
-    _add_command(commands, "bench", "candelabra.core.bench",
-                 "load a running server with concurrent streaming requests; throughput and latency")
+    for name, (module, help_text) in MODULE_COMMANDS.items():
+        command = commands.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            command_module = importlib.import_module(module)
+            command_module.add_arguments(command)
+            command.set_defaults(run=command_module.run)
     return parser
 
 
-def _add_command(commands, name: str, module: str, help_text: str) -> None:
-    """A command whose module brings its own arguments (`add_arguments`) and entry (`run`)."""
-    command_module = importlib.import_module(module)
-    command = commands.add_parser(name, help=help_text, description=help_text)
-    command_module.add_arguments(command)
-    command.set_defaults(run=command_module.run)
+# Commands whose module brings its own arguments (`add_arguments`) and entry (`run`). Importing
+# chat and bench (httpx, rich) costs a quarter of a second, so no other command pays for it.
+MODULE_COMMANDS = {
+    "serve": ("candelabra.core.server.launch",
+              "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)"),
+    "chat": ("candelabra.core.chat", "chat in the terminal with a running server"),
+    "bench": ("candelabra.core.bench", "load a running server with concurrent streaming requests; throughput and "
+                                       "latency"),
+}
 
 
 def _backends(args: argparse.Namespace) -> int:

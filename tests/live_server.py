@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class LiveServer:
         self.args, self.env, self.url, self.model = args, env, "", ""
         self.log = log
         self.process: subprocess.Popen | None = None
+        self.output: list[str] = []  # what the server printed after start-up
 
     def __enter__(self) -> LiveServer:
         command = [sys.executable, "-m", "candelabra.core.cli", "serve", "--port", "0", *self.args]
@@ -77,13 +79,10 @@ class LiveServer:
 
     def _drain_output(self) -> None:
         """Keep reading the child's output so it never blocks on a full pipe."""
-        import threading
-
         def drain():
             for line in self.process.stdout:
                 self.output.append(line)
 
-        self.output: list[str] = []
         threading.Thread(target=drain, daemon=True).start()
 
     def _wait_healthy(self) -> None:

@@ -4,6 +4,7 @@ whole JSON bodies, or server-sent event streams of chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -68,7 +69,7 @@ class Served:
     def vocab_size(self) -> int:
         return self.engine.engine.model.config.vocab_size
 
-    @property
+    @functools.cached_property
     def thinks(self) -> bool:
         """Whether the model has thinking tags as tokens of their own (a reasoning model)."""
         encode = self.tokenizer.encode
@@ -81,7 +82,7 @@ class Generation:
 
     def __init__(self, served: Served, kind: str, request: GenerationRequest, prompts: list[list[int]],
                  params: SamplingParams) -> None:
-        self.served, self.kind, self.request, self.params = served, kind, request, params
+        self.served, self.request = served, request
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         engine = served.engine
@@ -146,6 +147,17 @@ class Generation:
                       sum(len(o.token_ids) for o in output.outputs), time.perf_counter() - self.timers[i].arrival,
                       "/".join(sorted(reasons)))
         return output
+
+    def chunk(self, object_name: str, choices: list[dict], final: bool = False) -> dict:
+        """One streamed chunk. With include_usage every chunk carries usage: null until the final,
+        choice-less one that counts the whole request."""
+        body = {"id": self.id, "object": object_name, "created": self.created, "model": self.served.name,
+                "choices": choices}
+        if final:
+            body["usage"] = self.usage()
+        elif self.request.include_usage:
+            body["usage"] = None
+        return body
 
     def usage(self) -> dict:
         finals = [f for f in self.finals if f is not None]
@@ -252,11 +264,7 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
     finished: set[int] = set()
 
     def chunk(choices: list[dict]) -> dict:
-        body = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
-                "model": generation.served.name, "choices": choices}
-        if request.include_usage:
-            body["usage"] = None
-        return body
+        return generation.chunk("chat.completion.chunk", choices)
 
     async for _, output in generation.outputs():
         for out in output.outputs:
@@ -290,8 +298,7 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
                 finished.add(index)
                 yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
     if request.include_usage:
-        yield {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created,
-               "model": generation.served.name, "choices": [], "usage": generation.usage()}
+        yield generation.chunk("chat.completion.chunk", [], final=True)
 
 
 def _logprob_rows(tokenizer, preceding: list[int], entries: list[dict] | None) -> list[tuple]:
@@ -358,12 +365,8 @@ async def _completion_chunks(generation: Generation, echoes: list[str] | None) -
     reported_logprobs: dict[int, int] = {}
 
     def chunk(index: int, text: str, logprobs, finish_reason) -> dict:
-        body = {"id": generation.id, "object": "text_completion", "created": generation.created,
-                "model": generation.served.name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if request.include_usage:
-            body["usage"] = None
-        return body
+        return generation.chunk("text_completion", [{"index": index, "text": text, "logprobs": logprobs,
+                                                     "finish_reason": finish_reason}])
 
     async for i, output in generation.outputs():
         for out in output.outputs:
@@ -385,8 +388,7 @@ async def _completion_chunks(generation: Generation, echoes: list[str] | None) -
             if text or ends or (logprobs and logprobs["tokens"]):
                 yield chunk(index, text, logprobs, out.finish_reason if ends else None)
     if request.include_usage:
-        yield {"id": generation.id, "object": "text_completion", "created": generation.created,
-               "model": generation.served.name, "choices": [], "usage": generation.usage()}
+        yield generation.chunk("text_completion", [], final=True)
 
 
 def _completion_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None, offset: int) -> dict:
