@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from tqdm import tqdm
 
 from candelabra.core.client_connection import (
     STREAM_TIMEOUT,
@@ -71,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--warmup", type=_at_least_zero, metavar="N", default=1,
                         help="requests sent first and not measured (default: %(default)s)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="show no progress bar of the finished requests on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.output_len} tokens out, arriving {pace}, at most {args.concurrency} in flight.", file=sys.stderr)
 
     try:
-        outcome = asyncio.run(benchmark(url, headers, bodies, arrivals, args.warmup, args.concurrency))
+        outcome = asyncio.run(benchmark(url, headers, bodies, arrivals, args.warmup, args.concurrency,
+                                        args.progress))
     except KeyboardInterrupt:
         print("interrupted; no results", file=sys.stderr)
         return 130
@@ -113,15 +117,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def benchmark(url: str, headers: dict[str, str], bodies: Sequence[dict], arrivals: Sequence[float],
-                    warmup: int, concurrency: int) -> tuple[list[RequestResult], float] | str:
-    """The first `warmup` bodies one after another, unmeasured, then the load; or the warmup's error."""
+                    warmup: int, concurrency: int, progress: bool) -> tuple[list[RequestResult], float] | str:
+    """The first `warmup` bodies one after another, unmeasured, then the load, with a progress bar of the
+    finished requests on stderr; or the warmup's error."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(headers=headers, timeout=STREAM_TIMEOUT, limits=limits) as client:
+        if warmup:
+            print(f"Warming up with {warmup} request(s).", file=sys.stderr)
         for body in bodies[:warmup]:
             result = await measure_request(client, url, body)
             if not result.ok:
                 return result.error
-        return await run_load(client, url, bodies[warmup:], arrivals, concurrency)
+        with tqdm(total=len(arrivals), desc="benchmarking", unit="request", disable=not progress) as bar:
+            return await run_load(client, url, bodies[warmup:], arrivals, concurrency, bar)
 
 
 def make_prompts(count: int, words_per_prompt: int, seed: int) -> list[str]:
@@ -209,16 +217,24 @@ def _generated_text(choice: dict) -> str:
 
 
 async def run_load(client: httpx.AsyncClient, url: str, bodies: Sequence[dict], arrivals: Sequence[float],
-                   concurrency: int) -> tuple[list[RequestResult], float]:
-    """Sends each body at its arrival time (waiting further while `concurrency` requests are in flight);
-    the results in the order of `bodies`, and the wall time of the whole run."""
+                   concurrency: int, bar: tqdm) -> tuple[list[RequestResult], float]:
+    """Sends each body at its arrival time (waiting further while `concurrency` requests are in flight),
+    counting each finished request on `bar` and the failed ones in its postfix; the results in the order of
+    `bodies`, and the wall time of the whole run."""
     in_flight = asyncio.Semaphore(concurrency)
     start = time.perf_counter()
+    failed = 0
 
     async def send(body: dict, arrival: float) -> RequestResult:
+        nonlocal failed
         await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         async with in_flight:
-            return await measure_request(client, url, body)
+            result = await measure_request(client, url, body)
+        if not result.ok:
+            failed += 1
+            bar.set_postfix(failed=failed, refresh=False)
+        bar.update()
+        return result
 
     results = await asyncio.gather(*(send(body, arrival) for body, arrival in zip(bodies, arrivals, strict=True)))
     return list(results), time.perf_counter() - start

@@ -55,7 +55,8 @@ def describe_failure(error: Exception, url: str) -> str:
     if isinstance(error, ServerError):
         return f"{url}: {error.message}"
     if isinstance(error, httpx.ConnectError):
-        return f"cannot connect to {url}: {error}"
+        hint = "is a server running there? start one with `candelabra serve`, or pass --url"
+        return f"cannot connect to {url}: {error} ({hint})"
     if isinstance(error, httpx.TimeoutException):
         return f"{url} did not answer in time ({type(error).__name__})"
     if isinstance(error, httpx.HTTPError):

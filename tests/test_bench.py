@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import re
 import socket
 
 import numpy as np
@@ -133,12 +134,16 @@ def test_flags_and_their_defaults():
     args = bench_args()
     assert (args.endpoint, args.num_prompts, args.concurrency, args.request_rate) == ("completions", 32, 16, math.inf)
     assert (args.input_len, args.output_len, args.warmup, args.json) == (64, 64, 1, None)
-    assert args.url == "http://127.0.0.1:2000"
+    assert args.url == "http://127.0.0.1:2000" and args.progress is True
+    assert bench_args("--no-progress").progress is False
     assert bench_args("--request-rate", "2.5", "--endpoint", "chat").request_rate == 2.5
     for bad in (["--concurrency", "0"], ["--request-rate", "-1"], ["--warmup", "-1"], ["--endpoint", "x"]):
         with pytest.raises(SystemExit):
             bench_args(*bad)
 
+
+
+NO_SERVER_HINT = "is a server running there? start one with `candelabra serve`, or pass --url"
 
 
 def unused_url():
@@ -149,6 +154,11 @@ def unused_url():
 
 def table_value(report, label):
     return next(line[len(label):].strip() for line in report.splitlines() if line.startswith(label))
+
+
+def finished_bar(err, total):
+    """Whether stderr holds tqdm's bar of the measured requests, complete at `total` of `total`."""
+    return re.search(rf"benchmarking: 100%\|.*\| {total}/{total} \[", err) is not None
 
 
 def test_bench_measures_every_request_on_a_live_server(live_server, tmp_path, capsys):
@@ -175,6 +185,22 @@ def test_bench_measures_every_request_on_a_live_server(live_server, tmp_path, ca
     assert summary["output_token_throughput"] == pytest.approx(64 / summary["duration_s"])
 
 
+def test_progress_goes_to_stderr_and_stdout_holds_only_the_report(live_server, tmp_path, capsys):
+    results = tmp_path / "bench.json"
+    args = ("--url", live_server.url, "--num-prompts", "5", "--input-len", "4", "--output-len", "4", "--warmup", "2",
+            "--json", str(results))
+    assert bench.run(bench_args(*args)) == 0
+    out, err = capsys.readouterr()
+    assert out == bench.format_report(json.loads(results.read_text())["summary"]) + "\n"
+    assert "Warming up with 2 request(s)." in err.splitlines() and finished_bar(err, 5)
+    assert "failed=" not in err
+
+    assert bench.run(bench_args(*args, "--no-progress")) == 0
+    out, err = capsys.readouterr()
+    assert out == bench.format_report(json.loads(results.read_text())["summary"]) + "\n"
+    assert err.startswith("Benchmarking ") and err.splitlines()[1:] == ["Warming up with 2 request(s)."]
+
+
 def test_bench_paces_requests_on_the_chat_endpoint(live_server, tmp_path, capsys):
     results = tmp_path / "bench.json"
     code = bench.run(bench_args("--url", live_server.url + "/v1/", "--endpoint", "chat", "--num-prompts", "6",
@@ -184,6 +210,7 @@ def test_bench_paces_requests_on_the_chat_endpoint(live_server, tmp_path, capsys
     assert code == 0, out + err
     summary = json.loads(results.read_text())["summary"]
     assert (summary["successful_requests"], summary["total_completion_tokens"]) == (6, 30)
+    assert finished_bar(err, 6) and "Warming up" not in err
     last_arrival = bench.arrival_times(6, 20, seed=3)[-1]
     assert last_arrival > 0.1 and summary["duration_s"] >= last_arrival
 
@@ -193,7 +220,8 @@ def test_bench_reports_requests_the_server_refuses(live_server, tmp_path, capsys
     args = ("--url", live_server.url, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
             "--output-len", "4")
     assert bench.run(bench_args(*args, "--warmup", "0", "--json", str(results))) == 1
-    out, _ = capsys.readouterr()
+    out, err = capsys.readouterr()
+    assert finished_bar(err, 3) and "failed=3" in err  # failed requests are finished too
     summary = json.loads(results.read_text())["summary"]
     assert (summary["successful_requests"], summary["failed_requests"]) == (0, 3)
     [error] = summary["errors"]
@@ -210,6 +238,7 @@ def test_bench_without_a_server_fails_in_one_line(tmp_path, capsys):
     assert bench.run(bench_args("--url", url)) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: cannot connect to {url}: ")
+    assert err.endswith(f" ({NO_SERVER_HINT})\n")
 
     results = tmp_path / "bench.json"
     assert bench.run(bench_args("--url", url, "--model", "m", "--warmup", "0", "--num-prompts", "3",
@@ -219,10 +248,22 @@ def test_bench_without_a_server_fails_in_one_line(tmp_path, capsys):
     assert summary["errors"][0]["count"] == 3 and summary["errors"][0]["message"].startswith("cannot connect to ")
 
 
-def test_the_bench_command_runs_as_a_user_would(live_server):
+def test_the_bench_command_runs_as_a_user_would(live_server, tmp_path):
+    results = tmp_path / "bench.json"
     done = run_candelabra("bench", "--url", live_server.url, "--num-prompts", "4", "--input-len", "4",
-                          "--output-len", "4", "--endpoint", "chat")
+                          "--output-len", "4", "--endpoint", "chat", "--json", str(results))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == bench.format_report(json.loads(results.read_text())["summary"]) + "\n"
     assert table_value(done.stdout, "successful requests") == "4"
     assert table_value(done.stdout, "completion tokens") == "16"
     assert f"Benchmarking {live_server.model} at {live_server.url}/v1/chat/completions" in done.stderr
+    assert "Warming up with 1 request(s)." in done.stderr.splitlines() and finished_bar(done.stderr, 4)
+
+
+def test_the_bench_command_without_a_server_says_to_start_one():
+    url = unused_url()
+    done = run_candelabra("bench", "--url", url)
+    assert done.returncode == 1 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: cannot connect to {url}: ") and "Connection refused" in line
+    assert line.endswith(f" ({NO_SERVER_HINT})")

@@ -91,13 +91,17 @@ def test_integer_flags_refuse_other_values(flag):
         chat_args(flag, "1.5")
 
 
+NO_SERVER_HINT = "is a server running there? start one with `candelabra serve`, or pass --url"
+
+
 def test_failures_are_described_in_one_line_with_where():
     url = "http://h:1/v1/chat/completions"
     assert describe_failure(ServerError("invalid API key", status=401), url) == \
         f"{url} answered HTTP 401: invalid API key (pass --api-key or set CANDELABRA_API_KEY)"
     assert describe_failure(ServerError("engine died", in_stream=True), url) == f"{url} failed mid-stream: engine died"
     assert describe_failure(ServerError("no model"), url) == f"{url}: no model"
-    assert describe_failure(httpx.ConnectError("refused"), url) == f"cannot connect to {url}: refused"
+    assert describe_failure(httpx.ConnectError("refused"), url) == \
+        f"cannot connect to {url}: refused ({NO_SERVER_HINT})"
 
 
 GREEDY = ("--temperature", "0", "--max-tokens", "8")
@@ -164,13 +168,28 @@ def test_a_refused_message_leaves_the_conversation_as_it_was(live_server, monkey
     assert error.startswith(f"error: {live_server.url}/v1/chat/completions answered HTTP 400: ")
 
 
-def test_chat_without_a_server_fails_in_one_line(monkeypatch, capsys):
+def unused_url():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_chat_without_a_server_fails_in_one_line(monkeypatch, capsys):
+    url = unused_url()
     code, out, err = chat_with_piped_stdin(monkeypatch, capsys, "w1\n", "--url", url)
     assert code == 1 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith(f"error: cannot connect to {url}: ")
+    assert err.endswith(f" ({NO_SERVER_HINT})\n")
+
+
+def test_the_chat_command_without_a_server_says_to_start_one():
+    url = unused_url()
+    done = subprocess.run([sys.executable, "-m", "candelabra.core.cli", "chat", "--url", url],
+                          input="w1\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: cannot connect to {url}: ") and "Connection refused" in line
+    assert line.endswith(f" ({NO_SERVER_HINT})")
 
 
 def test_thinking_is_shown_apart_from_the_answer(live_server, monkeypatch, capsys):
