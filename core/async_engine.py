@@ -22,6 +22,10 @@ from candelabra.core.sampling_params import SamplingParams
 log = logging.getLogger("candelabra")
 
 
+class EngineStopping(RuntimeError):
+    """Delivered to the requests still running when the server stops."""
+
+
 class RequestStream:
     def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, checked: CheckedRequest) -> None:
         self.engine, self.request_id, self._queue = engine, request_id, queue
@@ -103,6 +107,11 @@ class AsyncEngine:
         self._commands.append(("abort", request_id))
         self._work.set()
 
+    def stop_all(self, message: str = "the server is shutting down") -> None:
+        """End every request in flight with EngineStopping(message); the engine keeps running."""
+        self._commands.append(("stop_all", message))
+        self._work.set()
+
     def shutdown(self) -> None:
         self._stopping = True
         self._work.set()
@@ -144,6 +153,9 @@ class AsyncEngine:
                 self._streams.pop(command[1], None)
                 self.engine.abort_request(command[1])
                 continue
+            if command[0] == "stop_all":
+                self._fail_all(EngineStopping(command[1]))
+                continue
             _, request_id, checked, stream = command
             log.debug("add %s: %d prompt tokens, up to %d new", request_id, len(checked.prompt_token_ids),
                       checked.max_tokens)
@@ -156,7 +168,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
 
     def _fail_all(self, exc: Exception) -> None:
-        error = RuntimeError(f"generation failed: {exc}")
+        error = exc if isinstance(exc, EngineStopping) else RuntimeError(f"generation failed: {exc}")
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             _deliver(stream, error)

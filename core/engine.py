@@ -88,6 +88,11 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.backend, self.model = runner.backend, runner.model
+        if config.max_model_len is not None and config.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got "
+                             f"{config.max_model_len}")
+        if config.max_gen_tokens is not None and config.max_gen_tokens < 1:
+            raise ValueError(f"max_gen_tokens must be at least 1, got {config.max_gen_tokens}")
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         if config.block_size != runner.kv_spec.block_size or config.num_blocks != runner.kv_spec.num_blocks:
             raise ValueError("the engine's block size and count must be the model runner's")

@@ -13,6 +13,7 @@ from candelabra.core.model_runner import ModelRunner
 from candelabra.core.models import load_model
 from candelabra.core.sampling_params import SamplingParams
 from candelabra.core.tokenizer import Tokenizer
+from candelabra.core.weights import Checkpoint
 
 log = logging.getLogger("candelabra")
 
@@ -34,7 +35,6 @@ def choose_backend(name: str = "auto"):
     passed_over = []
     for candidate in AUTO_ORDER:
         if candidate not in registry:
-            passed_over.append(f"{candidate}: not installed")
             continue
         cls = registry.get(candidate)
         probe = cls.probe()
@@ -47,44 +47,59 @@ def choose_backend(name: str = "auto"):
     raise RuntimeError("no backend is available: " + "; ".join(passed_over))
 
 
-def kv_blocks_for(model, block_size: int, memory_mb: float) -> int:
-    """How many KV blocks `memory_mb` megabytes hold for this model (--kvcache-mem-gpu/-cpu)."""
+def kv_blocks_for(model, block_size: int, memory_mb: float, what: str = "kvcache_mem_gpu") -> int:
+    """How many KV blocks `memory_mb` megabytes hold for this model (--kvcache-mem-gpu/-cpu);
+    ValueError naming `what` when not one."""
     c = model.config
-    spec = KVCacheSpec(c.num_layers, 1, block_size, c.num_kv_heads, c.head_dim, model.dtype)
-    return spec.with_blocks_for(int(memory_mb * 2**20)).num_blocks
+    one_block = KVCacheSpec(c.num_layers, 1, block_size, c.num_kv_heads, c.head_dim, model.dtype)
+    blocks = int(memory_mb * 2**20) // one_block.bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"{what} ({memory_mb:g} MB) holds no KV cache block: one block of {block_size} tokens "
+                         f"takes {one_block.bytes_per_block / 2**20:.3g} MB")
+    return blocks
+
+
+def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
+               revision: str | None = None) -> Checkpoint:
+    """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named."""
+    from candelabra.core.default_model import default_model_path
+    from candelabra.core.weights.open import open_checkpoint
+
+    if model is None and model_id is None and weight_file is None:
+        model = default_model_path()
+    path = Path(model) if model is not None else None
+    if path is not None and path.is_file() and weight_file is None:
+        return open_checkpoint(weight_path=path.parent, weight_file=path.name)
+    return open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id, revision=revision)
 
 
 class LLM:
     """A model on a backend with its engine. `model` is a checkpoint folder or file (safetensors
-    folder, .gguf file); None serves the default model."""
+    folder, .gguf file) or an opened Checkpoint; None serves the default model. `backend` is a
+    name, "auto", or a Backend class."""
 
-    def __init__(self, model: str | Path | None = None, backend: str = "auto", dtype: str | None = None,
-                 kvcache_mem_gpu: float = 1024, kvcache_mem_cpu: float = 128, model_id: str | None = None,
-                 weight_file: str | None = None, revision: str | None = None, model_type: str | None = None,
-                 **engine_options) -> None:
-        from candelabra.core.default_model import default_model_path
-        from candelabra.core.weights.open import open_checkpoint
-
-        if model is None and model_id is None and weight_file is None:
-            model = default_model_path()
-        path = Path(model) if model is not None else None
-        if path is not None and path.is_file() and weight_file is None:
-            checkpoint = open_checkpoint(weight_path=path.parent, weight_file=path.name)
-        else:
-            checkpoint = open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id,
-                                         revision=revision)
+    def __init__(self, model: str | Path | Checkpoint | None = None, backend: str | type = "auto",
+                 dtype: str | None = None, kvcache_mem_gpu: float = 1024, kvcache_mem_cpu: float = 128,
+                 model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
+                 model_type: str | None = None, **engine_options) -> None:
+        checkpoint = model if isinstance(model, Checkpoint) else open_model(model, model_id, weight_file, revision)
         self.checkpoint = checkpoint
-        self.backend = choose_backend(backend)()
+        self.backend = (backend if isinstance(backend, type) else choose_backend(backend))()
         self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         config = EngineConfig(**engine_options)
         config.num_blocks = kv_blocks_for(self.model, config.block_size, kvcache_mem_gpu)
-        config.num_host_blocks = kv_blocks_for(self.model, config.block_size, kvcache_mem_cpu) if kvcache_mem_cpu else 0
+        config.num_host_blocks = (kv_blocks_for(self.model, config.block_size, kvcache_mem_cpu, "kvcache_mem_cpu")
+                                  if kvcache_mem_cpu else 0)
         runner = ModelRunner(self.model, config.num_blocks, config.block_size)
         self.engine = LLMEngine(runner, self.tokenizer, config)
+        capacity = config.num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %d host blocks",
-                 config.num_blocks, config.block_size, config.num_blocks * config.block_size,
-                 self.backend.name, config.num_host_blocks)
+                 config.num_blocks, config.block_size, capacity, self.backend.name, config.num_host_blocks)
+        if capacity < self.engine.max_model_len:
+            log.warning("the KV cache holds %d tokens, fewer than the context of %d: longer requests are refused; "
+                        "give it more memory (kvcache_mem_gpu, --kvcache-mem-gpu)", capacity,
+                        self.engine.max_model_len)
         self._ids = 0
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list | None = None,

@@ -6,12 +6,16 @@ jinja2's immutable sandbox, so a template cannot reach Python internals or chang
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
 from candelabra.core.weights import Checkpoint, CheckpointError
+
+log = logging.getLogger("candelabra")
 
 
 class ChatTemplateError(ValueError):
@@ -29,7 +33,11 @@ def _from_gguf(auto_tokenizer, files: dict):
     cached = default_cache_dir() / "tokenizers" / f"{gguf.name}-{stat.st_size}-{stat.st_mtime_ns}"
     if (cached / "tokenizer_config.json").exists():
         return auto_tokenizer.from_pretrained(cached)
+    log.info("building the tokenizer from %s's vocabulary: on first start only, this takes a while; it is then "
+             "kept in %s", gguf.name, cached.parent)
+    started = time.perf_counter()
     tokenizer = auto_tokenizer.from_pretrained(**files)
+    log.info("tokenizer built in %.1f s", time.perf_counter() - started)
     partial = cached.with_name(cached.name + f".partial-{os.getpid()}")
     tokenizer.save_pretrained(partial)
     if cached.exists():  # another process got there first

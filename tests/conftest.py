@@ -1,7 +1,10 @@
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,35 @@ def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None) -> subpr
         [sys.executable, "-m", "candelabra.core.cli", *args],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=600,
     )
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float):
+    """Fails the block with TimeoutError if it runs `seconds`: a guard against hanging, set far above
+    any machine's time for the work, never a speed check."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def peak_allocation(limit: int):
+    """Fails if the block's Python allocations peak above `limit` bytes: the machine-independent
+    sign that a damaged header's sizes were refused, not acted on."""
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < limit, f"allocated {peak} bytes at peak, limit {limit}"
 
 
 def make_distribution(root: Path, name: str, modules: dict[str, str], entry_points: dict[str, str]) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -83,7 +84,8 @@ class LiveServer:
             for line in self.process.stdout:
                 self.output.append(line)
 
-        threading.Thread(target=drain, daemon=True).start()
+        self._drainer = threading.Thread(target=drain, daemon=True)
+        self._drainer.start()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + 60
@@ -103,6 +105,13 @@ class LiveServer:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} not in /metrics")
+
+    def stop(self, timeout: float = 30) -> str:
+        """Stop the server as a terminal's Ctrl-C does; what it printed after start-up."""
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(timeout=timeout)
+        self._drainer.join(timeout=10)  # it ends at the end of the child's output
+        return "".join(self.output)
 
     def __exit__(self, *exc) -> None:
         if self.process and self.process.poll() is None:

@@ -14,8 +14,6 @@ import os
 import re
 import struct
 import sys
-import time
-import tracemalloc
 import uuid
 
 import gguf
@@ -42,6 +40,7 @@ from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.weights.gguf_config import ARCHITECTURES
 from candelabra.core.weights.gguf_tensors import LAYOUTS
+from conftest import hang_guard, peak_allocation
 
 # ---------------------------------------------------------------------------------------------
 # Writing GGUF files
@@ -342,20 +341,12 @@ def test_tokenizer_files_name_the_folder_and_the_file(converted):
 
 
 def one_line_error(path, match):
-    """Opening `path` fails with one CheckpointError line naming it, at once, allocating little."""
-    tracemalloc.start()
-    started = time.perf_counter()
-    try:
-        with pytest.raises(CheckpointError) as caught:
-            GGUFCheckpoint(path)
-    finally:
-        elapsed = time.perf_counter() - started
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+    """Opening `path` fails with one CheckpointError line naming it, allocating little."""
+    with peak_allocation(4 << 20), pytest.raises(CheckpointError) as caught:
+        GGUFCheckpoint(path)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(str(path)), message
     assert re.search(match, message), message
-    assert elapsed < 1.0 and peak < 4 << 20, (elapsed, peak)
     return message
 
 
@@ -506,14 +497,12 @@ def test_random_header_damage_gives_checkpoint_errors_only(valid_file, tmp_path)
             pattern = patterns[rng.integers(len(patterns))]
             data[position : position + len(pattern)] = pattern
         damaged.write_bytes(bytes(data))
-        started = time.perf_counter()
         try:
-            with GGUFCheckpoint(damaged) as checkpoint:
+            with hang_guard(60), GGUFCheckpoint(damaged) as checkpoint:
                 for name in checkpoint.tensor_names():
                     checkpoint.load(name)
         except CheckpointError as error:
             assert "\n" not in str(error)
-        assert time.perf_counter() - started < 1.0
 
 
 def test_file_truncated_after_opening_fails_on_load(valid_file):
@@ -556,8 +545,10 @@ def forbid(monkeypatch, *names):
         monkeypatch.setattr(default_model, name, lambda *args, name=name: pytest.fail(f"{name} was called"))
 
 
-def test_chunks_are_assembled_once_then_reused_without_rehashing(fake_chunks, tmp_path, monkeypatch):
-    path = default_model.default_model_path(tmp_path / "cache")
+def test_chunks_are_assembled_once_then_reused_without_rehashing(fake_chunks, tmp_path, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger=default_model.__name__):
+        path = default_model.default_model_path(tmp_path / "cache")
+    assert "assembling the default model" in caplog.text  # first use takes a while: it says so
     assert path == tmp_path / "cache" / default_model.DEFAULT_MODEL_FILE
     assert path.read_bytes() == fake_chunks
     assert [entry.name for entry in path.parent.iterdir() if entry.name.endswith(".partial")] == []
@@ -631,9 +622,7 @@ def test_default_model_is_assembled_verified_and_then_reused(default_model_file,
     assert default_model_file.stat().st_size == default_model.EXPECTED_SIZE
     forbid(monkeypatch, "_file_sha256", "_assemble")
     monkeypatch.setenv("CANDELABRA_CACHE", str(default_model_file.parent))
-    started = time.perf_counter()
     assert default_model.default_model_path() == default_model_file
-    assert time.perf_counter() - started < 0.1
 
 
 QWEN25_05B = {

@@ -112,9 +112,20 @@ def test_backend_auto_says_which_and_why(caplog):
         chosen = choose_backend("auto")
     message = " ".join(r.getMessage() for r in caplog.records)
     assert f"backend auto: chose {chosen.name}" in message
-    assert "passed over: cuda: not installed; gcu: not installed" in message
+    assert "cuda" not in message and "gcu" not in message  # named by the design, not shipped: never offered
     if chosen.name == "cpu":  # MLX's CPU build here: passed over with its reason
         assert "metal: runs on cpu" in message and "slower than the numpy backend" in message
+
+
+@pytest.mark.parametrize("name", ["cuda", "torch", "gcu"])
+def test_a_planned_backend_says_it_is_not_shipped_yet_and_what_to_use(name):
+    from candelabra.plugins import RegistryError, backend_class
+
+    with pytest.raises(RegistryError) as caught:
+        backend_class(name)
+    message = str(caught.value)
+    assert f"the {name} backend" in message and "not part of candelabra yet" in message
+    assert "--backend auto or an installed backend: cpu, metal" in message
 
 
 def test_generation_config_is_read_and_checked(tmp_path):

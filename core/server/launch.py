@@ -7,10 +7,15 @@ checked against the checkpoint's own architecture.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import logging
+import math
 import os
 import socket
 import sys
+
+import uvicorn
 
 from candelabra.core.dtypes import FLOAT_DTYPES
 
@@ -40,10 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CANDELABRA_API_KEY)")
     net.add_argument("--max-waiting", type=int, default=1024,
                      help="refuse new requests with 503 while this many wait to run (default 1024)")
+    net.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                     help="on stopping, requests in flight get this long to finish before they are aborted "
+                          "(default 5)")
     net.add_argument("--log", action="store_true", help="log every request (uvicorn access log) and engine detail")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--backend", default="auto", help="cpu, cuda, metal, gcu, a plugin's name, or auto")
+    engine.add_argument("--backend", default="auto",
+                        help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
+                             "the best available here (default: auto)")
     engine.add_argument("--device-ids", help="devices to use; one device so far (e.g. \"0\")")
     engine.add_argument("--kvcache-mem-gpu", type=float, default=1024, metavar="MB",
                         help="KV cache memory on the device in MB (default 1024)")
@@ -58,9 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, help="seed for requests that name none (default: random)")
 
     sampling = parser.add_argument_group("sampling defaults (a request's own values win)")
-    sampling.add_argument("--temperature", type=float)
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--temperature", type=float,
+                          help="randomness of sampling: 0 always takes the likeliest token (default: the "
+                               "checkpoint's recommendation, else 1)")
+    sampling.add_argument("--top-k", type=int, help="sample among the K likeliest tokens only (0 or -1: all)")
+    sampling.add_argument("--top-p", type=float,
+                          help="sample among the likeliest tokens whose probabilities add up to P, in (0, 1] "
+                               "(1: all)")
     sampling.add_argument("--penalty", type=float, help="repetition penalty (1.0: none)")
     sampling.add_argument("--repeat-last-n", type=int, help="the repetition penalty looks at the last N tokens")
     sampling.add_argument("--max-gen-tokens", type=int, help="max tokens per response (default: a fifth of the "
@@ -77,17 +91,23 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "multipart"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The cheap checks come first, so a wrong flag is never hidden behind a busy port or a long load.
     try:
-        _check_unsupported(args)
-        listener = _listen(args.host, args.port)
+        check_arguments(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        backend, checkpoint = _backend_and_checkpoint(args)
+        listener = _listen(args.host, args.port)
     except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {_listen_failure(args.host, args.port, exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        served = _load(args)
+        served = _load(args, backend, checkpoint)
     except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback
         listener.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -95,16 +115,54 @@ def run(args: argparse.Namespace) -> int:
     return _serve(served, args, listener)
 
 
-def _check_unsupported(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, in one line naming the flag, values that cannot serve a request."""
+    from candelabra.core.sampling_params import SamplingParams
+
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
                          "K-quants, F16), which is dequantized at load")
     if args.device_ids and len([d for d in args.device_ids.split(",") if d.strip()]) > 1:
         raise ValueError(f"--device-ids {args.device_ids}: serving on several devices (tensor parallelism) is not "
                          "supported yet; pass one device")
-    for name in ("max_num_seqs", "block_size", "max_waiting"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
+    minimums = {"max_num_seqs": 1, "block_size": 1, "max_waiting": 1, "max_num_batched_tokens": 1,
+                "prefill_chunk_size": 0, "max_model_len": 2, "max_gen_tokens": 1}
+    for name, least in minimums.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            why = " (a prompt token and a generated one)" if name == "max_model_len" else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}{why}, not {value}")
+    if not 0 <= args.shutdown_grace < math.inf:
+        raise ValueError(f"--shutdown-grace must be 0 seconds or more, not {args.shutdown_grace:g}")
+    if not args.kvcache_mem_gpu > 0:
+        raise ValueError(f"--kvcache-mem-gpu must be more than 0 MB, not {args.kvcache_mem_gpu:g}")
+    if not args.kvcache_mem_cpu >= 0:
+        raise ValueError(f"--kvcache-mem-cpu must be 0 MB (no swap space) or more, not {args.kvcache_mem_cpu:g}")
+    flags = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "penalty": "repetition_penalty",
+             "repeat_last_n": "repeat_last_n"}
+    for flag, field in flags.items():
+        value = getattr(args, flag)
+        if value is not None:
+            try:
+                SamplingParams(**{field: value})
+            except ValueError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+
+
+def _backend_and_checkpoint(args: argparse.Namespace):
+    """The backend class and the opened checkpoint, whose config must name a known architecture
+    (and match MODEL_TYPE): all that can be checked before the weights load."""
+    from candelabra.core.config import ModelConfig
+    from candelabra.core.llm import choose_backend, open_model
+
+    backend = choose_backend(args.backend)
+    checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision)
+    config = ModelConfig.from_hf(checkpoint.config)
+    if args.model_type:
+        config.check_model_type(args.model_type)
+    return backend, checkpoint
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -112,7 +170,19 @@ def _listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def _load(args: argparse.Namespace):
+def _listen_failure(host: str, port: int, exc: OSError) -> str:
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"{where}: the address is already in use, perhaps by a server that is already running there; stop "
+                "it, or pass --port N for another port (--port 0 picks a free one)")
+    if exc.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need privileges); pass --port 1024 or above"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine; pass --host 127.0.0.1 or 0.0.0.0"
+    return f"{where}: {exc.strerror or exc}"
+
+
+def _load(args: argparse.Namespace, backend: type, checkpoint):
     from candelabra.core.async_engine import AsyncEngine
     from candelabra.core.generation_config import recommended_sampling
     from candelabra.core.llm import LLM
@@ -123,9 +193,9 @@ def _load(args: argparse.Namespace):
                       "prefill_chunk_size": args.prefill_chunk_size,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
                       "max_gen_tokens": args.max_gen_tokens, "seed": args.seed}
-    llm = LLM(args.weight_path, backend=args.backend, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
-              kvcache_mem_gpu=args.kvcache_mem_gpu, kvcache_mem_cpu=args.kvcache_mem_cpu, model_id=args.model_id,
-              weight_file=args.weight_file, revision=args.revision, model_type=args.model_type, **engine_options)
+    llm = LLM(checkpoint, backend=backend, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
+              kvcache_mem_gpu=args.kvcache_mem_gpu, kvcache_mem_cpu=args.kvcache_mem_cpu,
+              model_type=args.model_type, **engine_options)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
     engine = AsyncEngine(llm.engine)
     recommended = recommended_sampling(llm.checkpoint) if args.generation_config == "auto" else {}
@@ -148,21 +218,45 @@ def _model_name(args: argparse.Namespace, checkpoint) -> str:
 
 
 def _serve(served, args: argparse.Namespace, listener: socket.socket) -> int:
-    import uvicorn
-
     from candelabra.core.server.app import build_app
 
     host, port = listener.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     _print_start_up(served, url, args)
     config = uvicorn.Config(build_app(served, args.api_key), log_level="info" if args.log else "warning",
-                            access_log=args.log, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            access_log=args.log, timeout_graceful_shutdown=args.shutdown_grace + 5)
+    server = _StoppingServer(config, served, args.shutdown_grace)
     try:
         server.run(sockets=[listener])
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has stopped: the shell's exit status for it
+        return 130
     finally:
         served.engine.shutdown()
     return 0
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, which on stopping gives the requests in flight `grace` seconds to finish,
+    ends the rest with a 503 (or an error event in their stream) instead of cutting them off,
+    shuts the engine down and says how many requests it aborted. The line is printed here because
+    uvicorn raises the stopping signal again once this returns."""
+
+    def __init__(self, config: uvicorn.Config, served, grace: float) -> None:
+        super().__init__(config)
+        self.served, self.grace = served, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        aborted_before = self.served.metrics.finished_by_reason["abort"]
+        ender = asyncio.get_running_loop().call_later(self.grace, self.served.engine.stop_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+            self.served.engine.shutdown()
+            aborted = self.served.metrics.finished_by_reason["abort"] - aborted_before
+            plural = "" if aborted == 1 else "s"
+            print(f"stopped; {aborted} request{plural} in flight aborted" if aborted else
+                  "stopped; no request was in flight", flush=True)
 
 
 def _print_start_up(served, url: str, args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ request as its outputs arrive (`RequestTimer`).
 
 from __future__ import annotations
 
+import collections
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -48,6 +49,7 @@ class ServerMetrics:
         self.prompt_tokens = counter("candelabra_prompt_tokens", "Prompt tokens admitted.").labels(**labels)
         self.generation_tokens = counter("candelabra_generation_tokens", "Tokens generated.").labels(**labels)
         self._finished = counter("candelabra_requests_finished", "Requests that ended, by how.", ("finish_reason",))
+        self.finished_by_reason: collections.Counter[str] = collections.Counter()
         self.ttft = histogram("candelabra_time_to_first_token_seconds", "From arrival to the first generated token.")
         self.itl = histogram("candelabra_inter_token_latency_seconds", "Between successive outputs of a request.")
         self.e2e = histogram("candelabra_e2e_request_latency_seconds", "From arrival to the last output.")
@@ -55,6 +57,7 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         """Count a request that ended: stop, length, abort (client gone) or error."""
         self._finished.labels(**self._labels, finish_reason=reason).inc()
+        self.finished_by_reason[reason] += 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from candelabra.core.async_engine import AsyncEngine, RequestStream
+from candelabra.core.async_engine import AsyncEngine, EngineStopping, RequestStream
 from candelabra.core.engine import CompletionOutput, RequestOutput
 from candelabra.core.sampling_params import SamplingParams
 from candelabra.core.server.errors import APIError, bad_request, error_body
@@ -406,30 +406,38 @@ def _completion_logprobs(tokenizer, preceding: list[int], entries: list[dict] | 
 
 
 async def _until_done_or_disconnected(generation: Generation, http: Request) -> None:
-    """Run the generation to its end; abort it when the client goes away first."""
+    """Run the generation to its end; abort it as soon as the client goes away first."""
 
     async def drain() -> None:
         async for _ in generation.outputs():
             pass
 
     task = asyncio.create_task(drain())
+    gone = asyncio.create_task(_disconnected(http))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                task.result()
-                return
-            if await http.is_disconnected():
-                task.cancel()
-                generation.close()
-                raise APIError(499, "the client disconnected")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            return
+        raise APIError(499, "the client disconnected")
+    except EngineStopping as exc:
+        generation.close()
+        raise APIError(503, str(exc)) from exc
     except RuntimeError as exc:  # the engine failed this request
         generation.close("error")
         raise APIError(500, str(exc)) from exc
     finally:
+        gone.cancel()
         if not task.done():
             task.cancel()
             generation.close()
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the server's next message
+    for this request is its disconnect."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event_stream(chunks: AsyncIterator[dict], generation: Generation) -> StreamingResponse:
@@ -439,6 +447,8 @@ def _event_stream(chunks: AsyncIterator[dict], generation: Generation) -> Stream
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             ended = None
+        except EngineStopping as exc:
+            yield f"data: {json.dumps(error_body(str(exc), 'service_unavailable'))}\n\n"
         except RuntimeError as exc:  # the engine failed this request; tell the client in the stream
             ended = "error"
             yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"

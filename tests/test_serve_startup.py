@@ -1,0 +1,133 @@
+"""`candelabra serve` before and after serving: which mistakes it reports and in what order, what it
+refuses, and what it says when it stops."""
+
+import socket
+
+import httpx
+import pytest
+
+from candelabra.core import cli
+from candelabra.core.server.launch import check_arguments
+from conftest import run_candelabra
+from live_server import LiveServer, write_chat_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_chat_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture
+def busy_port():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        yield str(taken.getsockname()[1])
+
+
+def serve_args(*argv: str):
+    parser = cli._parser(chosen="serve")
+    return parser.parse_args(["serve", *argv])
+
+
+def test_a_wrong_backend_or_path_is_reported_before_a_busy_port(checkpoint, busy_port):
+    wrong_backend = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "nosuch",
+                                   "--port", busy_port)
+    assert wrong_backend.returncode == 1 and "no backend named 'nosuch'" in wrong_backend.stderr
+    planned = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cuda", "--port", busy_port)
+    assert planned.returncode == 1 and "not part of candelabra yet" in planned.stderr
+    wrong_path = run_candelabra("serve", "--weight-path", str(checkpoint / "missing"), "--port", busy_port)
+    assert wrong_path.returncode == 1 and "does not exist" in wrong_path.stderr
+    wrong_type = run_candelabra("serve", "llama3", "--weight-path", str(checkpoint), "--backend", "cpu",
+                                "--port", busy_port)
+    assert wrong_type.returncode == 1 and "model type 'llama3' does not match" in wrong_type.stderr
+    for result in (wrong_backend, planned, wrong_path, wrong_type):
+        assert "in use" not in result.stderr and result.stderr.count("error:") == 1
+        assert result.stderr.splitlines()[-1].startswith("error: ")
+
+
+def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
+    result = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cpu", "--port", busy_port)
+    assert result.returncode == 1 and result.stderr.count("error:") == 1
+    message = result.stderr.splitlines()[-1]
+    assert f"cannot listen on 127.0.0.1:{busy_port}" in message and "already in use" in message
+    assert "server that is already running" in message and "--port N" in message and "--port 0" in message
+    assert "loading weights" not in message  # refused before the weights load
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--max-model-len", "1"], "--max-model-len must be at least 2 (a prompt token and a generated one), not 1"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 2"),
+    (["--max-gen-tokens", "0"], "--max-gen-tokens must be at least 1"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
+    (["--prefill-chunk-size", "-1"], "--prefill-chunk-size must be at least 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    (["--port", "70000"], "--port must be in 0 to 65535"),
+    (["--kvcache-mem-gpu", "0"], "--kvcache-mem-gpu must be more than 0 MB"),
+    (["--kvcache-mem-cpu", "-1"], "--kvcache-mem-cpu must be 0 MB (no swap space) or more"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 seconds or more"),
+    (["--temperature", "-0.5"], "--temperature: temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p: top_p must be in (0, 1]"),
+    (["--top-k", "-2"], "--top-k: top_k must be >= 0"),
+    (["--penalty", "0"], "--penalty: repetition_penalty must be > 0"),
+    (["--repeat-last-n", "-1"], "--repeat-last-n: repeat_last_n must be >= 0"),
+])
+def test_values_that_cannot_serve_a_request_are_refused(flags, problem):
+    with pytest.raises(ValueError) as caught:
+        check_arguments(serve_args(*flags))
+    assert problem in str(caught.value)
+
+
+def test_good_values_pass_the_checks():
+    check_arguments(serve_args("--max-model-len", "2", "--temperature", "0", "--top-p", "1", "--top-k", "-1",
+                               "--kvcache-mem-cpu", "0", "--prefill-chunk-size", "0", "--shutdown-grace", "0"))
+
+
+def test_a_refused_value_exits_2_in_one_line_before_anything_loads(checkpoint, capsys):
+    assert cli.main(["serve", "--weight-path", str(checkpoint / "missing"), "--max-model-len", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error == "error: --max-model-len must be at least 2 (a prompt token and a generated one), not 1\n"
+
+
+def test_a_kv_cache_too_small_for_one_block_says_how_big_a_block_is(checkpoint):
+    result = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cpu", "--port", "0",
+                            "--kvcache-mem-gpu", "0.0001")
+    assert result.returncode == 1
+    assert "kvcache_mem_gpu (0.0001 MB) holds no KV cache block: one block of 16 tokens takes" in result.stderr
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == "candelabra 0.1.0"
+
+
+def test_serve_help_explains_the_backend_default_and_the_sampling_flags():
+    help_text = " ".join(cli._parser(chosen="serve")._subparsers._group_actions[0].choices["serve"]
+                         .format_help().split())
+    assert "--backend BACKEND an installed backend" in help_text and "(default: auto)" in help_text
+    for flag, words in (("--temperature", "0 always takes the likeliest token"),
+                        ("--top-k", "the K likeliest tokens"), ("--top-p", "add up to P")):
+        assert f"{flag} {flag[2:].upper().replace('-', '_')} " in help_text and words in help_text
+
+
+def test_stopping_an_idle_server_says_so(checkpoint):
+    with LiveServer("--weight-path", str(checkpoint), "--backend", "cpu", "--kvcache-mem-gpu", "2") as server:
+        output = server.stop()
+    assert server.process.returncode == 130  # as for any program stopped by Ctrl-C
+    assert "Traceback" not in output
+    assert output.splitlines()[-1] == "stopped; no request was in flight"
+
+
+def test_stopping_ends_a_request_in_flight_and_counts_it(checkpoint):
+    args = ("--weight-path", str(checkpoint), "--backend", "cpu", "--kvcache-mem-gpu", "2", "--shutdown-grace", "0")
+    with LiveServer(*args) as server:
+        body = {"prompt": "w10 w11 w12", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # it is running
+            output = server.stop()
+            rest = [line for line in lines if line]
+    assert '"the server is shutting down"' in rest[-2] and rest[-1] == "data: [DONE]"
+    assert "Traceback" not in output
+    assert output.splitlines()[-1] == "stopped; 1 request in flight aborted"
