@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
+from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
-from candelabra.core.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
 
 

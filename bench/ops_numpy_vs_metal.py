@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from candelabra.backends.cpu import CpuBackend
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.text_table import format_table
 from candelabra.plugins import installed_plugins
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from candelabra.core.backend import Backend
+from candelabra.core.contract.backend import Backend
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 2, 4, 2, 16, 128
 BLOCK_SIZE, MAX_TOKENS = 16, 12
@@ -96,8 +96,8 @@ class _Harness:
     """Fresh engines over one loaded model, and requests run to completion on them."""
 
     def __init__(self, backend: Backend, folder: Path) -> None:
+        from candelabra.core.engine.tokenizer import Tokenizer
         from candelabra.core.models import load_model
-        from candelabra.core.tokenizer import Tokenizer
         from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(folder)
@@ -105,8 +105,8 @@ class _Harness:
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
 
     def engine(self, **options):
-        from candelabra.core.engine import EngineConfig, LLMEngine
-        from candelabra.core.model_runner import ModelRunner
+        from candelabra.core.engine.engine import EngineConfig, LLMEngine
+        from candelabra.core.worker.model_runner import ModelRunner
 
         config = EngineConfig(**{"num_blocks": 64, "block_size": BLOCK_SIZE, **options})
         return LLMEngine(ModelRunner(self.model, config.num_blocks, config.block_size), self.tokenizer, config)
@@ -145,7 +145,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def run_engine_case(backend: Backend, case: EngineCase, seed: int) -> EngineResult:
-    from candelabra.core.sampling_params import SamplingParams
+    from candelabra.core.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
-from candelabra.core.backend import Backend
-from candelabra.core.dtypes import FLOAT_DTYPES
-from candelabra.core.ops import OP_NAMES, KVCache, OpNotSupported
+from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.dtypes import FLOAT_DTYPES
+from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported
 
 PASSED, FAILED, NOT_SUPPORTED = "passed", "failed", "not supported"
 

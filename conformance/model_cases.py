@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse
-from candelabra.core.backend import Backend
-from candelabra.core.model_runner import ModelRunner
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.worker.model_runner import ModelRunner
 
 VOCAB, PROMPT_TOKENS, GREEDY_TOKENS, BLOCK_SIZE = 211, 21, 16, 16
 # A greedy step is a tie, not a failure, when transformers' two best logits are this close.

@@ -14,9 +14,9 @@ import numpy as np
 from candelabra.conformance import oracle
 from candelabra.conformance.compare import round_to
 from candelabra.conformance.harness import Case, Harness
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.rope import RopeScaling, cos_sin_table
-from candelabra.core.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.models.rope import RopeScaling, cos_sin_table
 
 # How far a sampled token's inverse-CDF interval may sit from the draw: float32 cumulative sums
 # over a large vocabulary drift by about this much.
@@ -299,7 +299,7 @@ def check_swap(h: Harness, layers: int, block_size: int, blocks: int) -> None:
 
 
 def check_array_subset(h: Harness, shape: tuple) -> None:
-    """The array methods model graphs may use directly (see candelabra.core.ops)."""
+    """The array methods model graphs may use directly (see candelabra.core.contract.ops)."""
     a, b = h.rand(*shape), h.rand(*shape)
     x, y = h.upload(a), h.upload(b)
     h.require("shape", tuple(x.shape) == shape, f"{tuple(x.shape)}")

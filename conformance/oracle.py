@@ -1,8 +1,8 @@
-"""The conformance oracle: a naive float64 reference for every op in `candelabra.core.ops.Ops`.
+"""The conformance oracle: a naive float64 reference for every op in `candelabra.core.contract.ops.Ops`.
 
 Each function follows the op's docstring literally, in plain numpy with Python loops where they
 make the math easier to check. It is deliberately slow and simple, and shares no code with any
-backend (or with `candelabra.core.rope`), so that a bug in a backend cannot hide in the oracle.
+backend (or with `candelabra.core.models.rope`), so that a bug in a backend cannot hide in the oracle.
 Inputs are numpy arrays; everything is computed in float64 and returned as float64 (ints as int64).
 """
 
@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from candelabra.core.step_metadata import SamplingMetadata
+from candelabra.core.contract.step_metadata import SamplingMetadata
 
 
 def _f64(x) -> np.ndarray:

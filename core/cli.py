@@ -64,9 +64,9 @@ def _version() -> str:
 MODULE_COMMANDS = {
     "serve": ("candelabra.core.server.launch",
               "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)"),
-    "chat": ("candelabra.core.chat", "chat in the terminal with a running server"),
-    "bench": ("candelabra.core.bench", "load a running server with concurrent streaming requests; throughput and "
-                                       "latency"),
+    "chat": ("candelabra.core.clients.chat", "chat in the terminal with a running server"),
+    "bench": ("candelabra.core.clients.bench",
+              "load a running server with concurrent streaming requests; throughput and latency"),
 }
 
 

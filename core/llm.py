@@ -7,13 +7,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from candelabra.core.engine import EngineConfig, LLMEngine, RequestOutput
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.model_runner import ModelRunner
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.models import load_model
-from candelabra.core.sampling_params import SamplingParams
-from candelabra.core.tokenizer import Tokenizer
 from candelabra.core.weights import Checkpoint
+from candelabra.core.worker.model_runner import ModelRunner
 
 log = logging.getLogger("candelabra")
 
@@ -62,7 +62,7 @@ def kv_blocks_for(model, block_size: int, memory_mb: float, what: str = "kvcache
 def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
                revision: str | None = None) -> Checkpoint:
     """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named."""
-    from candelabra.core.default_model import default_model_path
+    from candelabra.core.weights.default_model import default_model_path
     from candelabra.core.weights.open import open_checkpoint
 
     if model is None and model_id is None and weight_file is None:

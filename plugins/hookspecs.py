@@ -20,7 +20,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def register_backends(register):
-    """Call `register(backend_class)` for each `candelabra.core.backend.Backend` subclass."""
+    """Call `register(backend_class)` for each `candelabra.core.contract.backend.Backend` subclass."""
 
 
 @hookspec

@@ -84,7 +84,7 @@ def backend_class(spec: str, plugins: Plugins | None = None) -> type:
                 f"the {spec} backend ({PLANNED_BACKENDS[spec]}) is planned but not part of candelabra yet; use "
                 f"--backend auto or an installed backend: {', '.join(registry.names()) or 'none'}")
         return registry.get(spec)
-    from candelabra.core.backend import Backend
+    from candelabra.core.contract.backend import Backend
 
     module_name, _, class_name = spec.partition(":")
     try:
@@ -131,7 +131,7 @@ def _register_into(pending: list, make: Callable, source: PluginSource, *args) -
 
 
 def _backend_registration(args: tuple, source: PluginSource) -> Registration:
-    from candelabra.core.backend import Backend
+    from candelabra.core.contract.backend import Backend
 
     (backend_class,) = args
     if not (isinstance(backend_class, type) and issubclass(backend_class, Backend)):

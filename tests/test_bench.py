@@ -9,8 +9,8 @@ import socket
 import numpy as np
 import pytest
 
-from candelabra.core import bench
-from candelabra.core.bench import RequestResult
+from candelabra.core.clients import bench
+from candelabra.core.clients.bench import RequestResult
 from conftest import run_candelabra
 
 

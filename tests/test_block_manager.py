@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from candelabra.core.block_manager import BlockManager, BlockManagerError, OutOfBlocksError
+from candelabra.core.scheduling.block_manager import BlockManager, BlockManagerError, OutOfBlocksError
 
 POISON = "stale"
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from rich.console import Console
 
-from candelabra.core import chat
-from candelabra.core.client_connection import describe_failure
-from candelabra.core.sse_client import ServerError
+from candelabra.core.clients import chat
+from candelabra.core.clients.connection import describe_failure
+from candelabra.core.clients.sse_client import ServerError
 
 
 def chat_args(*argv):
@@ -36,7 +36,7 @@ def test_flags_become_openai_fields_and_unset_ones_are_left_to_the_server():
 
 
 def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
-    from candelabra.core.client_connection import api_headers
+    from candelabra.core.clients.connection import api_headers
 
     monkeypatch.delenv("CANDELABRA_API_KEY", raising=False)
     assert api_headers(None) == {}
@@ -79,7 +79,7 @@ def test_reply_statistics_prefer_the_usage_count():
 
 
 def test_url_may_be_given_openai_style():
-    from candelabra.core.client_connection import server_root
+    from candelabra.core.clients.connection import server_root
 
     for url in ("http://h:2000", "http://h:2000/", "http://h:2000/v1", "http://h:2000/v1/"):
         assert server_root(url) == "http://h:2000"

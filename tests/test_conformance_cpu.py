@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from candelabra.conformance.op_cases import op_cases
-from candelabra.core.ops import OP_NAMES
+from candelabra.core.contract.ops import OP_NAMES
 from conftest import run_candelabra
 
 

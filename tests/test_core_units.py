@@ -7,9 +7,9 @@ import pytest
 
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.compare import nmse, round_to
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.ops import OP_NAMES, OpNotSupported, Ops
-from candelabra.core.rope import RopeScaling, cos_sin_table, rope_frequencies
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import OP_NAMES, OpNotSupported, Ops
+from candelabra.core.models.rope import RopeScaling, cos_sin_table, rope_frequencies
 
 
 def test_kv_cache_spec_sizes_blocks_from_memory():

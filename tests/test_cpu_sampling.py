@@ -3,7 +3,7 @@
 import numpy as np
 
 from candelabra.backends.cpu import CpuBackend
-from candelabra.core.step_metadata import SamplingMetadata, pad_token_lists
+from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
 
 
 def _params(rows, rng, temperature=1.0, top_k=0, top_p=1.0):

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from candelabra.core.detokenizer import IncrementalDetokenizer
-from candelabra.core.tokenizer import Tokenizer
+from candelabra.core.engine.detokenizer import IncrementalDetokenizer
+from candelabra.core.engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -246,7 +246,7 @@ def test_the_decoded_window_does_not_grow_with_the_output(bpe):
 
 @pytest.fixture(scope="module")
 def qwen():
-    from candelabra.core.default_model import default_model_path
+    from candelabra.core.weights.default_model import default_model_path
     from candelabra.core.weights.gguf import GGUFCheckpoint
 
     # The README's set-up installs the default model (the demo extra); without it this fails

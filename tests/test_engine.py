@@ -5,8 +5,8 @@ import json
 import pytest
 
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
+from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
-from candelabra.core.sampling_params import SamplingParams
 from conftest import run_candelabra
 
 PROMPT = [5, 9, 23, 42, 7, 11]

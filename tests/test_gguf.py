@@ -35,8 +35,7 @@ from candelabra.conformance.gguf_models import (
     tiny_model,
     write_gguf,
 )
-from candelabra.core import default_model
-from candelabra.core.weights import CheckpointError
+from candelabra.core.weights import CheckpointError, default_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.weights.gguf_config import ARCHITECTURES
 from candelabra.core.weights.gguf_tensors import LAYOUTS

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from candelabra.backends.metal import MetalBackend
-from candelabra.core.ops import OP_NAMES
+from candelabra.core.contract.ops import OP_NAMES
 from conftest import run_candelabra
 
 if not MetalBackend.probe().available:
@@ -63,8 +63,8 @@ def test_cache_write_and_attention_evaluate_as_one_step():
     import mlx.core as mx
     import numpy as np
 
-    from candelabra.core.kv_cache import KVCacheSpec
-    from candelabra.core.step_metadata import StepMetadata
+    from candelabra.core.contract.kv_cache import KVCacheSpec
+    from candelabra.core.contract.step_metadata import StepMetadata
 
     backend = MetalBackend()
     (cache,) = backend.allocate_kv_cache(KVCacheSpec(1, 4, 16, 2, 64, "bfloat16"))

@@ -132,7 +132,7 @@ def test_backend_by_import_path():
     with pytest.raises(RegistryError, match="cannot load backend"):
         backend_class("candelabra.backends.cpu:Nothing")
     with pytest.raises(RegistryError, match="not a Backend subclass"):
-        backend_class("candelabra.core.ops:Ops")
+        backend_class("candelabra.core.contract.ops:Ops")
 
 
 def test_backends_command_lists_cpu_as_available(capsys):
@@ -145,7 +145,7 @@ def test_backends_command_lists_cpu_as_available(capsys):
 
 def test_backends_command_shows_unavailable_backends_with_their_reason(tmp_path, monkeypatch, capsys):
     source = """
-        from candelabra.core.backend import Backend, Probe
+        from candelabra.core.contract.backend import Backend, Probe
         from candelabra.plugins import hookimpl
 
         class Ghost(Backend):

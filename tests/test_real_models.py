@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from candelabra.conformance.compare import nmse
-from candelabra.core.default_model import default_model_path
-from candelabra.core.model_runner import ModelRunner
+from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.models import load_model
-from candelabra.core.step_metadata import StepMetadata
-from candelabra.core.tokenizer import Tokenizer
+from candelabra.core.weights.default_model import default_model_path
 from candelabra.core.weights.gguf import GGUFCheckpoint
+from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
 
 pytestmark = pytest.mark.slow

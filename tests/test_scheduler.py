@@ -4,10 +4,10 @@ the scheduled tokens computed and appending one sampled token per finished prefi
 import numpy as np
 import pytest
 
-from candelabra.core.block_manager import BlockManager
-from candelabra.core.sampling_params import SamplingParams
-from candelabra.core.scheduler import Scheduler
-from candelabra.core.sequence import Sequence, SequenceStatus
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.sequence import Sequence, SequenceStatus
+from candelabra.core.scheduling.block_manager import BlockManager
+from candelabra.core.scheduling.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -403,7 +403,7 @@ def test_serve_without_the_default_model_says_how_to_install_it(tmp_path):
     import subprocess
     import sys
 
-    hide_chunks = ("import sys; import candelabra.core.default_model as d; "
+    hide_chunks = ("import sys; import candelabra.core.weights.default_model as d; "
                    "d.CHUNKS = [('candelabra_no_such_chunk_package', 'model.part')]; "
                    "from candelabra.core.cli import main; sys.exit(main(['serve', '--port', '0']))")
     result = subprocess.run([sys.executable, "-c", hide_chunks], capture_output=True, text=True, timeout=120,

@@ -6,7 +6,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from candelabra.core.async_engine import AsyncEngine
+from candelabra.core.engine.async_engine import AsyncEngine
 from candelabra.core.llm import LLM
 from candelabra.core.server.app import build_app
 from candelabra.core.server.metrics import ServerMetrics

@@ -129,7 +129,7 @@ def test_a_planned_backend_says_it_is_not_shipped_yet_and_what_to_use(name):
 
 
 def test_generation_config_is_read_and_checked(tmp_path):
-    from candelabra.core.generation_config import recommended_sampling
+    from candelabra.core.server.generation_config import recommended_sampling
     from candelabra.core.weights import CheckpointError
 
     class Folder:

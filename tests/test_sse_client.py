@@ -7,7 +7,7 @@ import random
 import httpx
 import pytest
 
-from candelabra.core.sse_client import ServerError, SseDecoder, aiter_events, iter_events
+from candelabra.core.clients.sse_client import ServerError, SseDecoder, aiter_events, iter_events
 
 CHUNKS = [
     {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},

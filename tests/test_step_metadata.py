@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from candelabra.core.step_metadata import NO_TOKEN, SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.contract.step_metadata import NO_TOKEN, SamplingMetadata, StepMetadata, pad_token_lists
 
 
 def test_build_lays_out_a_mixed_batch():

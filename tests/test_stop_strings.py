@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from candelabra.core.stop_strings import StopStringMatcher
+from candelabra.core.engine.stop_strings import StopStringMatcher
 
 
 def run(stop, feeds, finish=True):

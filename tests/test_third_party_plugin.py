@@ -27,8 +27,8 @@ PLUGIN = """
     import numpy as np
 
     from candelabra.backends.cpu import CpuBackend
-    from candelabra.core.backend import Probe
-    from candelabra.core.ops import Ops
+    from candelabra.core.contract.backend import Probe
+    from candelabra.core.contract.ops import Ops
     from candelabra.plugins import hookimpl
 
 

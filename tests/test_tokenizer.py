@@ -7,7 +7,7 @@ from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from candelabra.core.tokenizer import ChatTemplateError, Tokenizer
+from candelabra.core.engine.tokenizer import ChatTemplateError, Tokenizer
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
 TEMPLATE = (
@@ -68,7 +68,7 @@ def test_a_gguf_tokenizer_is_built_once_saying_so_then_read_from_the_cache(tmp_p
 
     from transformers import AutoTokenizer
 
-    from candelabra.core.tokenizer import _from_gguf
+    from candelabra.core.engine.tokenizer import _from_gguf
 
     (tmp_path / "source").mkdir()
     _checkpoint(tmp_path / "source")

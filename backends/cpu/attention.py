@@ -1,4 +1,4 @@
-"""Paged attention in numpy over the step's gather layouts (see candelabra.core.attention_layout).
+"""Paged attention in numpy over the step's gather layouts (see candelabra.core.contract.attention_layout).
 
 The decodes of a step share one batched matmul; each multi-token sequence is one dense block.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from candelabra.core.attention_layout import GatheredStep, gather_groups
-from candelabra.core.ops import KVCache
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.attention_layout import GatheredStep, gather_groups
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import StepMetadata
 
 
 def prepare_step(meta: StepMetadata) -> GatheredStep:

@@ -9,11 +9,11 @@ import psutil
 
 from candelabra.backends.cpu.attention import prepare_step
 from candelabra.backends.cpu.ops import NumpyOps
-from candelabra.core.attention_layout import GatheredStep
-from candelabra.core.backend import Backend, Probe
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.ops import KVCache
-from candelabra.core.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.attention_layout import GatheredStep
+from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
 
 
 class CpuBackend(Backend):

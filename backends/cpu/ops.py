@@ -1,4 +1,4 @@
-"""The numpy reference ops, in float32. Semantics are those of `candelabra.core.ops.Ops`."""
+"""The numpy reference ops, in float32. Semantics are those of `candelabra.core.contract.ops.Ops`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from candelabra.backends.cpu import attention, sampling
-from candelabra.core.ops import KVCache, Ops, SampleResult
+from candelabra.core.contract.ops import KVCache, Ops, SampleResult
 
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2 / math.pi))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from candelabra.core.ops import SampleResult
-from candelabra.core.step_metadata import SamplingMetadata
+from candelabra.core.contract.ops import SampleResult
+from candelabra.core.contract.step_metadata import SamplingMetadata
 
 
 def sample(logits: np.ndarray, params: SamplingMetadata) -> SampleResult:

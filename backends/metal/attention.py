@@ -1,4 +1,4 @@
-"""Paged attention in MLX over the step's gather layouts (see candelabra.core.attention_layout).
+"""Paged attention in MLX over the step's gather layouts (see candelabra.core.contract.attention_layout).
 
 Each group gathers its keys from the cache and runs one dense attention: MLX's fused
 scaled_dot_product_attention, or the plain softmax form when logits are soft-capped, which the
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from candelabra.core.attention_layout import GatheredStep, GatherGroup
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.attention_layout import GatheredStep, GatherGroup
+from candelabra.core.contract.step_metadata import StepMetadata
 
 
 @dataclass

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import psutil
 
-from candelabra.core.attention_layout import gather_groups
-from candelabra.core.backend import Backend, Probe
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.ops import KVCache
-from candelabra.core.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.attention_layout import gather_groups
+from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
 
 try:
     import mlx.core as mx

@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 
 from candelabra.backends.metal import attention, sampling
-from candelabra.core.ops import KVCache, Ops
+from candelabra.core.contract.ops import KVCache, Ops
 
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from candelabra.core.ops import SampleResult
+from candelabra.core.contract.ops import SampleResult
 
 
 def sample(logits, p) -> SampleResult:

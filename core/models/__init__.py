@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from candelabra.core.backend import Backend
-from candelabra.core.config import ConfigError, ModelConfig
+from candelabra.core.contract.backend import Backend
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.weights import Checkpoint
 
 

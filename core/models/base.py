@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from candelabra.core.backend import Backend
-from candelabra.core.config import ModelConfig
-from candelabra.core.dtypes import DType
-from candelabra.core.ops import KVCache
-from candelabra.core.rope import RotaryTable
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.dtypes import DType
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.models.config import ModelConfig
+from candelabra.core.models.rope import RotaryTable
 from candelabra.core.weights import Checkpoint
 
 GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh")

@@ -1,8 +1,8 @@
 """StableLM (StableLmForCausalLM): layer norms, partial rotary, optional qkv biases, and a
 parallel residual when the config asks for one."""
 
-from candelabra.core.config import ConfigError
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.config import ConfigError
 
 
 class StableLm(DecoderModel):

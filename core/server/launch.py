@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from candelabra.core.dtypes import FLOAT_DTYPES
+from candelabra.core.contract.dtypes import FLOAT_DTYPES
 
 log = logging.getLogger("candelabra")
 
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
-    from candelabra.core.sampling_params import SamplingParams
+    from candelabra.core.engine.sampling_params import SamplingParams
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
@@ -154,8 +154,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _backend_and_checkpoint(args: argparse.Namespace):
     """The backend class and the opened checkpoint, whose config must name a known architecture
     (and match MODEL_TYPE): all that can be checked before the weights load."""
-    from candelabra.core.config import ModelConfig
     from candelabra.core.llm import choose_backend, open_model
+    from candelabra.core.models.config import ModelConfig
 
     backend = choose_backend(args.backend)
     checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision)
@@ -183,9 +183,9 @@ def _listen_failure(host: str, port: int, exc: OSError) -> str:
 
 
 def _load(args: argparse.Namespace, backend: type, checkpoint):
-    from candelabra.core.async_engine import AsyncEngine
-    from candelabra.core.generation_config import recommended_sampling
+    from candelabra.core.engine.async_engine import AsyncEngine
     from candelabra.core.llm import LLM
+    from candelabra.core.server.generation_config import recommended_sampling
     from candelabra.core.server.metrics import ServerMetrics
     from candelabra.core.server.serving import Served, ServerDefaults
 
@@ -207,7 +207,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
 
 
 def _model_name(args: argparse.Namespace, checkpoint) -> str:
-    from candelabra.core.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME
+    from candelabra.core.weights.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME
 
     if args.model_id:
         return args.model_id

@@ -11,7 +11,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from candelabra.core.async_engine import AsyncEngine
+from candelabra.core.engine.async_engine import AsyncEngine
 
 disable_created_metrics()  # the *_created series only repeat the start-up time
 

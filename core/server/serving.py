@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from candelabra.core.async_engine import AsyncEngine, EngineStopping, RequestStream
-from candelabra.core.engine import CompletionOutput, RequestOutput
-from candelabra.core.sampling_params import SamplingParams
+from candelabra.core.engine.async_engine import AsyncEngine, EngineStopping, RequestStream
+from candelabra.core.engine.engine import CompletionOutput, RequestOutput
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.server.errors import APIError, bad_request, error_body
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
 from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
-from candelabra.core.tokenizer import ChatTemplateError
 
 log = logging.getLogger("candelabra")
 

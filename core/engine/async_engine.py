@@ -16,8 +16,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
-from candelabra.core.engine import CheckedRequest, LLMEngine, RequestOutput
-from candelabra.core.sampling_params import SamplingParams
+from candelabra.core.engine.engine import CheckedRequest, LLMEngine, RequestOutput
+from candelabra.core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("candelabra")
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
-from candelabra.core.client_connection import (
+from candelabra.core.clients.connection import (
     STREAM_TIMEOUT,
     add_server_arguments,
     api_headers,
@@ -29,7 +29,7 @@ from candelabra.core.client_connection import (
     served_model,
     server_root,
 )
-from candelabra.core.sse_client import ServerError, aiter_events
+from candelabra.core.clients.sse_client import ServerError, aiter_events
 from candelabra.core.text_table import format_table
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from candelabra.core.block_manager import BlockManager
-from candelabra.core.detokenizer import IncrementalDetokenizer
-from candelabra.core.kv_cache import KVCacheSpec
-from candelabra.core.model_runner import ModelRunner
-from candelabra.core.sampling_params import SamplingParams
-from candelabra.core.scheduler import ScheduledSequence, Scheduler
-from candelabra.core.sequence import Sequence
-from candelabra.core.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
-from candelabra.core.stop_strings import StopStringMatcher
-from candelabra.core.tokenizer import Tokenizer
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.engine.detokenizer import IncrementalDetokenizer
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.sequence import Sequence
+from candelabra.core.engine.stop_strings import StopStringMatcher
+from candelabra.core.engine.tokenizer import Tokenizer
+from candelabra.core.scheduling.block_manager import BlockManager
+from candelabra.core.scheduling.scheduler import ScheduledSequence, Scheduler
+from candelabra.core.worker.model_runner import ModelRunner
 
 
 @dataclass

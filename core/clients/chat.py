@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.markdown import Markdown
 from rich.text import Text
 
-from candelabra.core.client_connection import (
+from candelabra.core.clients.connection import (
     STREAM_TIMEOUT,
     add_server_arguments,
     api_headers,
@@ -25,7 +25,7 @@ from candelabra.core.client_connection import (
     served_model,
     server_root,
 )
-from candelabra.core.sse_client import ServerError, iter_events
+from candelabra.core.clients.sse_client import ServerError, iter_events
 
 EXIT_COMMANDS = ("/exit", "/quit")
 CLEAR_COMMAND = "/clear"

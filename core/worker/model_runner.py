@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from candelabra.core.kv_cache import KVCacheSpec
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.models.base import DecoderModel
-from candelabra.core.step_metadata import StepMetadata
 
 
 class ModelRunner:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from candelabra.core.rope import RopeScaling
+from candelabra.core.models.rope import RopeScaling
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 

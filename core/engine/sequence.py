@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from candelabra.core.sampling_params import SamplingParams
+from candelabra.core.engine.sampling_params import SamplingParams
 
 _next_id = itertools.count()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from candelabra.core.step_metadata import StepMetadata
+from candelabra.core.contract.step_metadata import StepMetadata
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from candelabra.core.tokenizer import Tokenizer
+from candelabra.core.engine.tokenizer import Tokenizer
 
 # Enough prompt tokens for a decoder to see that the output does not start a sequence.
 PROMPT_CONTEXT_TOKENS = 5

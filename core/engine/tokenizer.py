@@ -26,7 +26,7 @@ def _from_gguf(auto_tokenizer, files: dict):
     """Building a tokenizer from a GGUF's vocabulary takes transformers tens of seconds for a
     150k vocabulary, so the converted tokenizer is kept in the cache, keyed by the file's
     name, size and modification time."""
-    from candelabra.core.default_model import default_cache_dir
+    from candelabra.core.weights.default_model import default_cache_dir
 
     gguf = Path(files["pretrained_model_name_or_path"]) / files["gguf_file"]
     stat = gguf.stat()

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from candelabra.core.block_manager import BlockManager
-from candelabra.core.sequence import Sequence, SequenceStatus
+from candelabra.core.engine.sequence import Sequence, SequenceStatus
+from candelabra.core.scheduling.block_manager import BlockManager
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 

@@ -8,7 +8,7 @@ import os
 
 import httpx
 
-from candelabra.core.sse_client import ServerError, check_status
+from candelabra.core.clients.sse_client import ServerError, check_status
 
 DEFAULT_URL = "http://127.0.0.1:2000"
 API_KEY_VARIABLE = "CANDELABRA_API_KEY"

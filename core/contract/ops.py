@@ -141,7 +141,7 @@ class Ops:
     ) -> tuple[Tensor, Tensor]:
         """Rotary position embedding of q [T, Hq, D] and k [T, Hk, D] at `positions` [T] int32.
 
-        `cos_sin` [max_positions, R] float32 is a table (see `candelabra.core.rope`): row p holds
+        `cos_sin` [max_positions, R] float32 is a table (see `candelabra.core.models.rope`): row p holds
         cos(p * f_i) in columns [0, R/2) and sin(p * f_i) in [R/2, R), i = 0 .. R/2-1, already
         carrying any scaling (linear, llama3, yarn and its attention factor). The first R <= D
         features of each head rotate (partial rotary when R < D); the rest pass through. With

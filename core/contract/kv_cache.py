@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from candelabra.core.dtypes import DType, check_dtype
+from candelabra.core.contract.dtypes import DType, check_dtype
 
 BYTES_PER_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -1,0 +1,1 @@
+"""HTTP client programs for a running server: `candelabra chat` and `candelabra bench`."""

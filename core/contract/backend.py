@@ -1,0 +1,144 @@
+"""The backend contract: the only way the core touches hardware.
+
+A backend subclasses `Backend`, gives it a `name`, and registers the class through the plugin
+hook `register_backends` (see `candelabra.plugins`). The core then:
+
+* asks `probe()` whether it can run here, and why not;
+* moves data with `to_device` / `to_host`, and weights with `upload_weight`;
+* allocates the paged KV cache (`allocate_kv_cache`) and host swap space
+  (`allocate_swap_space`), and copies or swaps whole blocks between steps;
+* turns each step's host metadata into backend tensors once (`prepare_step`,
+  `prepare_sampling`), runs the model graph on `ops`, and calls `evaluate` once on the step's
+  results, so that a lazy backend (MLX) computes the whole step as one graph.
+
+Every call that changes a cache or swap space returns it, so a backend with immutable arrays
+(MLX) returns new ones while numpy and torch may change them in place and return the same objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import numpy as np
+
+from candelabra.core.contract.dtypes import DType, check_dtype
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import KVCache, Ops, Tensor
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses."""
+
+    available: bool
+    reason: str = ""
+    device: str = ""
+
+
+class Backend:
+    """Base class of every backend. Subclasses set `name`, `dtypes` and `ops`, and implement the
+    memory and cache calls; the metadata calls have working defaults built on `to_device`."""
+
+    name: ClassVar[str] = ""
+    # Compute dtypes this backend runs ops in; the first is its default.
+    dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
+    ops: Ops
+
+    @classmethod
+    def probe(cls) -> Probe:
+        """Report availability without raising: a missing library or device is a reason string."""
+        raise NotImplementedError(f"{cls.__name__} must implement probe()")
+
+    def check_dtype(self, dtype: str) -> DType:
+        """`dtype` if this backend computes in it, else a ValueError naming the ones it does."""
+        if check_dtype(dtype) not in self.dtypes:
+            raise ValueError(f"backend {self.name!r} does not compute in {dtype}; it offers {', '.join(self.dtypes)}")
+        return dtype  # type: ignore[return-value]
+
+    # memory
+
+    def to_device(self, array: np.ndarray, dtype: DType | None = None) -> Tensor:
+        """A backend tensor holding `array`; float arrays are cast to `dtype` when given,
+        integer arrays keep an integer type."""
+        raise NotImplementedError
+
+    def to_host(self, tensor: Tensor) -> np.ndarray:
+        """A numpy copy of `tensor`; bfloat16 comes back as float32."""
+        raise NotImplementedError
+
+    def dtype_of(self, tensor: Tensor) -> str:
+        """The dtype name of a backend tensor: a compute dtype, "int32" or "int64"."""
+        raise NotImplementedError
+
+    def zeros(self, shape: tuple[int, ...], dtype: DType) -> Tensor:
+        raise NotImplementedError
+
+    def free_memory(self) -> int:
+        """Bytes this backend could still allocate, for sizing the KV cache."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until all work handed to the device so far has finished."""
+        raise NotImplementedError
+
+    def evaluate(self, *values: Any) -> None:
+        """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend
+        builds a whole step as one graph and the model runner calls this once per step, on the
+        step's outputs and updated caches; an eager backend has already computed them."""
+
+    # weights
+
+    def upload_weight(self, array: np.ndarray, dtype: DType) -> Tensor:
+        """A dense weight for `Ops.linear` and friends. Backends that keep weights in another
+        layout override this."""
+        return self.to_device(array, dtype)
+
+    # KV cache
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
+        """One KVCache per layer, each of `spec.block_shape` in `spec.dtype`."""
+        raise NotImplementedError
+
+    def allocate_swap_space(self, spec: KVCacheSpec) -> Any:
+        """Host memory for `spec.num_blocks` blocks of every layer, as the backend likes it."""
+        raise NotImplementedError
+
+    def copy_blocks(self, caches: list[KVCache], mapping: np.ndarray) -> list[KVCache]:
+        """Copy whole blocks within the device cache of every layer. `mapping` [N, 2] int holds
+        (source, destination) pairs; sources and destinations are disjoint sets."""
+        raise NotImplementedError
+
+    def swap_out(self, caches: list[KVCache], swap: Any, mapping: np.ndarray) -> Any:
+        """Copy device blocks to host blocks: `mapping` [N, 2] holds (device, host) pairs.
+        Returns the updated swap space."""
+        raise NotImplementedError
+
+    def swap_in(self, caches: list[KVCache], swap: Any, mapping: np.ndarray) -> list[KVCache]:
+        """Copy host blocks to device blocks: `mapping` [N, 2] holds (host, device) pairs.
+        Returns the updated caches."""
+        raise NotImplementedError
+
+    # step metadata
+
+    def prepare_step(self, meta: StepMetadata) -> Any:
+        """The step's metadata as backend tensors, built once and shared by every layer."""
+        return _upload_arrays(self, meta)
+
+    def prepare_sampling(self, meta: SamplingMetadata) -> Any:
+        """The batch's sampling parameters as backend tensors."""
+        return _upload_arrays(self, meta)
+
+
+def _upload_arrays(backend: Backend, meta: Any) -> SimpleNamespace:
+    """The fields of dataclass `meta`, numpy arrays moved to the backend (floats as float32),
+    plus `host`, the original."""
+    prepared = SimpleNamespace(host=meta)
+    for field in fields(meta):
+        value = getattr(meta, field.name)
+        if isinstance(value, np.ndarray):
+            value = backend.to_device(value, "float32" if value.dtype.kind == "f" else None)
+        setattr(prepared, field.name, value)
+    return prepared

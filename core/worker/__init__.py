@@ -1,0 +1,1 @@
+"""The worker: runs scheduled steps of a model on a backend."""
