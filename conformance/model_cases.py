@@ -162,7 +162,7 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
         expected_stream.feed(next_token)
         if step + 1 < GREEDY_TOKENS:
             decode = StepMetadata.build([1], [len(tokens)], [blocks], BLOCK_SIZE)
-            next_token = int(np.argmax(backend.to_host(runner.execute(np.array([next_token]), decode))[0]))
+            next_token = int(np.argmax(backend.to_host(runner.logits(np.array([next_token]), decode))[0]))
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
@@ -211,8 +211,9 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
     blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
     runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
 
-    prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], BLOCK_SIZE)
-    logits = backend.to_host(runner.execute(prompt, prefill, all_logits=True))
+    prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], BLOCK_SIZE,
+                                 logits_rows=np.arange(len(prompt)))
+    logits = backend.to_host(runner.logits(prompt, prefill))
     error = nmse(logits, reference_logits(reference, prompt))
 
     greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks)

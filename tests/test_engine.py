@@ -125,3 +125,111 @@ def test_engine_conformance_passes(tmp_path, backend):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     cases = json.loads(results.read_text())["engine"]
     assert [c["status"] for c in cases] == ["passed"] * 6
+
+
+def test_one_device_to_host_transfer_per_step(llm, monkeypatch):
+    """Everything a step returns reaches the host through one `fetch`; nothing else reads the
+    device during the step."""
+    backend, counts = llm.backend, {"fetch": 0, "to_host": 0}
+    real_fetch, real_to_host = backend.fetch, backend.to_host
+    inside_fetch = []
+
+    def fetch(*tensors):
+        counts["fetch"] += 1
+        inside_fetch.append(True)
+        try:
+            return real_fetch(*tensors)
+        finally:
+            inside_fetch.pop()
+
+    def to_host(tensor):
+        if not inside_fetch:
+            counts["to_host"] += 1
+        return real_to_host(tensor)
+
+    monkeypatch.setattr(backend, "fetch", fetch)
+    monkeypatch.setattr(backend, "to_host", to_host)
+    engine = llm.engine
+    engine.add_request("a", PROMPT, greedy(max_tokens=6, ignore_eos=True, logprobs=2))
+    engine.add_request("b", PROMPT[:4], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5, ignore_eos=True,
+                                                       repetition_penalty=1.2, frequency_penalty=0.5))
+    steps = 0
+    while engine.has_unfinished_requests():
+        before = dict(counts)
+        engine.step()
+        steps += 1
+        assert (counts["fetch"] - before["fetch"], counts["to_host"] - before["to_host"]) == (1, 0)
+    assert steps >= 6
+
+
+def test_a_backend_that_runs_steps_at_fixed_padded_sizes_passes_the_engine_level(tmp_path):
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    result = run_candelabra("conformance", "--backend", "padded_backend:PaddedCpuBackend", "--level", "engine",
+                            "--json", str(tmp_path / "engine.json"),
+                            env_extra={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = json.loads((tmp_path / "engine.json").read_text())["engine"]
+    assert len(cases) >= 6 and all(c["status"] == "passed" for c in cases)
+
+
+def test_a_padding_backend_generates_what_the_reference_does_and_really_pads(llm, tmp_path):
+    from padded_backend import SIZES, PaddedCpuBackend
+
+    write_tiny_checkpoint(tmp_path, seed=5)
+    padded = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=4, kvcache_mem_cpu=1, block_size=16)
+    prompts = [PROMPT, PROMPT[:2], list(range(3, 40))]
+    params = [greedy(max_tokens=7, ignore_eos=True), SamplingParams(n=2, temperature=0.9, seed=8, max_tokens=5),
+              greedy(max_tokens=3, ignore_eos=True, logprobs=2)]
+    ours = padded.generate(prompts, params, progress=False)
+    reference = llm.generate(prompts, params, progress=False)
+    assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in reference]
+    shapes = padded.engine.runner.executor.shapes
+    assert shapes and all(tokens in SIZES and rows in (0, *SIZES) for tokens, _, rows in shapes)
+
+
+def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
+    """A mixed step (a decode beside a chunk of prefill), padded, gives the same tokens and
+    logprobs in its real rows as unpadded, and writes nothing to the cache for its padding."""
+    import numpy as np
+    from padded_backend import PaddedCpuBackend
+
+    from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
+    from candelabra.core.contract.step_metadata import StepMetadata
+    from candelabra.core.worker.model_runner import ModelRunner, sampling_metadata
+
+    write_tiny_checkpoint(tmp_path, seed=9)
+    llm = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)
+    rng = np.random.default_rng(4)
+    first, second = rng.integers(2, 150, 20).tolist(), rng.integers(2, 150, 30).tolist()
+    runner = ModelRunner(llm.model, num_blocks=8, block_size=16)
+    runner.logits(np.array(first[:19] + second[:12]), StepMetadata.build([19, 12], [19, 12], [[5, 2], [7, 0]], 16))
+    meta = llm.model.with_rope_positions(StepMetadata.build([1, 18], [20, 30], [[5, 2], [7, 0]], 16))
+    seqs = [_sequence(first, 0.0), _sequence(second, 0.7)]
+    inputs = StepInputs(np.array(first[19:] + second[12:], np.int32), meta, sampling_metadata(seqs))
+    untouched = [c.key.copy() for c in runner.caches]
+    executor = StepExecutor(llm.backend, llm.model)
+    plain, _ = executor.run(inputs, [c._replace(key=c.key.copy(), value=c.value.copy()) for c in runner.caches])
+    padded_inputs = pad_step_inputs(inputs, 32, 15, 8)
+    assert np.all(padded_inputs.step.slot_mapping[19:] == -1)
+    padded, caches = executor.run(padded_inputs, runner.caches)
+    np.testing.assert_array_equal(plain.token_ids, padded.token_ids[:2])
+    np.testing.assert_array_equal(plain.top_token_ids, padded.top_token_ids[:2])
+    # BLAS sums a batch of another size in another order: the logprobs agree to float32 rounding.
+    np.testing.assert_allclose(plain.logprobs, padded.logprobs[:2], rtol=1e-5)
+    np.testing.assert_allclose(plain.top_logprobs, padded.top_logprobs[:2], rtol=1e-5)
+    written = {int(s) for s in meta.slot_mapping}
+    for layer, before in zip(caches, untouched):
+        changed = {int(s) for s in np.flatnonzero(np.any(layer.key.reshape(-1, layer.key[0, 0].size) !=
+                                                         before.reshape(-1, before[0, 0].size), axis=1))}
+        assert changed <= written
+
+
+def _sequence(tokens, temperature):
+    import numpy as np
+
+    from candelabra.core.engine.sequence import Sequence
+
+    return Sequence("r", 0, tokens, SamplingParams(temperature=temperature, logprobs=3), 0, np.random.default_rng(1))

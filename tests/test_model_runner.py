@@ -34,7 +34,7 @@ def test_mixed_batch_matches_each_sequence_alone(checkpoint, backend_name):
     def alone(tokens, blocks):
         runner = ModelRunner(model, num_blocks=8, block_size=BLOCK)
         meta = StepMetadata.build([len(tokens)], [len(tokens)], [blocks], BLOCK)
-        return backend.to_host(runner.execute(np.array(tokens), meta))[0]
+        return backend.to_host(runner.logits(np.array(tokens), meta))[0]
 
     # In one runner: the first sequence's prompt (all but its last token) and the second's first
     # 10 tokens; then one step with the first's last token (a decode) and the rest of the second
@@ -42,9 +42,9 @@ def test_mixed_batch_matches_each_sequence_alone(checkpoint, backend_name):
     runner = ModelRunner(model, num_blocks=8, block_size=BLOCK)
     tables = [[5, 2], [7, 0]]
     warmup = StepMetadata.build([29, 10], [29, 10], tables, BLOCK)
-    runner.execute(np.array(first[:29] + second[:10]), warmup)
+    runner.logits(np.array(first[:29] + second[:10]), warmup)
     step = StepMetadata.build([1, 15], [30, 25], tables, BLOCK)
-    batched = backend.to_host(runner.execute(np.array(first[29:] + second[10:]), step))
+    batched = backend.to_host(runner.logits(np.array(first[29:] + second[10:]), step))
 
     assert nmse(batched[0], alone(first, [1, 3])) < 1e-9
     assert nmse(batched[1], alone(second, [4, 6])) < 1e-9

@@ -37,11 +37,11 @@ def greedy(backend_name: str, checkpoint, prompt_ids: list[int], max_tokens: int
     blocks = list(range(-(-(len(prompt_ids) + max_tokens) // BLOCK_SIZE)))
     runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
     meta = StepMetadata.build([len(prompt_ids)], [len(prompt_ids)], [blocks], BLOCK_SIZE)
-    logits = backend.to_host(runner.execute(np.array(prompt_ids), meta))
+    logits = backend.to_host(runner.logits(np.array(prompt_ids), meta))
     tokens = [int(np.argmax(logits[0]))]
     while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
         meta = StepMetadata.build([1], [len(prompt_ids) + len(tokens)], [blocks], BLOCK_SIZE)
-        logits = backend.to_host(runner.execute(np.array([tokens[-1]]), meta))
+        logits = backend.to_host(runner.logits(np.array([tokens[-1]]), meta))
         tokens.append(int(np.argmax(logits[0])))
     return tokens
 
@@ -122,8 +122,8 @@ def test_gemma3_graph_matches_transformers_on_the_real_weights(gemma):
 
     backend = installed_plugins().backends.get("cpu")()
     runner = ModelRunner(load_model(checkpoint, backend, "float32"), num_blocks=2, block_size=BLOCK_SIZE)
-    meta = StepMetadata.build([len(ids)], [len(ids)], [[1]], BLOCK_SIZE)
-    ours = backend.to_host(runner.execute(np.array(ids), meta, all_logits=True))
+    meta = StepMetadata.build([len(ids)], [len(ids)], [[1]], BLOCK_SIZE, logits_rows=np.arange(len(ids)))
+    ours = backend.to_host(runner.logits(np.array(ids), meta))
     assert nmse(ours, expected) < 1e-9
 
 

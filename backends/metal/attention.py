@@ -38,6 +38,8 @@ class MlxStep(GatheredStep):
 
     positions: mx.array
     slot_mapping: mx.array
+    rope_positions: mx.array
+    logits_rows: mx.array
     token_order: mx.array
 
     @classmethod
@@ -50,6 +52,8 @@ class MlxStep(GatheredStep):
                            mx.array(g.valid)) for g in groups],
             positions=mx.array(meta.positions),
             slot_mapping=mx.array(meta.slot_mapping),
+            rope_positions=mx.array(meta.rope_positions),
+            logits_rows=mx.array(meta.logits_rows),
             token_order=mx.array(np.argsort(order).astype(np.int32)),
         )
 

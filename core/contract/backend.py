@@ -7,9 +7,11 @@ hook `register_backends` (see `candelabra.plugins`). The core then:
 * moves data with `to_device` / `to_host`, and weights with `upload_weight`;
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
-* turns each step's host metadata into backend tensors once (`prepare_step`,
-  `prepare_sampling`), runs the model graph on `ops`, and calls `evaluate` once on the step's
-  results, so that a lazy backend (MLX) computes the whole step as one graph.
+* hands each step to the backend's executor (`step_executor`), which by default turns the step's
+  host metadata into backend tensors once (`prepare_step`, `prepare_sampling`) and runs the model
+  graph on `ops`; then calls `evaluate` once on the step's results and caches, so that a lazy
+  backend (MLX) computes the whole step as one graph, and `fetch`es the sampled tokens to the host
+  in one transfer.
 
 Every call that changes a cache or swap space returns it, so a backend with immutable arrays
 (MLX) returns new ones while numpy and torch may change them in place and return the same objects.
@@ -24,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from candelabra.core.contract.dtypes import DType, check_dtype
+from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -68,6 +71,13 @@ class Backend:
     def to_host(self, tensor: Tensor) -> np.ndarray:
         """A numpy copy of `tensor`; bfloat16 comes back as float32."""
         raise NotImplementedError
+
+    def fetch(self, *tensors: Tensor) -> tuple[np.ndarray, ...]:
+        """Numpy copies of `tensors` in one device-to-host transfer: the model runner calls this
+        once per step, for everything the step returns to the host. The default calls `to_host`
+        on each, which is one transfer where the host reads device memory directly (numpy, MLX on
+        unified memory); a backend with memory of its own packs the tensors first."""
+        return tuple(self.to_host(tensor) for tensor in tensors)
 
     def dtype_of(self, tensor: Tensor) -> str:
         """The dtype name of a backend tensor: a compute dtype, "int32" or "int64"."""
@@ -120,6 +130,13 @@ class Backend:
         """Copy host blocks to device blocks: `mapping` [N, 2] holds (host, device) pairs.
         Returns the updated caches."""
         raise NotImplementedError
+
+    # step execution
+
+    def step_executor(self, model: Any) -> StepExecutor:
+        """What runs each step of `model`: the default executor calls the ops one by one. A
+        backend that captures or compiles steps returns its own (see `candelabra.core.contract.executor`)."""
+        return StepExecutor(self, model)
 
     # step metadata
 

@@ -9,7 +9,7 @@ inside a step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -39,6 +39,17 @@ class StepMetadata:
                              any valid block id, never read
     block_size               slots per cache block
     max_query_len, max_seq_len   maxima of the query lengths and of seq_lens
+    logits_rows[N] int32     the tokens whose hidden states become the step's logits rows, in the
+                             order of the sampling rows (a token may appear more than once: the n
+                             samples of one prompt share its last token's row)
+    rope_positions[T] int32  the row of the model's rotary table for each token: its position,
+                             or, for rope scalings that switch tables with a sequence's length, an
+                             offset into the stacked tables
+
+    The core itself reads only `slot_mapping` (for `write_kv`), `rope_positions` (for `rotary`)
+    and `logits_rows` (for `gather_rows` before the LM head) from the prepared step; the rest is
+    for the backend's `paged_attention`. A batch may be padded with sequences of one token whose
+    slot is NO_SLOT; their outputs are unspecified and never read.
     """
 
     positions: np.ndarray
@@ -49,6 +60,8 @@ class StepMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    logits_rows: np.ndarray
+    rope_positions: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -66,8 +79,13 @@ class StepMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         max_blocks: int | None = None,
+        logits_rows: Sequence[int] | np.ndarray | None = None,
+        slot_mapping: np.ndarray | None = None,
     ) -> StepMetadata:
-        """Lay out a batch from each sequence's new-token count, total length and block list."""
+        """Lay out a batch from each sequence's new-token count, total length and block list.
+        `logits_rows` defaults to each sequence's last token; `rope_positions` to the positions
+        (see `with_rope_positions`); `slot_mapping` to the slots the block tables give (pass one
+        with NO_SLOT entries for padding)."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens_arr = np.asarray(seq_lens, dtype=np.int64)
         if query_lens.shape != seq_lens_arr.shape or query_lens.ndim != 1:
@@ -93,18 +111,27 @@ class StepMetadata:
         seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
         offset_in_query = np.arange(starts[-1]) - starts[seq_of_token]
         positions = seq_lens_arr[seq_of_token] - query_lens[seq_of_token] + offset_in_query
-        blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
-        slots = blocks * block_size + positions % block_size
+        if slot_mapping is None:
+            blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
+            slot_mapping = blocks * block_size + positions % block_size
+        rows = starts[1:] - 1 if logits_rows is None else np.asarray(logits_rows)
+        if rows.size and (rows.min() < 0 or rows.max() >= starts[-1]):
+            raise ValueError(f"logits_rows must index the step's {starts[-1]} tokens")
         return cls(
             positions=positions.astype(np.int32),
-            slot_mapping=slots.astype(np.int32),
+            slot_mapping=np.asarray(slot_mapping).astype(np.int32),
             query_start_loc=starts.astype(np.int32),
             seq_lens=seq_lens_arr.astype(np.int32),
             block_tables=tables,
             block_size=block_size,
             max_query_len=int(query_lens.max(initial=0)),
             max_seq_len=int(seq_lens_arr.max(initial=0)),
+            logits_rows=rows.astype(np.int32),
+            rope_positions=positions.astype(np.int32),
         )
+
+    def with_rope_positions(self, rope_positions: np.ndarray) -> StepMetadata:
+        return replace(self, rope_positions=np.asarray(rope_positions, dtype=np.int32))
 
 
 @dataclass(frozen=True)

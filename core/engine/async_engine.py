@@ -5,7 +5,9 @@ one fails at once, before anything is queued) and hand it over with an abort, if
 command queue, so the event loop never waits for a step to end. `add_request()` returns a
 RequestStream, an async iterator of RequestOutputs (each with the text and tokens new since the
 previous one); closing it early (a client that disconnected, a cancelled task) aborts the request,
-which frees its blocks. A step that fails fails the requests in it, and the loop goes on serving.
+which frees its blocks. The engine thread only steps the core; detokenizing and stop strings run
+in the stream, on the consumer's event loop, which tells the core when a stop string ends a sample.
+A step that fails fails the requests in it, and the loop goes on serving.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
-from candelabra.core.engine.engine import CheckedRequest, LLMEngine, RequestOutput
+from candelabra.core.engine.engine import LLMEngine, RequestOutput
+from candelabra.core.engine.output_processor import OutputProcessor
 from candelabra.core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("candelabra")
@@ -27,9 +30,13 @@ class EngineStopping(RuntimeError):
 
 
 class RequestStream:
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, checked: CheckedRequest) -> None:
+    """One request's outputs, turned into text here, on the consumer's side of the queue."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue,
+                 processor: OutputProcessor) -> None:
         self.engine, self.request_id, self._queue = engine, request_id, queue
-        self.prompt_token_ids = checked.prompt_token_ids
+        self.prompt_token_ids = processor.prompt_token_ids
+        self._processor = processor
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -46,8 +53,11 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        self.finished = item.finished
-        return item
+        output, stopped = self._processor.process(item)
+        for index in stopped:
+            self.engine.finish_sample(self.request_id, index)
+        self.finished = output.finished
+        return output
 
     def close(self) -> None:
         """Abort the request unless it has finished; safe to call more than once."""
@@ -58,7 +68,7 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine, self.core = engine, engine.core
         self._commands: collections.deque = collections.deque()
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -91,7 +101,7 @@ class AsyncEngine:
         self._adds_handed += 1
         self._commands.append(("add", request_id, checked, (asyncio.get_running_loop(), queue)))
         self._work.set()
-        return RequestStream(self, request_id, queue, checked)
+        return RequestStream(self, request_id, queue, self.engine.output_processor(request_id, checked))
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -105,6 +115,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.append(("abort", request_id))
+        self._work.set()
+
+    def finish_sample(self, request_id: str, index: int) -> None:
+        """End one sample of a request, whose stop string appeared."""
+        self._commands.append(("finish_sample", request_id, index))
         self._work.set()
 
     def stop_all(self, message: str = "the server is shutting down") -> None:
@@ -121,12 +136,12 @@ class AsyncEngine:
         while not self._stopping:
             self._run_commands()
             self._publish_counts()
-            if not self.engine.has_unfinished_requests():
+            if not self.core.has_unfinished_requests():
                 self._work.wait()
                 self._work.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.core.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -137,10 +152,10 @@ class AsyncEngine:
                     self._streams.pop(output.request_id, None)
                 if stream is not None and not _deliver(stream, output):
                     self._streams.pop(output.request_id, None)
-                    self.engine.abort_request(output.request_id)
+                    self.core.abort_request(output.request_id)
 
     def _publish_counts(self) -> None:
-        scheduler = self.engine.scheduler
+        scheduler = self.core.scheduler
         waiting = {seq.request_id for seq in scheduler.waiting}
         waiting.update(group[0].request_id for group in scheduler.swapped)
         self._counts = (len({seq.request_id for seq in scheduler.running}), len(waiting))
@@ -151,7 +166,12 @@ class AsyncEngine:
             if command[0] == "abort":
                 log.debug("abort %s", command[1])
                 self._streams.pop(command[1], None)
-                self.engine.abort_request(command[1])
+                self.core.abort_request(command[1])
+                continue
+            if command[0] == "finish_sample":
+                self.core.finish_sample(command[1], command[2])
+                if command[1] not in self.core.requests:  # its last sample: the stream has all it needs
+                    self._streams.pop(command[1], None)
                 continue
             if command[0] == "stop_all":
                 self._fail_all(EngineStopping(command[1]))
@@ -161,7 +181,7 @@ class AsyncEngine:
                       checked.max_tokens)
             self._adds_taken += 1
             try:
-                self.engine.add_checked_request(request_id, checked)
+                self.core.add_request(request_id, checked)
             except Exception as exc:  # noqa: BLE001 - the error belongs to that request's caller
                 _deliver(stream, ValueError(str(exc)))
                 continue
@@ -170,7 +190,7 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         error = exc if isinstance(exc, EngineStopping) else RuntimeError(f"generation failed: {exc}")
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
+            self.core.abort_request(request_id)
             _deliver(stream, error)
         self._streams.clear()
 

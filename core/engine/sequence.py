@@ -24,17 +24,21 @@ class Sequence:
     cache; the rest are computed by the coming steps (a whole or chunked prefill, or a decode)."""
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, rng: np.random.Generator) -> None:
+                 arrival: int, rng: np.random.Generator, *, seed: int = 0, max_tokens: int | None = None,
+                 end_token_ids: frozenset[int] = frozenset()) -> None:
         self.seq_id = next(_next_id)
         self.request_id, self.index = request_id, index
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params, self.arrival, self.rng = params, arrival, rng
+        self.seed = seed  # the request's: sample i draws from a generator seeded with (seed, i)
+        self.max_tokens = max_tokens
+        self.end_token_ids = end_token_ids  # tokens that end it (stop_token_ids, and EOS unless ignored)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []
+        self.forked = False  # the n - 1 siblings of sample 0 exist
 
     @property
     def token_ids(self) -> list[int]:
@@ -52,8 +56,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def fork(self, index: int, rng: np.random.Generator) -> Sequence:
-        child = Sequence(self.request_id, index, self.prompt_token_ids, self.params, self.arrival, rng)
+    def fork(self, index: int) -> Sequence:
+        """Sample `index` of the same request, from the same point, drawing from its own generator."""
+        child = Sequence(self.request_id, index, self.prompt_token_ids, self.params, self.arrival,
+                         sample_rng(self.seed, index), seed=self.seed, max_tokens=self.max_tokens,
+                         end_token_ids=self.end_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.status, child.num_computed_tokens = self.status, self.num_computed_tokens
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
@@ -62,3 +69,9 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
                 f"{self.num_computed_tokens}/{self.num_tokens} computed)")
+
+
+def sample_rng(seed: int, index: int) -> np.random.Generator:
+    """The generator of sample `index` of a request seeded with `seed`: sample 0 of an n > 1
+    request draws as an n = 1 request with that seed does."""
+    return np.random.default_rng([seed, index])

@@ -140,18 +140,19 @@ class DecoderModel:
 
     # running
 
-    def rope_positions(self, meta: StepMetadata) -> np.ndarray | None:
-        """Rows of the rotary table for each token, when they are not simply its position (for
-        scalings that switch tables with the sequence's length); None otherwise."""
+    def with_rope_positions(self, meta: StepMetadata) -> StepMetadata:
+        """`meta` with the rotary table's row for each token: its position, or an offset one for
+        scalings that switch tables with the sequence's length."""
         if self.rotary.switch_length is None:
-            return None
+            return meta
         query_lens = np.diff(meta.query_start_loc)
         offsets = np.repeat(self.rotary.row_offset(meta.seq_lens), query_lens)
-        return (meta.positions + offsets).astype(np.int32)
+        return meta.with_rope_positions(meta.positions + offsets)
 
-    def forward(self, token_ids, step, rope_positions, caches: list[KVCache]):
-        """Hidden states [T, hidden] of the step's tokens, and the updated caches."""
-        positions = step.positions if rope_positions is None else rope_positions
+    def forward(self, token_ids, step, caches: list[KVCache]):
+        """Hidden states [T, hidden] of the step's tokens (a backend tensor of `step`'s prepared
+        layout), and the updated caches."""
+        positions = step.rope_positions
         x = self.ops.embedding(token_ids, self.embed_tokens, self._embedding_scale)
         updated = []
         for index, layer in enumerate(self.layers):

@@ -27,11 +27,28 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the sequences to run and how many tokens each feeds the model, the block
+    moves to make first, and the sequences that get a token sampled at the end of the step."""
+
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (index into `scheduled` whose last token's logits are sampled, the sequence that gets the
+    # token): one row per sampled sequence, the n samples of a prompt sharing its item.
+    sampled: list[tuple[int, Sequence]] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)  # samples 1 .. n-1 born in this step
+    block_tables: list[list[int]] = field(default_factory=list)  # of each scheduled sequence
+
+
+@dataclass
+class SampledToken:
+    """What the model runner drew for one sampled sequence."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first; empty without logprobs
 
 
 class Scheduler:
@@ -118,7 +135,50 @@ class Scheduler:
         if not out.preempted:
             self._swap_in(out)
             self._admit(out, budget)
+        self._plan_sampling(out)
+        out.block_tables = [self.blocks.block_table(item.seq.seq_id) for item in out.scheduled]
         return out
+
+    def _plan_sampling(self, out: SchedulerOutput) -> None:
+        """Every sequence whose step reaches its end gets a token; an n > 1 request forks into its
+        n samples at its first, all drawing from the prompt's last logits."""
+        for item_index, item in enumerate(out.scheduled):
+            seq = item.seq
+            if seq.num_computed_tokens + item.num_tokens < seq.num_tokens:
+                continue  # a prefill chunk short of the prompt's end
+            out.sampled.append((item_index, seq))
+            if seq.params.n > 1 and not seq.forked and not seq.output_token_ids:
+                seq.forked = True
+                for index in range(1, seq.params.n):
+                    child = seq.fork(index)
+                    self.blocks.fork(seq.seq_id, child.seq_id)
+                    self.add_running(child)
+                    out.forked.append(child)
+                    out.sampled.append((item_index, child))
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: list[SampledToken]) -> list[tuple[Sequence, SampledToken]]:
+        """After the model ran `out`: record the computed tokens and each sampled token (one per
+        entry of `out.sampled`), and finish the sequences a token ends (an end token: "stop"; their
+        max_tokens: "length"). Returns the (sequence, token) pairs taken, in order."""
+        if len(sampled) != len(out.sampled):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled)} sampled sequences")
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.blocks.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
+        taken = []
+        for (item_index, seq), token in zip(out.sampled, sampled):
+            parent = out.scheduled[item_index].seq
+            if seq is not parent:  # forked before the step: it computed what its parent did
+                seq.num_computed_tokens = parent.num_computed_tokens
+                self.blocks.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            seq.output_token_ids.append(token.token_id)
+            taken.append((seq, token))
+            if token.token_id in seq.end_token_ids:
+                self.finish(seq, "stop")
+            elif seq.max_tokens is not None and len(seq.output_token_ids) >= seq.max_tokens:
+                self.finish(seq, "length")
+        return taken
 
     def _plan(self, group: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens) for the members that fit in `budget` this step."""

@@ -1,37 +1,141 @@
-"""Runs a model on its backend for one step: a batch in, logits out, the paged caches kept here."""
+"""Runs a model on its backend, one scheduled step at a time: block moves, the step's inputs, the
+backend's step executor, and the sampled tokens back on the host in one transfer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from candelabra.core.contract.executor import StepInputs
 from candelabra.core.contract.kv_cache import KVCacheSpec
-from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.engine.sequence import Sequence
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the per-layer KV caches of one model and turns batches into logits."""
+    """Owns one model's per-layer KV caches and the host swap space for them."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
         c = model.config
         self.model, self.backend = model, model.backend
         self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype)
         self.caches = self.backend.allocate_kv_cache(self.kv_spec)
+        self.swap_space, self.num_host_blocks = None, 0
+        self.executor = self.backend.step_executor(model)
 
-    def execute(self, token_ids: np.ndarray, meta: StepMetadata, all_logits: bool = False):
-        """Logits [B, vocab] for the last token of each sequence in the batch (or [T, vocab] for
-        every token), as a backend tensor. `token_ids` [T] are the step's new tokens, laid out as
-        `meta` says; their keys and values are written to the cache on the way."""
+    def allocate_swap_space(self, num_host_blocks: int) -> None:
+        """Host memory for `num_host_blocks` blocks of every layer, where preempted sequences wait."""
+        self.swap_space = self.backend.allocate_swap_space(replace(self.kv_spec, num_blocks=num_host_blocks))
+        self.num_host_blocks = num_host_blocks
+
+    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        """Run one scheduled step; the token drawn for each of `plan.sampled`, in order."""
+        self._move_blocks(plan)
+        if not plan.scheduled:
+            return []
+        inputs = self._inputs(plan)
+        sampled, self.caches = self.executor.run(inputs, self.caches)
+        if sampled is None:
+            self.backend.evaluate(self.caches)
+            return []
+        self.backend.evaluate(sampled, self.caches)
+        token_ids, logprobs, top_ids, top_logprobs = self.backend.fetch(*sampled)
+        tokens = []
+        for row, (_, seq) in enumerate(plan.sampled):
+            k = seq.params.logprobs or 0
+            top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
+            tokens.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top))
+        return tokens
+
+    def logits(self, token_ids: np.ndarray, meta: StepMetadata):
+        """The logits [N, vocab] of `meta.logits_rows` as a backend tensor, the step's keys and
+        values written on the way: the model alone, without sampling (for model conformance)."""
         if meta.block_size != self.kv_spec.block_size:
             raise ValueError(f"step uses blocks of {meta.block_size}, the cache has {self.kv_spec.block_size}")
         backend = self.backend
-        step = backend.prepare_step(meta)
-        ids = backend.to_device(np.asarray(token_ids, dtype=np.int32))
-        rope_positions = self.model.rope_positions(meta)
-        if rope_positions is not None:
-            rope_positions = backend.to_device(rope_positions)
-        hidden, self.caches = self.model.forward(ids, step, rope_positions, self.caches)
-        rows = np.arange(meta.num_tokens) if all_logits else meta.query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden, backend.to_device(rows.astype(np.int32)))
+        step = backend.prepare_step(self.model.with_rope_positions(meta))
+        hidden, self.caches = self.model.forward(backend.to_device(np.asarray(token_ids, np.int32)), step,
+                                                 self.caches)
+        logits = self.model.compute_logits(hidden, step.logits_rows)
         backend.evaluate(logits, self.caches)
         return logits
+
+    def _move_blocks(self, plan: SchedulerOutput) -> None:
+        backend = self.backend
+        if plan.swap_out:
+            self.swap_space = _swap("swap_out", backend.swap_out, self.caches, self.swap_space, plan.swap_out)
+        if plan.block_copies:
+            self.caches = backend.copy_blocks(self.caches, np.array(plan.block_copies))
+        if plan.swap_in:
+            self.caches = _swap("swap_in", backend.swap_in, self.caches, self.swap_space, plan.swap_in)
+
+    def _inputs(self, plan: SchedulerOutput) -> StepInputs:
+        token_ids, query_lens, seq_lens, tables, last_token = [], [], [], [], []
+        for item in plan.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            token_ids += seq.token_ids[start:start + item.num_tokens]
+            query_lens.append(item.num_tokens)
+            seq_lens.append(start + item.num_tokens)
+            tables.append(plan.block_tables[len(tables)])
+            last_token.append(len(token_ids) - 1)
+        rows = [last_token[item_index] for item_index, _ in plan.sampled]
+        meta = StepMetadata.build(query_lens, seq_lens, tables, self.kv_spec.block_size, logits_rows=rows)
+        return StepInputs(np.array(token_ids, dtype=np.int32), self.model.with_rope_positions(meta),
+                          sampling_metadata([seq for _, seq in plan.sampled]))
+
+
+def _swap(direction: str, swap, caches, space, mapping):
+    try:
+        return swap(caches, space, np.array(mapping))
+    except Exception as exc:
+        raise RuntimeError(f"{direction} of {len(mapping)} KV blocks failed: {exc}") from exc
+
+
+def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
+    """The sampling rows of `seqs`. Token lists for the penalties are sent only for rows whose
+    penalties are on, so a step without penalties does not grow with the sequences' lengths."""
+    bias_ids, bias_values = [], []
+    for seq in seqs:
+        p = seq.params
+        bias = dict(p.logit_bias)
+        if len(seq.output_token_ids) < p.min_tokens:  # nothing may end the sequence yet
+            for token in seq.end_token_ids:
+                bias[token] = float("-inf")
+        bias_ids.append(list(bias))
+        bias_values.append(list(bias.values()))
+    params = [s.params for s in seqs]
+    width = pad_token_lists(bias_ids).shape[1]
+    values = np.zeros((len(seqs), width), dtype=np.float32)
+    for row, row_values in enumerate(bias_values):
+        values[row, : len(row_values)] = row_values
+    return SamplingMetadata(
+        temperature=np.array([p.temperature for p in params], np.float32),
+        top_k=np.array([p.top_k for p in params], np.int32),
+        top_p=np.array([p.top_p for p in params], np.float32),
+        min_p=np.array([p.min_p for p in params], np.float32),
+        repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
+        presence_penalty=np.array([p.presence_penalty for p in params], np.float32),
+        frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32),
+        penalty_tokens=pad_token_lists([_repetition_window(s) for s in seqs]),
+        output_tokens=pad_token_lists([s.output_token_ids if _counts_outputs(s.params) else [] for s in seqs]),
+        bias_token_ids=pad_token_lists(bias_ids),
+        bias_values=values,
+        uniform=np.array([s.rng.random(dtype=np.float32) for s in seqs], np.float32),
+        num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+    )
+
+
+def _repetition_window(seq: Sequence) -> list[int]:
+    """The tokens the repetition penalty looks at: none when it is off, else all of them or the
+    last repeat_last_n."""
+    last_n = seq.params.repeat_last_n
+    if seq.params.repetition_penalty == 1 or last_n == 0:
+        return []
+    return seq.token_ids if last_n is None else seq.token_ids[-last_n:]
+
+
+def _counts_outputs(params) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0

@@ -1,0 +1,95 @@
+"""Step execution: the hook through which a backend may run a whole step itself.
+
+The model runner hands each step to the executor that `Backend.step_executor(model)` returns: the
+step's host inputs in, the sampled tokens out as backend tensors (fetched to the host by the runner
+in one transfer). The default executor runs the model graph op by op. A backend that captures steps
+(CUDA graphs) or compiles them (MLX) returns its own executor, which may pad each batch to sizes of
+its choosing with `pad_step_inputs` and keep persistent buffers of those sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from candelabra.core.contract.ops import KVCache, SampleResult
+from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMetadata, StepMetadata
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step on the host: token_ids[T] int32, the batch layout (whose `logits_rows` pick the
+    N rows to sample), and the N rows' sampling parameters."""
+
+    token_ids: np.ndarray
+    step: StepMetadata
+    sampling: SamplingMetadata
+
+    @property
+    def num_rows(self) -> int:
+        return self.sampling.num_rows
+
+
+class StepExecutor:
+    """Runs one step of `model` on `backend`, op by op: prepare the step, forward, gather the
+    logits rows, sample."""
+
+    def __init__(self, backend: Any, model: Any) -> None:
+        self.backend, self.model = backend, model
+
+    def run(self, inputs: StepInputs, caches: list[KVCache]) -> tuple[SampleResult | None, list[KVCache]]:
+        """The sampled tokens of `inputs.num_rows` rows (backend tensors, not yet evaluated on a
+        lazy backend), None when no row is sampled (a step of prefill chunks only), and the
+        updated caches."""
+        backend = self.backend
+        step = backend.prepare_step(inputs.step)
+        hidden, caches = self.model.forward(backend.to_device(inputs.token_ids), step, caches)
+        if not inputs.num_rows:
+            return None, caches
+        logits = self.model.compute_logits(hidden, step.logits_rows)
+        return backend.ops.sample(logits, backend.prepare_sampling(inputs.sampling)), caches
+
+
+def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int, num_rows: int) -> StepInputs:
+    """`inputs` padded to exactly `num_tokens` tokens, `num_seqs` sequences and `num_rows` sampling
+    rows, for an executor that runs fixed shapes. Each padding token is a sequence of its own, one
+    token long, whose K/V go nowhere (NO_SLOT); padding rows sample that token greedily. The first
+    `inputs.num_rows` rows of the result are the real ones."""
+    step, sampling = inputs.step, inputs.sampling
+    extra_tokens, extra_seqs = num_tokens - step.num_tokens, num_seqs - step.num_seqs
+    extra_rows = num_rows - sampling.num_rows
+    if extra_tokens < 0 or extra_seqs < 0 or extra_rows < 0:
+        raise ValueError(f"cannot pad a step of {step.num_tokens} tokens, {step.num_seqs} sequences and "
+                         f"{sampling.num_rows} rows down to {num_tokens}, {num_seqs} and {num_rows}")
+    if extra_seqs != extra_tokens:
+        raise ValueError("each padding token is a sequence of its own: pad tokens and sequences alike")
+    if extra_rows and not extra_tokens:
+        raise ValueError("padding rows need a padding token to read")
+    query_lens = np.diff(step.query_start_loc).tolist() + [1] * extra_seqs
+    seq_lens = step.seq_lens.tolist() + [1] * extra_seqs
+    tables = [row for row in step.block_tables] + [step.block_tables[0]] * extra_seqs
+    slots = np.concatenate([step.slot_mapping, np.full(extra_tokens, NO_SLOT, np.int32)])
+    rows = np.concatenate([step.logits_rows, np.full(extra_rows, step.num_tokens, np.int32)])
+    padded = StepMetadata.build(query_lens, seq_lens, tables, step.block_size, step.block_tables.shape[1],
+                                logits_rows=rows, slot_mapping=slots)
+    rope = np.concatenate([step.rope_positions, np.zeros(extra_tokens, np.int32)])
+    token_ids = np.concatenate([inputs.token_ids, np.zeros(extra_tokens, np.int32)])
+    return StepInputs(token_ids.astype(np.int32), padded.with_rope_positions(rope),
+                      _padded_sampling(sampling, extra_rows))
+
+
+def _padded_sampling(sampling: SamplingMetadata, extra: int) -> SamplingMetadata:
+    """`extra` more rows that take the argmax, with no penalty, bias or top logprobs of their own."""
+    if not extra:
+        return sampling
+    neutral = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "uniform": 0.0, "bias_values": 0.0,
+               "penalty_tokens": NO_TOKEN, "output_tokens": NO_TOKEN, "bias_token_ids": NO_TOKEN}
+    fields = {}
+    for name, fill in neutral.items():
+        value = getattr(sampling, name)
+        tail = np.full((extra, *value.shape[1:]), fill, dtype=value.dtype)
+        fields[name] = np.concatenate([value, tail])
+    return replace(sampling, **fields)

@@ -1,0 +1,155 @@
+"""The engine's core: requests as token ids in, sampled tokens out, one scheduled step at a time.
+
+A step is three calls: the scheduler picks the batch, the model runner runs it and draws the
+tokens, the scheduler updates itself from them. Text (detokenizing, stop strings) is not the
+core's business: an `OutputProcessor` turns the core's outputs into text wherever the caller likes,
+and finishes a sample here when one of its stop strings appears.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.sequence import Sequence, sample_rng
+from candelabra.core.scheduling.block_manager import BlockManager
+from candelabra.core.scheduling.scheduler import Scheduler
+from candelabra.core.worker.model_runner import ModelRunner
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 512
+    num_host_blocks: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512  # 0: a prompt is prefilled in one step
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_gen_tokens: int | None = None  # default max_tokens; None: a fifth of the context
+    preemption: str = "auto"
+    seed: int | None = None  # for requests that name none
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed `LLMEngine.check_request`, ready to be added."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+@dataclass
+class SampleUpdate:
+    """One sample's new token in a step. `finish_reason` is "stop" (an end token, which is not
+    part of the text) or "length" when this token ended it, else None."""
+
+    index: int
+    token_id: int
+    logprob: dict | None  # {"token_id", "logprob", "top": [(id, logprob), ...]} when asked for
+    finish_reason: str | None
+
+
+@dataclass
+class EngineOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    updates: list[SampleUpdate] = field(default_factory=list)
+    finished: bool = False  # no sample of it is left in the core
+    num_cached_tokens: int = 0
+
+
+class _Request:
+    def __init__(self, request_id: str, checked: CheckedRequest, seed: int) -> None:
+        self.request_id, self.params, self.seed = request_id, checked.params, seed
+        self.prompt_token_ids = checked.prompt_token_ids
+        self.sequences: list[Sequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        self.runner, self.config, self.eos_token_ids = runner, config, eos_token_ids
+        if config.block_size != runner.kv_spec.block_size or config.num_blocks != runner.kv_spec.num_blocks:
+            raise ValueError("the engine's block size and count must be the model runner's")
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.num_host_blocks,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_size, config.preemption)
+        self.requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0}
+
+    def add_request(self, request_id: str, checked: CheckedRequest) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        params = checked.params
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        request = _Request(request_id, checked, seed)
+        ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seq = Sequence(request_id, 0, checked.prompt_token_ids, params, next(self._arrivals), sample_rng(seed, 0),
+                       seed=seed, max_tokens=checked.max_tokens, end_token_ids=ends)
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.stats["prompt_tokens"] += len(checked.prompt_token_ids)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request at any point; its blocks are freed at once."""
+        if request_id in self.requests:
+            self.scheduler.abort(request_id)
+            del self.requests[request_id]
+
+    def finish_sample(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """End one sample of a request (a stop string appeared in its text); its blocks are freed."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.sequences:
+            if seq.index == index and not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+        if request.finished:
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan)  # block moves happen even when nothing runs
+        if not plan.scheduled:
+            if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
+                raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
+            return []
+        self.stats["steps"] += 1
+        for child in plan.forked:
+            self.requests[child.request_id].sequences.append(child)
+        return self._outputs(self.scheduler.update_from_output(plan, sampled))
+
+    def _outputs(self, accepted) -> list[EngineOutput]:
+        outputs: dict[str, EngineOutput] = {}
+        for seq, token in accepted:
+            request = self.requests[seq.request_id]
+            output = outputs.setdefault(seq.request_id, EngineOutput(seq.request_id))
+            logprob = None
+            if seq.params.logprobs is not None:
+                logprob = {"token_id": token.token_id, "logprob": token.logprob, "top": token.top}
+            output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason))
+            self.stats["generated_tokens"] += 1
+            output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
+        for output in outputs.values():
+            if self.requests[output.request_id].finished:
+                output.finished = True
+                self.stats["cached_prompt_tokens"] += output.num_cached_tokens
+                del self.requests[output.request_id]
+        return list(outputs.values())
