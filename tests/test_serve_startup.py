@@ -114,7 +114,8 @@ def test_serve_help_explains_the_backend_default_and_the_sampling_flags():
 def test_stopping_an_idle_server_says_so(checkpoint):
     with LiveServer("--weight-path", str(checkpoint), "--backend", "cpu", "--kvcache-mem-gpu", "2") as server:
         output = server.stop()
-    assert server.process.returncode == 130  # as for any program stopped by Ctrl-C
+    # A clean stop, whether the shell that started it left Ctrl-C to it or ignored it for background jobs.
+    assert server.process.returncode == 0
     assert "Traceback" not in output
     assert output.splitlines()[-1] == "stopped; no request was in flight"
 

@@ -228,8 +228,8 @@ def _serve(served, args: argparse.Namespace, listener: socket.socket) -> int:
     server = _StoppingServer(config, served, args.shutdown_grace)
     try:
         server.run(sockets=[listener])
-    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has stopped: the shell's exit status for it
-        return 130
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has stopped cleanly
+        pass
     finally:
         served.engine.shutdown()
     return 0
