@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.sampling_params import SamplingParams
@@ -76,15 +77,19 @@ def open_model(model: str | Path | None = None, model_id: str | None = None, wei
 class LLM:
     """A model on a backend with its engine. `model` is a checkpoint folder or file (safetensors
     folder, .gguf file) or an opened Checkpoint; None serves the default model. `backend` is a
-    name, "auto", or a Backend class."""
+    name, "auto", or a Backend class; `device` one of its devices (an index or a Device; None: 0)."""
 
     def __init__(self, model: str | Path | Checkpoint | None = None, backend: str | type = "auto",
-                 dtype: str | None = None, kvcache_mem_gpu: float = 1024, kvcache_mem_cpu: float = 128,
+                 device: Device | int | None = None, dtype: str | None = None, kvcache_mem_gpu: float = 1024,
+                 kvcache_mem_cpu: float = 128,
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, **engine_options) -> None:
         checkpoint = model if isinstance(model, Checkpoint) else open_model(model, model_id, weight_file, revision)
         self.checkpoint = checkpoint
-        self.backend = (backend if isinstance(backend, type) else choose_backend(backend))()
+        backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
+        if isinstance(device, int):
+            device = Device(device)
+        self.backend = backend_cls() if device is None else backend_cls(device)
         self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         config = EngineConfig(**engine_options)

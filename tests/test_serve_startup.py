@@ -61,6 +61,8 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--prefill-chunk-size", "-1"], "--prefill-chunk-size must be at least 0"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
     (["--port", "70000"], "--port must be in 0 to 65535"),
+    (["--device-ids", "0,1"], "--device-ids 0,1: serving on several devices (tensor parallelism) is not supported"),
+    (["--device-ids", "gpu"], "--device-ids gpu: a device is a number"),
     (["--kvcache-mem-gpu", "0"], "--kvcache-mem-gpu must be more than 0 MB"),
     (["--kvcache-mem-cpu", "-1"], "--kvcache-mem-cpu must be 0 MB (no swap space) or more"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 seconds or more"),

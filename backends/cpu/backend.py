@@ -11,6 +11,7 @@ from candelabra.backends.cpu.attention import prepare_step
 from candelabra.backends.cpu.ops import NumpyOps
 from candelabra.core.contract.attention_layout import GatheredStep
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -20,7 +21,8 @@ class CpuBackend(Backend):
     name = "cpu"
     dtypes = ("float32",)
 
-    def __init__(self) -> None:
+    def __init__(self, device: Device | None = None) -> None:
+        super().__init__(device)
         self.ops = NumpyOps()
 
     @classmethod

@@ -8,6 +8,7 @@ import psutil
 
 from candelabra.core.contract.attention_layout import gather_groups
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -23,9 +24,10 @@ class MetalBackend(Backend):
     name = "metal"
     dtypes = ("float32", "float16", "bfloat16")
 
-    def __init__(self) -> None:
+    def __init__(self, device: Device | None = None) -> None:
         if mx is None:
             raise RuntimeError(self.probe().reason)
+        super().__init__(device)
         from candelabra.backends.metal.ops import MlxOps
 
         self.ops = MlxOps()

@@ -5,6 +5,7 @@ semantics in its docstring), the step and sampling metadata, the KV cache spec a
 """
 
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import FLOAT_DTYPES, DType
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported, Ops, SampleResult, Tensor
@@ -12,5 +13,5 @@ from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMe
 
 __all__ = [
     "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "DType", "KVCache", "KVCacheSpec", "OpNotSupported",
-    "Ops", "Probe", "SampleResult", "SamplingMetadata", "StepMetadata", "Tensor",
+    "Device", "Ops", "Probe", "SampleResult", "SamplingMetadata", "StepMetadata", "Tensor",
 ]

@@ -3,7 +3,7 @@
 A backend subclasses `Backend`, gives it a `name`, and registers the class through the plugin
 hook `register_backends` (see `candelabra.plugins`). The core then:
 
-* asks `probe()` whether it can run here, and why not;
+* asks `probe()` whether it can run here, and why not, and constructs it for a `Device`;
 * moves data with `to_device` / `to_host`, and weights with `upload_weight`;
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import DType, check_dtype
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
@@ -47,10 +48,28 @@ class Backend:
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
     ops: Ops
 
+    def __init__(self, device: Device | None = None) -> None:
+        """A backend for `device` (None: device 0). Subclasses call this first, then set `ops`."""
+        self.device = self.check_device(device or Device())
+
     @classmethod
     def probe(cls) -> Probe:
         """Report availability without raising: a missing library or device is a reason string."""
         raise NotImplementedError(f"{cls.__name__} must implement probe()")
+
+    @classmethod
+    def device_count(cls) -> int:
+        """How many devices this backend can run on here, numbered from 0."""
+        return 1
+
+    @classmethod
+    def check_device(cls, device: Device) -> Device:
+        """`device` if this backend has it here, else a ValueError naming the devices it has."""
+        count = cls.device_count()
+        if device.index >= count:
+            has = "one device, 0" if count == 1 else f"devices 0 to {count - 1}"
+            raise ValueError(f"backend {cls.name!r} has no device {device.index}; it has {has}")
+        return device
 
     def check_dtype(self, dtype: str) -> DType:
         """`dtype` if this backend computes in it, else a ValueError naming the ones it does."""

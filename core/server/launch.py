@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--backend", default="auto",
                         help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
                              "the best available here (default: auto)")
-    engine.add_argument("--device-ids", help="devices to use; one device so far (e.g. \"0\")")
+    engine.add_argument("--device-ids", help="the device to run on, by its index (default 0); one device so far")
     engine.add_argument("--kvcache-mem-gpu", type=float, default=1024, metavar="MB",
                         help="KV cache memory on the device in MB (default 1024)")
     engine.add_argument("--kvcache-mem-cpu", type=float, default=128, metavar="MB",
@@ -117,14 +117,13 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
+    from candelabra.core.contract.device import Device
     from candelabra.core.engine.sampling_params import SamplingParams
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
                          "K-quants, F16), which is dequantized at load")
-    if args.device_ids and len([d for d in args.device_ids.split(",") if d.strip()]) > 1:
-        raise ValueError(f"--device-ids {args.device_ids}: serving on several devices (tensor parallelism) is not "
-                         "supported yet; pass one device")
+    Device.parse_ids(args.device_ids)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
     minimums = {"max_num_seqs": 1, "block_size": 1, "max_waiting": 1, "max_num_batched_tokens": 1,
@@ -154,10 +153,12 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _backend_and_checkpoint(args: argparse.Namespace):
     """The backend class and the opened checkpoint, whose config must name a known architecture
     (and match MODEL_TYPE): all that can be checked before the weights load."""
+    from candelabra.core.contract.device import Device
     from candelabra.core.llm import choose_backend, open_model
     from candelabra.core.models.config import ModelConfig
 
     backend = choose_backend(args.backend)
+    backend.check_device(Device.parse_ids(args.device_ids) or Device())
     checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision)
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
@@ -183,6 +184,7 @@ def _listen_failure(host: str, port: int, exc: OSError) -> str:
 
 
 def _load(args: argparse.Namespace, backend: type, checkpoint):
+    from candelabra.core.contract.device import Device
     from candelabra.core.engine.async_engine import AsyncEngine
     from candelabra.core.llm import LLM
     from candelabra.core.server.generation_config import recommended_sampling
@@ -193,7 +195,8 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                       "prefill_chunk_size": args.prefill_chunk_size,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
                       "max_gen_tokens": args.max_gen_tokens, "seed": args.seed}
-    llm = LLM(checkpoint, backend=backend, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
+    llm = LLM(checkpoint, backend=backend, device=Device.parse_ids(args.device_ids),
+              dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
               kvcache_mem_gpu=args.kvcache_mem_gpu, kvcache_mem_cpu=args.kvcache_mem_cpu,
               model_type=args.model_type, **engine_options)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
