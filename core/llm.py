@@ -18,13 +18,10 @@ from candelabra.core.worker.model_runner import ModelRunner
 
 log = logging.getLogger("candelabra")
 
-# Preference of `--backend auto`: accelerators first; MLX's CPU build is slower than numpy.
-AUTO_ORDER = ("cuda", "gcu", "metal", "cpu")
-
-
 def choose_backend(name: str = "auto"):
-    """The backend class for `name`; "auto" picks the first available, saying why."""
-    from candelabra.plugins import backend_class, installed_plugins
+    """The backend class for `name`; "auto" picks the available one of highest priority, saying
+    which and what it passed over."""
+    from candelabra.plugins import auto_choice, backend_class, ranked_backends
 
     if name != "auto":
         cls = backend_class(name)
@@ -32,20 +29,13 @@ def choose_backend(name: str = "auto"):
         if not probe.available:
             raise RuntimeError(f"backend {name!r} is not available: {probe.reason}")
         return cls
-    registry = installed_plugins().backends
-    passed_over = []
-    for candidate in AUTO_ORDER:
-        if candidate not in registry:
-            continue
-        cls = registry.get(candidate)
-        probe = cls.probe()
-        if probe.available and (candidate != "metal" or probe.device.startswith("gpu")):
-            log.info("backend auto: chose %s, on %s (passed over: %s)", candidate, probe.device,
-                     "; ".join(passed_over) or "none")
-            return cls
-        passed_over.append(f"{candidate}: {probe.reason}" if not probe.available else
-                           f"{candidate}: runs on {probe.device}, slower than the numpy backend")
-    raise RuntimeError("no backend is available: " + "; ".join(passed_over))
+    ranked = ranked_backends()
+    chosen = auto_choice(ranked)
+    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.device}" if c.probe.available else
+                   f"{c.name}: not available, {c.probe.reason}" for c in ranked if c is not chosen]
+    log.info("backend auto: chose %s, priority %d, the highest available, on %s (passed over: %s)", chosen.name,
+             chosen.probe.priority, chosen.probe.device, "; ".join(passed_over) or "none")
+    return chosen.backend
 
 
 def kv_blocks_for(model, block_size: int, memory_mb: float, what: str = "kvcache_mem_gpu") -> int:

@@ -32,11 +32,18 @@ from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadat
 
 @dataclass(frozen=True)
 class Probe:
-    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses."""
+    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses.
+
+    `priority` ranks the available backends for `--backend auto`, higher first (ties go to the
+    name that sorts first): 100 an accelerator (GPU, NPU); 50 a fast CPU path; 10 the numpy
+    reference; 0 a backend that does not say. A backend that runs here but slower than the
+    reference answers below 10 and says so in `device`.
+    """
 
     available: bool
     reason: str = ""
     device: str = ""
+    priority: int = 0
 
 
 class Backend:
