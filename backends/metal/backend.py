@@ -36,6 +36,12 @@ class MetalBackend(Backend):
                                                                  mx.bool_: "bool"}
 
     @classmethod
+    def kv_cache_dtypes(cls, compute_dtype):
+        """Any float dtype: write_kv casts to the cache's dtype, and paged_attention computes in
+        float32 when the cache and the queries differ."""
+        return (compute_dtype, *(d for d in cls.dtypes if d != compute_dtype))
+
+    @classmethod
     def probe(cls) -> Probe:
         if mx is None:
             return Probe(False, f"mlx is not installed ({_MLX_IMPORT_ERROR}); pip install 'candelabra[metal]'")

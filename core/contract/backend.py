@@ -84,6 +84,23 @@ class Backend:
             raise ValueError(f"backend {self.name!r} does not compute in {dtype}; it offers {', '.join(self.dtypes)}")
         return dtype  # type: ignore[return-value]
 
+    @classmethod
+    def kv_cache_dtypes(cls, compute_dtype: DType) -> tuple[DType, ...]:
+        """The dtypes `write_kv` and `paged_attention` take a cache in while computing in
+        `compute_dtype` (the cache is in the compute dtype unless asked otherwise). Unless a backend
+        says more: the compute dtype alone."""
+        return (compute_dtype,)
+
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_dtype: str, compute_dtype: DType) -> DType:
+        """`kv_dtype` if this backend keeps a KV cache in it beside `compute_dtype`, else a ValueError
+        naming the ones it does."""
+        offered = cls.kv_cache_dtypes(compute_dtype)
+        if check_dtype(kv_dtype) not in offered:
+            raise ValueError(f"backend {cls.name!r} computing in {compute_dtype} keeps its KV cache in "
+                             f"{', '.join(offered)}, not {kv_dtype}")
+        return kv_dtype  # type: ignore[return-value]
+
     # memory
 
     def to_device(self, array: np.ndarray, dtype: DType | None = None) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.models.base import DecoderModel
@@ -12,10 +13,13 @@ from candelabra.core.models.base import DecoderModel
 class ModelRunner:
     """Owns the per-layer KV caches of one model and turns batches into logits."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int,
+                 kv_cache_dtype: DType | None = None) -> None:
+        """`kv_cache_dtype`: the caches' dtype (default: the model's compute dtype)."""
         c = model.config
         self.model, self.backend = model, model.backend
-        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype)
+        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                   kv_cache_dtype or model.dtype)
         self.caches = self.backend.allocate_kv_cache(self.kv_spec)
 
     def execute(self, token_ids: np.ndarray, meta: StepMetadata, all_logits: bool = False):
