@@ -49,6 +49,10 @@ class CpuBackend(Backend):
     def free_memory(self) -> int:
         return int(psutil.virtual_memory().available)
 
+    def kv_cache_fraction(self) -> float:
+        """The host's RAM is shared with every other program."""
+        return 0.25
+
     def synchronize(self) -> None:
         """numpy computes eagerly: by the time a call returns its work is done."""
 

@@ -76,6 +76,10 @@ class MetalBackend(Backend):
             return int(limit - mx.get_active_memory())
         return int(psutil.virtual_memory().available)
 
+    def kv_cache_fraction(self) -> float:
+        """Half of the GPU's working set; on the CPU build a quarter of the host's RAM, as cpu."""
+        return 0.5 if mx.metal.is_available() else 0.25
+
     def synchronize(self) -> None:
         mx.synchronize()
 

@@ -123,6 +123,12 @@ class Backend:
         """Bytes this backend could still allocate, for sizing the KV cache."""
         raise NotImplementedError
 
+    def kv_cache_fraction(self) -> float:
+        """The share of `free_memory()` the KV cache takes when no size is given: a device of its
+        own may give more; a backend whose free memory is the host's RAM, shared with everything
+        else, less."""
+        return 0.5
+
     def synchronize(self) -> None:
         """Wait until all work handed to the device so far has finished."""
         raise NotImplementedError
