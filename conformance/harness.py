@@ -67,14 +67,14 @@ class Harness:
         """Normal random values, rounded to the case's dtype (float32 on the host)."""
         return round_to(self.rng.standard_normal(shape) * scale + offset, self.dtype)
 
-    def upload(self, array: np.ndarray) -> Any:
-        """To the backend: float arrays in the case's dtype, integer arrays as int32."""
+    def upload(self, array: np.ndarray, dtype: str | None = None) -> Any:
+        """To the backend: float arrays in `dtype` (default: the case's), integer arrays as int32."""
         if array.dtype.kind == "f":
-            return self.backend.to_device(array, self.dtype)
+            return self.backend.to_device(array, dtype or self.dtype)
         return self.backend.to_device(array.astype(np.int32))
 
-    def upload_cache(self, key: np.ndarray, value: np.ndarray) -> KVCache:
-        return KVCache(self.upload(key), self.upload(value))
+    def upload_cache(self, key: np.ndarray, value: np.ndarray, dtype: str | None = None) -> KVCache:
+        return KVCache(self.upload(key, dtype), self.upload(value, dtype))
 
     def call(self, op: Callable, *args, **kwargs):
         """Run `op` once on NaN copies of its float tensor arguments (its result dropped), then
@@ -99,15 +99,18 @@ class Harness:
     def _poisoned(self, value: Any) -> Any:
         if isinstance(value, KVCache):
             return KVCache(self._poisoned(value.key), self._poisoned(value.value))
-        if hasattr(value, "shape") and self._is_float_tensor(value):
-            return self.backend.to_device(np.full(tuple(value.shape), np.nan, dtype=np.float32), self.dtype)
+        dtype = self._float_dtype(value) if hasattr(value, "shape") else None
+        if dtype is not None:
+            return self.backend.to_device(np.full(tuple(value.shape), np.nan, dtype=np.float32), dtype)
         return value
 
-    def _is_float_tensor(self, value: Any) -> bool:
+    def _float_dtype(self, value: Any) -> str | None:
+        """The dtype of a float backend tensor, else None."""
         try:
-            return self.backend.dtype_of(value) in FLOAT_DTYPES
+            dtype = self.backend.dtype_of(value)
         except Exception:  # noqa: BLE001 - not a backend tensor
-            return False
+            return None
+        return dtype if dtype in FLOAT_DTYPES else None
 
     def host(self, tensor: Any) -> np.ndarray:
         return self.backend.to_host(tensor)

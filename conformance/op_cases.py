@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -123,22 +124,26 @@ def check_softmax(h: Harness, shape: tuple, magnitude: str) -> None:
     h.close("out", h.call(h.backend.ops.softmax, h.upload(x)), oracle.softmax(x))
 
 
-def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padding: str) -> None:
-    """padding: how many tokens carry slot -1 ("none", "some" or "all")."""
+def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padding: str,
+                   kv_dtype: str | None = None) -> None:
+    """padding: how many tokens carry slot -1 ("none", "some" or "all"). kv_dtype: the cache's,
+    when not the compute dtype."""
+    kv_dtype = kv_dtype or h.dtype
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, value_cache = h.rand(*shape), h.rand(*shape)
+    key_cache, value_cache = round_to(h.rand(*shape), kv_dtype), round_to(h.rand(*shape), kv_dtype)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
     if padding == "some":
         slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
     elif padding == "all":
         slots[:] = NO_SLOT
     key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
-    cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache), h.upload(key), h.upload(value),
-                   h.upload(slots))
+    cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache, kv_dtype), h.upload(key),
+                   h.upload(value), h.upload(slots))
     ref_key, ref_value = oracle.write_kv(key_cache, value_cache, key, value, slots)
-    h.equal("key cache", h.host(cache.key), round_to(ref_key, h.dtype))
-    h.equal("value cache", h.host(cache.value), round_to(ref_value, h.dtype))
+    h.require("cache dtype", h.backend.dtype_of(cache.key) == kv_dtype, h.backend.dtype_of(cache.key))
+    h.equal("key cache", h.host(cache.key), round_to(ref_key, kv_dtype))
+    h.equal("value cache", h.host(cache.value), round_to(ref_value, kv_dtype))
 
 
 # (query_len, seq_len) per sequence: decodes, full prefills, chunks of a prefill after cached
@@ -152,8 +157,10 @@ ATTENTION_BATCHES = {
 
 def check_paged_attention(
     h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
-    sliding_window: int | None = None, logit_softcap: float | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None, kv_dtype: str | None = None,
 ) -> None:
+    """kv_dtype: the cache's, when not the compute dtype."""
+    kv_dtype = kv_dtype or h.dtype
     q_heads, kv_heads = heads
     query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
     needed = [-(-s // block_size) for s in seq_lens]
@@ -169,14 +176,15 @@ def check_paged_attention(
     key_cache, value_cache = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
     for b, seq_len in enumerate(seq_lens):
         slots = np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
-        key_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
-        value_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
+        key_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
+        value_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
     q = h.rand(meta.num_tokens, q_heads, head_dim, scale=3.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
 
     step = h.backend.prepare_step(meta)
-    out = h.call(h.backend.ops.paged_attention, h.upload(q), h.upload_cache(key_cache, value_cache), step, scale,
-                 sliding_window=sliding_window, logit_softcap=logit_softcap)
+    out = h.call(h.backend.ops.paged_attention, h.upload(q), h.upload_cache(key_cache, value_cache, kv_dtype), step,
+                 scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
     reference = oracle.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_tables, scale, sliding_window, logit_softcap)
     h.close("out", out, reference)
@@ -328,9 +336,19 @@ def _grid(op: str, check, dtypes, **axes) -> list[Case]:
     ]
 
 
-def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
-    """The whole level-1 grid for a backend computing in `dtypes`."""
+def _kv_dtype_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case]:
+    """`_grid` at every KV cache dtype the backend declares beside each compute dtype, other than
+    the compute dtype itself (which the plain grid covers)."""
+    return [case for dtype in dtypes for kv_dtype in kv_cache_dtypes(dtype) if kv_dtype != dtype
+            for case in _grid(op, check, (dtype,), kv_dtype=[kv_dtype], **axes)]
+
+
+def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str, ...]] | None = None) -> list[Case]:
+    """The whole level-1 grid for a backend computing in `dtypes`, keeping its KV cache in the
+    dtypes `kv_cache_dtypes(compute dtype)` gives (`Backend.kv_cache_dtypes`; default: the compute
+    dtype alone)."""
     attention_heads = [(4, 4), (16, 4), (16, 2)]  # GQA ratios 1, 4 and 8
+    kv_cache_dtypes = kv_cache_dtypes or (lambda dtype: (dtype,))
     return [
         *_grid("embedding", check_embedding, dtypes, vocab=[1000], hidden=[256], tokens=[17], scaled=[False, True]),
         *_grid("embedding", check_embedding, dtypes, vocab=[32000], hidden=[896], tokens=[5], scaled=[True]),
@@ -366,6 +384,12 @@ def op_cases(dtypes: tuple[str, ...]) -> list[Case]:
                batch=["mixed", "decode"], logit_softcap=[2.0]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[256], heads=[(8, 4)], block_size=[32],
                batch=["mixed"], sliding_window=[40], logit_softcap=[5.0]),
+        *_kv_dtype_grid("write_kv", check_write_kv, dtypes, kv_cache_dtypes, block_size=[16], kv_heads=[2],
+                        head_dim=[128], tokens=[70], padding=["some"]),
+        *_kv_dtype_grid("paged_attention", check_paged_attention, dtypes, kv_cache_dtypes, head_dim=[128],
+                        heads=[(16, 4)], block_size=[16], batch=["mixed", "decode"]),
+        *_kv_dtype_grid("paged_attention", check_paged_attention, dtypes, kv_cache_dtypes, head_dim=[256],
+                        heads=[(8, 4)], block_size=[32], batch=["mixed"], sliding_window=[40], logit_softcap=[5.0]),
         *_grid("softcap", check_softcap, dtypes, shape=[(4, 32000), (64, 256)], cap=[30.0]),
         *_grid("softmax", check_softmax, dtypes, shape=[(8, 1000), (3, 5, 311)], magnitude=["normal", "large"]),
         *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=SAMPLING_MODES, logprobs=[0, 5]),

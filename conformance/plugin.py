@@ -41,7 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     probe = cls.probe()
     if not probe.available:
         raise pytest.UsageError(f"backend {spec!r} is not available here: {probe.reason}")
-    known = {case.op for case in op_cases(cls.dtypes)}
+    known = {case.op for case in op_cases(cls.dtypes, cls.kv_cache_dtypes)}
     unknown = set(config.getoption("--conformance-op")) - known
     if unknown:
         raise pytest.UsageError(
@@ -107,7 +107,8 @@ class ConformanceRun:
 
     def cases(self) -> list:
         wanted = set(self.config.getoption("--conformance-op"))
-        return [c for c in op_cases(self.backend_class.dtypes) if not wanted or c.op in wanted]
+        cls = self.backend_class
+        return [c for c in op_cases(cls.dtypes, cls.kv_cache_dtypes) if not wanted or c.op in wanted]
 
     def seed_for(self, case) -> int:
         return case_seed(self.seed, case.name)

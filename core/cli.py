@@ -71,27 +71,29 @@ MODULE_COMMANDS = {
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from candelabra.plugins import installed_plugins
+    from candelabra.plugins import installed_plugins, ranked_backends
 
     plugins = installed_plugins()
-    rows = []
-    for registration in plugins.backends.registrations():
-        probe = registration.value.probe()
-        rows.append({
-            "name": registration.name,
-            "distribution": registration.source.distribution,
-            "available": probe.available,
-            "detail": probe.device if probe.available else probe.reason,
-        })
+    ranked = ranked_backends(plugins)
+    auto = ranked[0].name if ranked and ranked[0].probe.available else None
+    rows = [{
+        "name": c.name,
+        "distribution": c.distribution,
+        "available": c.probe.available,
+        "priority": c.probe.priority,
+        "detail": c.probe.device if c.probe.available else c.probe.reason,
+    } for c in ranked]
     broken = [{"plugin": b.source.plugin, "distribution": b.source.distribution, "stage": b.stage, "error": b.error}
               for b in plugins.broken]
     conflicts = {name: [r.source.distribution for r in regs] for name, regs in plugins.backends.conflicts().items()}
     if args.json:
-        print(json.dumps({"backends": rows, "broken_plugins": broken, "conflicts": conflicts}, indent=2))
+        print(json.dumps({"backends": rows, "auto": auto, "broken_plugins": broken, "conflicts": conflicts}, indent=2))
     else:
         print(format_table(
-            ("backend", "distribution", "available", "device / why not"),
-            [(r["name"], r["distribution"], "yes" if r["available"] else "no", r["detail"]) for r in rows],
+            ("backend", "distribution", "available", "priority", "auto", "device / why not"),
+            [(r["name"], r["distribution"], "yes" if r["available"] else "no",
+              str(r["priority"]) if r["available"] else "-", "picks" if r["name"] == auto else "", r["detail"])
+             for r in rows],
         ))
         for b in broken:
             print(f"broken plugin {b['plugin']!r} from {b['distribution']} ({b['stage']}): {b['error']}")

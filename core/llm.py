@@ -7,23 +7,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.device import Device
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.tokenizer import Tokenizer
+from candelabra.core.kv_cache_size import blocks_in, device_cache_size, one_block
 from candelabra.core.models import load_model
 from candelabra.core.weights import Checkpoint
 from candelabra.core.worker.model_runner import ModelRunner
 
 log = logging.getLogger("candelabra")
 
-# Preference of `--backend auto`: accelerators first; MLX's CPU build is slower than numpy.
-AUTO_ORDER = ("cuda", "gcu", "metal", "cpu")
-
-
 def choose_backend(name: str = "auto"):
-    """The backend class for `name`; "auto" picks the first available, saying why."""
-    from candelabra.plugins import backend_class, installed_plugins
+    """The backend class for `name`; "auto" picks the available one of highest priority, saying
+    which and what it passed over."""
+    from candelabra.plugins import auto_choice, backend_class, ranked_backends
 
     if name != "auto":
         cls = backend_class(name)
@@ -31,32 +29,13 @@ def choose_backend(name: str = "auto"):
         if not probe.available:
             raise RuntimeError(f"backend {name!r} is not available: {probe.reason}")
         return cls
-    registry = installed_plugins().backends
-    passed_over = []
-    for candidate in AUTO_ORDER:
-        if candidate not in registry:
-            continue
-        cls = registry.get(candidate)
-        probe = cls.probe()
-        if probe.available and (candidate != "metal" or probe.device.startswith("gpu")):
-            log.info("backend auto: chose %s, on %s (passed over: %s)", candidate, probe.device,
-                     "; ".join(passed_over) or "none")
-            return cls
-        passed_over.append(f"{candidate}: {probe.reason}" if not probe.available else
-                           f"{candidate}: runs on {probe.device}, slower than the numpy backend")
-    raise RuntimeError("no backend is available: " + "; ".join(passed_over))
-
-
-def kv_blocks_for(model, block_size: int, memory_mb: float, what: str = "kvcache_mem_gpu") -> int:
-    """How many KV blocks `memory_mb` megabytes hold for this model (--kvcache-mem-gpu/-cpu);
-    ValueError naming `what` when not one."""
-    c = model.config
-    one_block = KVCacheSpec(c.num_layers, 1, block_size, c.num_kv_heads, c.head_dim, model.dtype)
-    blocks = int(memory_mb * 2**20) // one_block.bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"{what} ({memory_mb:g} MB) holds no KV cache block: one block of {block_size} tokens "
-                         f"takes {one_block.bytes_per_block / 2**20:.3g} MB")
-    return blocks
+    ranked = ranked_backends()
+    chosen = auto_choice(ranked)
+    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.device}" if c.probe.available else
+                   f"{c.name}: not available, {c.probe.reason}" for c in ranked if c is not chosen]
+    log.info("backend auto: chose %s, priority %d, the highest available, on %s (passed over: %s)", chosen.name,
+             chosen.probe.priority, chosen.probe.device, "; ".join(passed_over) or "none")
+    return chosen.backend
 
 
 def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
@@ -76,30 +55,44 @@ def open_model(model: str | Path | None = None, model_id: str | None = None, wei
 class LLM:
     """A model on a backend with its engine. `model` is a checkpoint folder or file (safetensors
     folder, .gguf file) or an opened Checkpoint; None serves the default model. `backend` is a
-    name, "auto", or a Backend class."""
+    name, "auto", or a Backend class; `device` one of its devices (an index or a Device; None: 0).
+
+    The KV cache is in `kv_cache_dtype` (default: the compute dtype) and takes `kvcache_mem_gpu`
+    MB, or else `kv_fraction` of the backend's free memory (default: the backend's own share),
+    never more than `max_num_seqs` sequences of the whole context can fill. `kvcache_mem_cpu` MB
+    of host memory hold swapped-out blocks (0: preempt by recompute)."""
 
     def __init__(self, model: str | Path | Checkpoint | None = None, backend: str | type = "auto",
-                 dtype: str | None = None, kvcache_mem_gpu: float = 1024, kvcache_mem_cpu: float = 128,
+                 device: Device | int | None = None, dtype: str | None = None, kv_cache_dtype: str | None = None,
+                 kvcache_mem_gpu: float | None = None, kv_fraction: float | None = None, kvcache_mem_cpu: float = 128,
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, **engine_options) -> None:
         checkpoint = model if isinstance(model, Checkpoint) else open_model(model, model_id, weight_file, revision)
         self.checkpoint = checkpoint
-        self.backend = (backend if isinstance(backend, type) else choose_backend(backend))()
+        backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
+        if isinstance(device, int):
+            device = Device(device)
+        self.backend = backend_cls() if device is None else backend_cls(device)
         self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
+        kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)
         config = EngineConfig(**engine_options)
-        config.num_blocks = kv_blocks_for(self.model, config.block_size, kvcache_mem_gpu)
-        config.num_host_blocks = (kv_blocks_for(self.model, config.block_size, kvcache_mem_cpu, "kvcache_mem_cpu")
-                                  if kvcache_mem_cpu else 0)
-        runner = ModelRunner(self.model, config.num_blocks, config.block_size)
+        block = one_block(self.model, config.block_size, kv_dtype)
+        size = device_cache_size(self.backend, block, kvcache_mem_gpu, kv_fraction, config.max_num_seqs,
+                                 config.max_model_len or self.model.config.max_position_embeddings)
+        config.num_blocks = size.num_blocks
+        config.num_host_blocks = blocks_in(kvcache_mem_cpu, block, "kvcache_mem_cpu") if kvcache_mem_cpu else 0
+        runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_dtype)
         self.engine = LLMEngine(runner, self.tokenizer, config)
+        self.kv_cache_chosen_by = size.chosen_by
         capacity = config.num_blocks * config.block_size
-        log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %d host blocks",
-                 config.num_blocks, config.block_size, capacity, self.backend.name, config.num_host_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens) in %s on %s, sized by %s; %d host blocks",
+                 config.num_blocks, config.block_size, capacity, kv_dtype, self.backend.name, size.chosen_by,
+                 config.num_host_blocks)
         if capacity < self.engine.max_model_len:
             log.warning("the KV cache holds %d tokens, fewer than the context of %d: longer requests are refused; "
-                        "give it more memory (kvcache_mem_gpu, --kvcache-mem-gpu)", capacity,
-                        self.engine.max_model_len)
+                        "give it more memory (kvcache_mem_gpu or kv_fraction; --kvcache-mem-gpu, --kv-fraction)",
+                        capacity, self.engine.max_model_len)
         self._ids = 0
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list | None = None,

@@ -2,17 +2,21 @@
 
 from candelabra.plugins.hookspecs import hookimpl
 from candelabra.plugins.manager import BrokenPlugin, Plugins, backend_class, discover, installed_plugins
+from candelabra.plugins.ranking import Candidate, auto_choice, ranked_backends
 from candelabra.plugins.registry import PluginSource, Registration, Registry, RegistryError
 
 __all__ = [
     "BrokenPlugin",
+    "Candidate",
     "PluginSource",
     "Plugins",
     "Registration",
     "Registry",
     "RegistryError",
+    "auto_choice",
     "backend_class",
     "discover",
     "hookimpl",
     "installed_plugins",
+    "ranked_backends",
 ]

@@ -138,9 +138,10 @@ def test_backend_by_import_path():
 def test_backends_command_lists_cpu_as_available(capsys):
     assert main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["backend", "distribution", "available", "device", "/", "why", "not"]
+    assert lines[0].split() == ["backend", "distribution", "available", "priority", "auto", "device", "/", "why",
+                                "not"]
     cpu = next(line for line in lines if line.startswith("cpu "))
-    assert "candelabra 0.1.0" in cpu and " yes " in cpu
+    assert "candelabra 0.1.0" in cpu and " yes " in cpu and " 10 " in cpu
 
 
 def test_backends_command_shows_unavailable_backends_with_their_reason(tmp_path, monkeypatch, capsys):
@@ -164,6 +165,6 @@ def test_backends_command_shows_unavailable_backends_with_their_reason(tmp_path,
 
     assert main(["backends", "--json"]) == 0
     listed = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
-    assert listed["ghost"] == {"name": "ghost", "distribution": "ghost 1.0", "available": False,
+    assert listed["ghost"] == {"name": "ghost", "distribution": "ghost 1.0", "available": False, "priority": 0,
                                "detail": "ghostlib is not installed"}
     assert listed["cpu"]["available"] is True

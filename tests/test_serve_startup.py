@@ -61,7 +61,11 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--prefill-chunk-size", "-1"], "--prefill-chunk-size must be at least 0"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
     (["--port", "70000"], "--port must be in 0 to 65535"),
+    (["--device-ids", "0,1"], "--device-ids 0,1: serving on several devices (tensor parallelism) is not supported"),
+    (["--device-ids", "gpu"], "--device-ids gpu: a device is a number"),
     (["--kvcache-mem-gpu", "0"], "--kvcache-mem-gpu must be more than 0 MB"),
+    (["--kv-fraction", "0"], "--kv-fraction is a share of the free memory, more than 0 and at most 1, not 0"),
+    (["--kv-fraction", "1.5"], "--kv-fraction is a share of the free memory, more than 0 and at most 1, not 1.5"),
     (["--kvcache-mem-cpu", "-1"], "--kvcache-mem-cpu must be 0 MB (no swap space) or more"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be 0 seconds or more"),
     (["--temperature", "-0.5"], "--temperature: temperature must be >= 0"),
@@ -79,7 +83,8 @@ def test_values_that_cannot_serve_a_request_are_refused(flags, problem):
 
 def test_good_values_pass_the_checks():
     check_arguments(serve_args("--max-model-len", "2", "--temperature", "0", "--top-p", "1", "--top-k", "-1",
-                               "--kvcache-mem-cpu", "0", "--prefill-chunk-size", "0", "--shutdown-grace", "0"))
+                               "--kvcache-mem-cpu", "0", "--prefill-chunk-size", "0", "--shutdown-grace", "0",
+                               "--kv-fraction", "1", "--device-ids", "0"))
 
 
 def test_a_refused_value_exits_2_in_one_line_before_anything_loads(checkpoint, capsys):

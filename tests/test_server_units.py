@@ -111,10 +111,10 @@ def test_backend_auto_says_which_and_why(caplog):
     with caplog.at_level(logging.INFO, logger="candelabra"):
         chosen = choose_backend("auto")
     message = " ".join(r.getMessage() for r in caplog.records)
-    assert f"backend auto: chose {chosen.name}" in message
+    assert f"backend auto: chose {chosen.name}, priority {chosen.probe().priority}, the highest available" in message
     assert "cuda" not in message and "gcu" not in message  # named by the design, not shipped: never offered
-    if chosen.name == "cpu":  # MLX's CPU build here: passed over with its reason
-        assert "metal: runs on cpu" in message and "slower than the numpy backend" in message
+    if chosen.name == "cpu":  # MLX's CPU build here: passed over for its lower priority, saying why it is lower
+        assert "passed over: metal: priority 5, on cpu (MLX" in message and "slower than the numpy backend" in message
 
 
 @pytest.mark.parametrize("name", ["cuda", "torch", "gcu"])

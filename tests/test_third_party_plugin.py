@@ -92,7 +92,7 @@ def test_installed_third_party_backend_is_listed_and_conformance_runs_on_it(inst
     assert listing.returncode == 0, listing.stderr
     backends = {b["name"]: b for b in json.loads(listing.stdout)["backends"]}
     assert backends["tinynpu"] == {"name": "tinynpu", "distribution": "candelabra-tinynpu 0.3.0",
-                                   "available": True, "detail": "tinynpu simulator"}
+                                   "available": True, "priority": 0, "detail": "tinynpu simulator"}
     assert backends["cpu"]["available"]
 
     results = tmp_path / "tinynpu.json"

@@ -11,6 +11,7 @@ from candelabra.backends.cpu.attention import prepare_step
 from candelabra.backends.cpu.ops import NumpyOps
 from candelabra.core.contract.attention_layout import GatheredStep
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -20,12 +21,13 @@ class CpuBackend(Backend):
     name = "cpu"
     dtypes = ("float32",)
 
-    def __init__(self) -> None:
+    def __init__(self, device: Device | None = None) -> None:
+        super().__init__(device)
         self.ops = NumpyOps()
 
     @classmethod
     def probe(cls) -> Probe:
-        return Probe(True, device=f"cpu ({os.cpu_count()} cores, numpy {np.__version__})")
+        return Probe(True, device=f"cpu ({os.cpu_count()} cores, numpy {np.__version__})", priority=10)
 
     def to_device(self, array, dtype=None):
         array = np.asarray(array)
@@ -46,6 +48,10 @@ class CpuBackend(Backend):
 
     def free_memory(self) -> int:
         return int(psutil.virtual_memory().available)
+
+    def kv_cache_fraction(self) -> float:
+        """The host's RAM is shared with every other program."""
+        return 0.25
 
     def synchronize(self) -> None:
         """numpy computes eagerly: by the time a call returns its work is done."""

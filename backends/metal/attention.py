@@ -63,19 +63,24 @@ def paged_attention(q, cache, step: MlxStep, scale, sliding_window, logit_softca
     num_kv_heads = cache.key.shape[2]
     keys = cache.key.reshape(-1, num_kv_heads, head_dim)
     values = cache.value.reshape(-1, num_kv_heads, head_dim)
+    # A cache in another dtype than q: the gathered keys and values and q all in float32, which
+    # holds any of them exactly; the result in q's dtype.
+    out_dtype = q.dtype
+    compute_dtype = q.dtype if keys.dtype == q.dtype else mx.float32
+    q = q.astype(compute_dtype)
     outputs = []
     for index, group in enumerate(step.groups):
         rows, queries = group.slots.shape[0], group.query_pos.shape[1]
         grouped_q = q[group.token_index].reshape(rows, queries, num_heads, head_dim).transpose(0, 2, 1, 3)
-        k = keys[group.slots].transpose(0, 2, 1, 3)  # [R, Hk, S, D]
-        v = values[group.slots].transpose(0, 2, 1, 3)
+        k = keys[group.slots].astype(compute_dtype).transpose(0, 2, 1, 3)  # [R, Hk, S, D]
+        v = values[group.slots].astype(compute_dtype).transpose(0, 2, 1, 3)
         visible = step.visible(index, sliding_window)[:, None]  # [R, 1, Qr, S]
         if logit_softcap is None:
             out = mx.fast.scaled_dot_product_attention(grouped_q, k, v, scale=scale, mask=visible)
         else:
             out = _softcapped(grouped_q, k, v, visible, scale, logit_softcap)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(rows * queries, num_heads, head_dim))
-    return mx.concatenate(outputs, axis=0)[step.token_order]
+    return mx.concatenate(outputs, axis=0)[step.token_order].astype(out_dtype)
 
 
 def _softcapped(q, k, v, visible, scale, cap):

@@ -8,6 +8,7 @@ import psutil
 
 from candelabra.core.contract.attention_layout import gather_groups
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -23,9 +24,10 @@ class MetalBackend(Backend):
     name = "metal"
     dtypes = ("float32", "float16", "bfloat16")
 
-    def __init__(self) -> None:
+    def __init__(self, device: Device | None = None) -> None:
         if mx is None:
             raise RuntimeError(self.probe().reason)
+        super().__init__(device)
         from candelabra.backends.metal.ops import MlxOps
 
         self.ops = MlxOps()
@@ -34,12 +36,19 @@ class MetalBackend(Backend):
                                                                  mx.bool_: "bool"}
 
     @classmethod
+    def kv_cache_dtypes(cls, compute_dtype):
+        """Any float dtype: write_kv casts to the cache's dtype, and paged_attention computes in
+        float32 when the cache and the queries differ."""
+        return (compute_dtype, *(d for d in cls.dtypes if d != compute_dtype))
+
+    @classmethod
     def probe(cls) -> Probe:
         if mx is None:
             return Probe(False, f"mlx is not installed ({_MLX_IMPORT_ERROR}); pip install 'candelabra[metal]'")
         if mx.metal.is_available():
-            return Probe(True, device=f"gpu (Apple Metal, MLX {mx.__version__})")
-        return Probe(True, device=f"cpu (MLX {mx.__version__} CPU build)")
+            return Probe(True, device=f"gpu (Apple Metal, MLX {mx.__version__})", priority=100)
+        # MLX's CPU build is correct but slower than numpy: auto takes it only when nothing else runs.
+        return Probe(True, device=f"cpu (MLX {mx.__version__} CPU build, slower than the numpy backend)", priority=5)
 
     def to_device(self, array, dtype=None):
         array = np.asarray(array)
@@ -66,6 +75,10 @@ class MetalBackend(Backend):
             limit = mx.device_info()["max_recommended_working_set_size"]
             return int(limit - mx.get_active_memory())
         return int(psutil.virtual_memory().available)
+
+    def kv_cache_fraction(self) -> float:
+        """Half of the GPU's working set; on the CPU build a quarter of the host's RAM, as cpu."""
+        return 0.5 if mx.metal.is_available() else 0.25
 
     def synchronize(self) -> None:
         mx.synchronize()

@@ -5,6 +5,7 @@ semantics in its docstring), the step and sampling metadata, the KV cache spec a
 """
 
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import FLOAT_DTYPES, DType
 from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
 from candelabra.core.contract.kv_cache import KVCacheSpec
@@ -13,6 +14,6 @@ from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMe
 
 __all__ = [
     "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "DType", "KVCache", "KVCacheSpec", "OpNotSupported",
-    "Ops", "Probe", "SampleResult", "SamplingMetadata", "StepExecutor", "StepInputs", "StepMetadata", "Tensor",
-    "pad_step_inputs",
+    "Device", "Ops", "Probe", "SampleResult", "SamplingMetadata", "StepExecutor", "StepInputs", "StepMetadata",
+    "Tensor", "pad_step_inputs",
 ]

@@ -3,7 +3,7 @@
 A backend subclasses `Backend`, gives it a `name`, and registers the class through the plugin
 hook `register_backends` (see `candelabra.plugins`). The core then:
 
-* asks `probe()` whether it can run here, and why not;
+* asks `probe()` whether it can run here, and why not, and constructs it for a `Device`;
 * moves data with `to_device` / `to_host`, and weights with `upload_weight`;
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import DType, check_dtype
 from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
@@ -34,11 +35,18 @@ from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadat
 
 @dataclass(frozen=True)
 class Probe:
-    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses."""
+    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses.
+
+    `priority` ranks the available backends for `--backend auto`, higher first (ties go to the
+    name that sorts first): 100 an accelerator (GPU, NPU); 50 a fast CPU path; 10 the numpy
+    reference; 0 a backend that does not say. A backend that runs here but slower than the
+    reference answers below 10 and says so in `device`.
+    """
 
     available: bool
     reason: str = ""
     device: str = ""
+    priority: int = 0
 
 
 class Backend:
@@ -50,16 +58,51 @@ class Backend:
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
     ops: Ops
 
+    def __init__(self, device: Device | None = None) -> None:
+        """A backend for `device` (None: device 0). Subclasses call this first, then set `ops`."""
+        self.device = self.check_device(device or Device())
+
     @classmethod
     def probe(cls) -> Probe:
         """Report availability without raising: a missing library or device is a reason string."""
         raise NotImplementedError(f"{cls.__name__} must implement probe()")
+
+    @classmethod
+    def device_count(cls) -> int:
+        """How many devices this backend can run on here, numbered from 0."""
+        return 1
+
+    @classmethod
+    def check_device(cls, device: Device) -> Device:
+        """`device` if this backend has it here, else a ValueError naming the devices it has."""
+        count = cls.device_count()
+        if device.index >= count:
+            has = "one device, 0" if count == 1 else f"devices 0 to {count - 1}"
+            raise ValueError(f"backend {cls.name!r} has no device {device.index}; it has {has}")
+        return device
 
     def check_dtype(self, dtype: str) -> DType:
         """`dtype` if this backend computes in it, else a ValueError naming the ones it does."""
         if check_dtype(dtype) not in self.dtypes:
             raise ValueError(f"backend {self.name!r} does not compute in {dtype}; it offers {', '.join(self.dtypes)}")
         return dtype  # type: ignore[return-value]
+
+    @classmethod
+    def kv_cache_dtypes(cls, compute_dtype: DType) -> tuple[DType, ...]:
+        """The dtypes `write_kv` and `paged_attention` take a cache in while computing in
+        `compute_dtype` (the cache is in the compute dtype unless asked otherwise). Unless a backend
+        says more: the compute dtype alone."""
+        return (compute_dtype,)
+
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_dtype: str, compute_dtype: DType) -> DType:
+        """`kv_dtype` if this backend keeps a KV cache in it beside `compute_dtype`, else a ValueError
+        naming the ones it does."""
+        offered = cls.kv_cache_dtypes(compute_dtype)
+        if check_dtype(kv_dtype) not in offered:
+            raise ValueError(f"backend {cls.name!r} computing in {compute_dtype} keeps its KV cache in "
+                             f"{', '.join(offered)}, not {kv_dtype}")
+        return kv_dtype  # type: ignore[return-value]
 
     # memory
 
@@ -89,6 +132,12 @@ class Backend:
     def free_memory(self) -> int:
         """Bytes this backend could still allocate, for sizing the KV cache."""
         raise NotImplementedError
+
+    def kv_cache_fraction(self) -> float:
+        """The share of `free_memory()` the KV cache takes when no size is given: a device of its
+        own may give more; a backend whose free memory is the host's RAM, shared with everything
+        else, less."""
+        return 0.5
 
     def synchronize(self) -> None:
         """Wait until all work handed to the device so far has finished."""

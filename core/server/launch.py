@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--revision", help="revision of --model-id")
     where.add_argument("--served-model-name", help="the name clients use (default: from the checkpoint)")
     where.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), help="compute dtype (default: the backend's first)")
+    where.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_ALIASES),
+                       help="dtype of the KV cache, where the backend offers one beside the compute dtype (see "
+                            "`candelabra backends`; default: the compute dtype)")
     where.add_argument("--quant", help="weight format; only gguf (a .gguf checkpoint, dequantized at load) so far")
 
     net = parser.add_argument_group("server")
@@ -54,9 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--backend", default="auto",
                         help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
                              "the best available here (default: auto)")
-    engine.add_argument("--device-ids", help="devices to use; one device so far (e.g. \"0\")")
-    engine.add_argument("--kvcache-mem-gpu", type=float, default=1024, metavar="MB",
-                        help="KV cache memory on the device in MB (default 1024)")
+    engine.add_argument("--device-ids", help="the device to run on, by its index (default 0); one device so far")
+    engine.add_argument("--kvcache-mem-gpu", type=float, metavar="MB",
+                        help="KV cache memory on the device in MB; wins over --kv-fraction (default: sized by "
+                             "--kv-fraction)")
+    engine.add_argument("--kv-fraction", type=float, metavar="F",
+                        help="without --kvcache-mem-gpu, the KV cache takes this share of the backend's free "
+                             "memory, never more than --max-num-seqs sequences of the whole context can fill "
+                             "(default: the backend's share; on the CPU backends 0.25 of the available RAM, which "
+                             "is shared with everything else)")
     engine.add_argument("--kvcache-mem-cpu", type=float, default=128, metavar="MB",
                         help="host memory for swapped-out KV blocks in MB (default 128; 0: preempt by recompute)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
@@ -117,14 +126,14 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
+    from candelabra.core.contract.device import Device
     from candelabra.core.engine.sampling_params import SamplingParams
+    from candelabra.core.kv_cache_size import check_kv_fraction
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
                          "K-quants, F16), which is dequantized at load")
-    if args.device_ids and len([d for d in args.device_ids.split(",") if d.strip()]) > 1:
-        raise ValueError(f"--device-ids {args.device_ids}: serving on several devices (tensor parallelism) is not "
-                         "supported yet; pass one device")
+    Device.parse_ids(args.device_ids)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
     minimums = {"max_num_seqs": 1, "block_size": 1, "max_waiting": 1, "max_num_batched_tokens": 1,
@@ -136,8 +145,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}{why}, not {value}")
     if not 0 <= args.shutdown_grace < math.inf:
         raise ValueError(f"--shutdown-grace must be 0 seconds or more, not {args.shutdown_grace:g}")
-    if not args.kvcache_mem_gpu > 0:
+    if args.kvcache_mem_gpu is not None and not args.kvcache_mem_gpu > 0:
         raise ValueError(f"--kvcache-mem-gpu must be more than 0 MB, not {args.kvcache_mem_gpu:g}")
+    if args.kv_fraction is not None:
+        check_kv_fraction(args.kv_fraction, "--kv-fraction")
     if not args.kvcache_mem_cpu >= 0:
         raise ValueError(f"--kvcache-mem-cpu must be 0 MB (no swap space) or more, not {args.kvcache_mem_cpu:g}")
     flags = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "penalty": "repetition_penalty",
@@ -154,10 +165,15 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _backend_and_checkpoint(args: argparse.Namespace):
     """The backend class and the opened checkpoint, whose config must name a known architecture
     (and match MODEL_TYPE): all that can be checked before the weights load."""
+    from candelabra.core.contract.device import Device
     from candelabra.core.llm import choose_backend, open_model
     from candelabra.core.models.config import ModelConfig
 
     backend = choose_backend(args.backend)
+    backend.check_device(Device.parse_ids(args.device_ids) or Device())
+    if args.kv_cache_dtype:
+        compute = DTYPE_ALIASES[args.dtype] if args.dtype else backend.dtypes[0]
+        backend.check_kv_cache_dtype(DTYPE_ALIASES[args.kv_cache_dtype], compute)
     checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision)
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
@@ -183,6 +199,7 @@ def _listen_failure(host: str, port: int, exc: OSError) -> str:
 
 
 def _load(args: argparse.Namespace, backend: type, checkpoint):
+    from candelabra.core.contract.device import Device
     from candelabra.core.engine.async_engine import AsyncEngine
     from candelabra.core.llm import LLM
     from candelabra.core.server.generation_config import recommended_sampling
@@ -193,8 +210,10 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                       "prefill_chunk_size": args.prefill_chunk_size,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
                       "max_gen_tokens": args.max_gen_tokens, "seed": args.seed}
-    llm = LLM(checkpoint, backend=backend, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
-              kvcache_mem_gpu=args.kvcache_mem_gpu, kvcache_mem_cpu=args.kvcache_mem_cpu,
+    llm = LLM(checkpoint, backend=backend, device=Device.parse_ids(args.device_ids),
+              dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
+              kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
+              kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction, kvcache_mem_cpu=args.kvcache_mem_cpu,
               model_type=args.model_type, **engine_options)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
     engine = AsyncEngine(llm.engine)
@@ -269,8 +288,9 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
         f"model     {served.name} ({model.architecture}, {model.num_layers} layers) from {llm.checkpoint.path}",
         f"dtype     {llm.model.dtype}",
         f"KV cache  {config.num_blocks * config.block_size} tokens ({config.num_blocks} blocks of "
-        f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB); "
+        f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB in {kv.dtype}); "
         f"swap space {config.num_host_blocks} blocks",
+        f"          sized by {llm.kv_cache_chosen_by}",
         f"context   {engine.max_model_len} tokens; up to {config.max_num_seqs} sequences per batch",
         f"sampling  {_describe_defaults(served.defaults)}",
         f"API key   {'required' if args.api_key else 'not required'}",

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.executor import StepInputs
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
@@ -18,10 +19,13 @@ from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput
 class ModelRunner:
     """Owns one model's per-layer KV caches and the host swap space for them."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int,
+                 kv_cache_dtype: DType | None = None) -> None:
+        """`kv_cache_dtype`: the caches' dtype (default: the model's compute dtype)."""
         c = model.config
         self.model, self.backend = model, model.backend
-        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype)
+        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                   kv_cache_dtype or model.dtype)
         self.caches = self.backend.allocate_kv_cache(self.kv_spec)
         self.swap_space, self.num_host_blocks = None, 0
         self.executor = self.backend.step_executor(model)
