@@ -77,8 +77,8 @@ def test_a_float32_model_over_a_half_precision_cache_gives_nearly_the_same_logit
 
     def logits(kv_cache_dtype):
         runner = ModelRunner(model, num_blocks=6, block_size=16, kv_cache_dtype=kv_cache_dtype)
-        runner.execute(tokens[:39], StepMetadata.build([39], [39], [[4, 1, 3]], 16))
-        decoded = runner.execute(tokens[39:], StepMetadata.build([1], [40], [[4, 1, 3]], 16))
+        runner.logits(tokens[:39], StepMetadata.build([39], [39], [[4, 1, 3]], 16))
+        decoded = runner.logits(tokens[39:], StepMetadata.build([1], [40], [[4, 1, 3]], 16))
         assert backend.dtype_of(runner.caches[0].key) == runner.kv_spec.dtype == (kv_cache_dtype or "float32")
         return backend.to_host(decoded)
 
