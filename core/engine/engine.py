@@ -216,7 +216,7 @@ class LLMEngine:
         backend, ops = self.backend, self.backend.ops
         picked = logits
         if [row for row, _ in rows] != list(range(logits.shape[0])):
-            picked = ops.embedding(backend.to_device(np.array([r for r, _ in rows], dtype=np.int32)), logits)
+            picked = ops.gather_rows(logits, backend.to_device(np.array([r for r, _ in rows], dtype=np.int32)))
         seqs = [seq for _, seq in rows]
         result = ops.sample(picked, backend.prepare_sampling(self._sampling_metadata(seqs)))
         backend.evaluate(result)
