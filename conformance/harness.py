@@ -88,9 +88,9 @@ class Harness:
         return KVCache(self.upload(key), self.upload(value))
 
     def call(self, op: Callable, *args, **kwargs):
-        """Run `op` once on NaN copies of its float tensor arguments, weights aside (its result dropped), then
-        for real: an output the backend leaves partly unwritten then shows NaN from the first run,
-        since allocators hand freed memory straight back."""
+        """Run `op` once on NaN copies of its float tensor arguments other than weights (its result
+        dropped), then for real: an output the backend leaves partly unwritten then shows NaN from
+        the first run, since allocators hand freed memory straight back."""
         poisoned_args = [self._poisoned(a) for a in args]
         poisoned_kwargs = {k: self._poisoned(v) for k, v in kwargs.items()}
         try:
