@@ -18,6 +18,7 @@ import numpy as np
 from candelabra.backends.cpu import CpuBackend
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.contract.weights import WeightRole
 from candelabra.core.text_table import format_table
 from candelabra.plugins import installed_plugins
 
@@ -53,7 +54,8 @@ def attention_case(backend, dtype, rng, *, heads, kv_heads, head_dim, batch, con
 
 def linear_case(backend, dtype, rng, *, tokens, in_features, out_features):
     x = backend.to_device(rng.standard_normal((tokens, in_features)), dtype)
-    w = backend.upload_weight(rng.standard_normal((out_features, in_features)) * in_features**-0.5, dtype)
+    weight = (rng.standard_normal((out_features, in_features)) * in_features**-0.5).astype(np.float32)
+    w = backend.upload_weight("proj.weight", WeightRole.LINEAR, weight, dtype)
     return lambda: backend.ops.linear(x, w)
 
 

@@ -14,6 +14,7 @@ from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.dtypes import FLOAT_DTYPES
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 PASSED, FAILED, NOT_SUPPORTED = "passed", "failed", "not supported"
 
@@ -26,6 +27,7 @@ class Case:
     dtype: str
     params: tuple[tuple[str, Any], ...]
     check: Callable[..., None] = field(compare=False, repr=False)
+    weight_format: str | None = None  # a quantized format the case's weight is in, e.g. "Q4_K"
 
     @property
     def id(self) -> str:
@@ -44,6 +46,7 @@ class CaseResult:
     worst_nmse: float | None
     seed: int
     message: str = ""
+    weight_format: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +65,7 @@ class Harness:
         self.threshold = NMSE_THRESHOLDS[dtype]
         self.worst_nmse: float | None = None
         self.failures: list[str] = []
+        self._weights: list[Any] = []
 
     def rand(self, *shape: int, scale: float = 1.0, offset: float = 0.0) -> np.ndarray:
         """Normal random values, rounded to the case's dtype (float32 on the host)."""
@@ -73,13 +77,20 @@ class Harness:
             return self.backend.to_device(array, dtype or self.dtype)
         return self.backend.to_device(array.astype(np.int32))
 
+    def upload_weight(self, name: str, role: WeightRole, weight: np.ndarray | QuantizedTensor) -> Any:
+        """A weight as a model's reaches the backend; `call` passes it unpoisoned, since a backend
+        may keep weights in a layout of its own that only `upload_weight` makes."""
+        handle = self.backend.upload_weight(name, role, weight, self.dtype)
+        self._weights.append(handle)
+        return handle
+
     def upload_cache(self, key: np.ndarray, value: np.ndarray, dtype: str | None = None) -> KVCache:
         return KVCache(self.upload(key, dtype), self.upload(value, dtype))
 
     def call(self, op: Callable, *args, **kwargs):
-        """Run `op` once on NaN copies of its float tensor arguments (its result dropped), then
-        for real: an output the backend leaves partly unwritten then shows NaN from the first run,
-        since allocators hand freed memory straight back."""
+        """Run `op` once on NaN copies of its float tensor arguments other than weights (its result
+        dropped), then for real: an output the backend leaves partly unwritten then shows NaN from
+        the first run, since allocators hand freed memory straight back."""
         poisoned_args = [self._poisoned(a) for a in args]
         poisoned_kwargs = {k: self._poisoned(v) for k, v in kwargs.items()}
         try:
@@ -97,6 +108,8 @@ class Harness:
         return result
 
     def _poisoned(self, value: Any) -> Any:
+        if any(value is weight for weight in self._weights):
+            return value
         if isinstance(value, KVCache):
             return KVCache(self._poisoned(value.key), self._poisoned(value.value))
         dtype = self._float_dtype(value) if hasattr(value, "shape") else None
@@ -145,7 +158,7 @@ def run_case(backend: Backend, case: Case, seed: int) -> CaseResult:
     harness = Harness(backend, case.dtype, seed)
 
     def result(status: str, message: str = "") -> CaseResult:
-        return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message)
+        return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message, case.weight_format)
 
     if case.op in OP_NAMES and not backend.ops.supports(case.op):
         return result(NOT_SUPPORTED, f"backend {backend.name!r} does not implement {case.op}")

@@ -13,10 +13,13 @@ from collections.abc import Callable
 import numpy as np
 
 from candelabra.conformance import oracle
-from candelabra.conformance.compare import round_to
+from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS, round_to
 from candelabra.conformance.harness import Case, Harness
+from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import OpNotSupported
 from candelabra.core.contract.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
 from candelabra.core.models.rope import RopeScaling, cos_sin_table
 
 # How far a sampled token's inverse-CDF interval may sit from the draw: float32 cumulative sums
@@ -32,12 +35,35 @@ def check_embedding(h: Harness, vocab: int, hidden: int, tokens: int, scaled: bo
     h.close("out", out, oracle.embedding(ids, table, scale))
 
 
-def check_linear(h: Harness, tokens: int, in_features: int, out_features: int, bias: bool) -> None:
+def check_gather_rows(h: Harness, tokens: int, hidden: int, picked: int) -> None:
+    x = h.rand(tokens, hidden)
+    rows = h.rng.integers(0, tokens, picked)
+    out = h.call(h.backend.ops.gather_rows, h.upload(x), h.upload(rows))
+    h.equal("out", out, oracle.gather_rows(x, rows))
+
+
+def check_linear(h: Harness, tokens: int, in_features: int, out_features: int, bias: bool,
+                 role: str = "linear") -> None:
     x = h.rand(tokens, in_features)
     weight = h.rand(out_features, in_features, scale=in_features**-0.5)
     b = h.rand(out_features) if bias else None
-    out = h.call(h.backend.ops.linear, h.upload(x), h.upload(weight), None if b is None else h.upload(b))
+    out = h.call(h.backend.ops.linear, h.upload(x), h.upload_weight("proj.weight", WeightRole(role), weight),
+                 None if b is None else h.upload_weight("proj.bias", WeightRole.BIAS, b))
     h.close("out", out, oracle.linear(x, weight, b))
+
+
+def check_quantized_linear(h: Harness, format: str, tokens: int, in_features: int, out_features: int, bias: bool,
+                           role: str = "linear") -> None:
+    """The oracle multiplies by the weight's dequantized values, which is what the op promises."""
+    if format not in h.backend.quantized_formats:
+        raise OpNotSupported(h.backend.name, "linear", f"it keeps no {format} weights (quantized_formats)")
+    x = h.rand(tokens, in_features)
+    weight = random_quantized(h.rng, format, out_features, in_features)
+    b = h.rand(out_features) if bias else None
+    out = h.call(h.backend.ops.linear, h.upload(x), h.upload_weight("proj.weight", WeightRole(role), weight),
+                 None if b is None else h.upload_weight("proj.bias", WeightRole.BIAS, b))
+    h.close("out", out, oracle.linear(x, weight.dequantize(), b),
+            threshold=max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format]))
 
 
 def check_rms_norm(h: Harness, shape: tuple, weight_offset: float) -> None:
@@ -343,6 +369,15 @@ def _kv_dtype_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case
             for case in _grid(op, check, (dtype,), kv_dtype=[kv_dtype], **axes)]
 
 
+def _quantized_linear_grid(dtypes, **axes) -> list[Case]:
+    """Quantized `linear` cases, one format each, reported apart from the dense ones."""
+    return [
+        Case("linear", case.dtype, case.params, case.check, weight_format=dict(case.params)["format"])
+        for format in GGUF_QUANTIZED_FORMATS
+        for case in _grid("linear", check_quantized_linear, dtypes, format=[format], **axes)
+    ]
+
+
 def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str, ...]] | None = None) -> list[Case]:
     """The whole level-1 grid for a backend computing in `dtypes`, keeping its KV cache in the
     dtypes `kv_cache_dtypes(compute dtype)` gives (`Backend.kv_cache_dtypes`; default: the compute
@@ -356,6 +391,15 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("linear", check_linear, dtypes, tokens=[1, 2, 3, 7, 128], in_features=[896], out_features=[1152],
                bias=[False, True]),
         *_grid("linear", check_linear, dtypes, tokens=[33], in_features=[2048], out_features=[256], bias=[False]),
+        *_grid("linear", check_linear, dtypes, tokens=[2], in_features=[896], out_features=[4000], bias=[False],
+               role=["lm_head"]),
+        # In features a multiple of 256, as the K formats need (models whose widths are not get
+        # those tensors in other formats).
+        *_quantized_linear_grid(dtypes, tokens=[1, 5], in_features=[512], out_features=[384], bias=[True]),
+        *_quantized_linear_grid(dtypes, tokens=[3], in_features=[768], out_features=[1000], bias=[False],
+                                role=["lm_head"]),
+        *_grid("gather_rows", check_gather_rows, dtypes, tokens=[1, 37, 300], hidden=[896], picked=[1, 8, 40]),
+        *_grid("gather_rows", check_gather_rows, dtypes, tokens=[5], hidden=[151936], picked=[7]),
         *_grid("rms_norm", check_rms_norm, dtypes, shape=[(1, 896), (37, 2048), (9, 8, 128)],
                weight_offset=[0.0, 1.0]),
         *_grid("add_rms_norm", check_add_rms_norm, dtypes, shape=[(1, 896), (21, 2560)], weight_offset=[0.0, 1.0]),

@@ -26,6 +26,10 @@ def embedding(ids, table, scale=None):
     return out
 
 
+def gather_rows(x, rows):
+    return _f64(x)[np.asarray(rows, dtype=np.int64)]
+
+
 def linear(x, weight, bias=None):
     out = _f64(x) @ _f64(weight).T
     if bias is not None:

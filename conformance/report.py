@@ -14,16 +14,23 @@ HEADERS = ("op", "dtype", "cases", "passed", "failed", "not supported", "worst N
 
 
 def summarize(results: list[dict], by=("op",)) -> dict:
-    """Per op (or per `by` key tuple), in first-seen order: counts by status and the worst NMSE."""
+    """Per op (or per `by` key tuple), in first-seen order: counts by status and the worst NMSE.
+    An op on quantized weights counts apart, as "linear Q4_K"."""
     summary: dict = {}
     for result in results:
-        key = result[by[0]] if len(by) == 1 else tuple(result[k] for k in by)
+        values = [op_label(result) if k == "op" else result[k] for k in by]
+        key = values[0] if len(by) == 1 else tuple(values)
         entry = summary.setdefault(key, {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None})
         entry["cases"] += 1
         entry[result["status"]] += 1
         if result["worst_nmse"] is not None:
             entry["worst_nmse"] = max(entry["worst_nmse"] or 0.0, result["worst_nmse"])
     return summary
+
+
+def op_label(result: dict) -> str:
+    weight_format = result.get("weight_format")
+    return f"{result['op']} {weight_format}" if weight_format else result["op"]
 
 
 def table(results: list[dict]) -> str:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from candelabra.core.contract.ops import OP_NAMES
 from conftest import run_candelabra
 
 TESTS = Path(__file__).resolve().parent
@@ -29,4 +30,5 @@ def test_conformance_catches_exactly_the_broken_op(tmp_path, backend, broken_op)
     failing = {op for op, counts in summary.items() if counts["failed"]}
     assert failing == {broken_op}
     assert summary[broken_op]["passed"] > 0, "only the cases that exercise the bug should fail"
-    assert all(counts["not supported"] == 0 for counts in summary.values())
+    # Rows apart from the ops ("linear Q4_K") are quantized weights, which the numpy backend keeps none of.
+    assert all(counts["not supported"] == 0 for op, counts in summary.items() if op in OP_NAMES)

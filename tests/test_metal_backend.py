@@ -40,7 +40,8 @@ def test_metal_passes_every_op_case_at_every_dtype(tmp_path):
 
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr
     document = json.loads(results.read_text())
-    assert {case["status"] for case in document["cases"]} == {"passed"}
+    assert {case["status"] for case in document["cases"] if not case["weight_format"]} == {"passed"}
+    assert {case["status"] for case in document["cases"] if case["weight_format"]} == {"not supported"}
     assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16", "bfloat16"}
 
 

@@ -15,6 +15,7 @@ from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.weights import QuantizedTensor
 
 
 class CpuBackend(Backend):
@@ -45,6 +46,13 @@ class CpuBackend(Backend):
 
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype=self.check_dtype(dtype))
+
+    def upload_weight(self, name, role, weight, dtype):
+        if isinstance(weight, QuantizedTensor):
+            return super().upload_weight(name, role, weight, dtype)
+        # The host array is handed over for good, so it is kept as it is: no copy, and a tied LM
+        # head, handed over as the embedding's own array, is one array for both.
+        return np.asarray(weight, dtype=self.check_dtype(dtype))
 
     def free_memory(self) -> int:
         return int(psutil.virtual_memory().available)

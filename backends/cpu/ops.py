@@ -25,6 +25,9 @@ class NumpyOps(Ops):
         rows = table[ids]
         return rows * np.float32(scale) if scale is not None else rows
 
+    def gather_rows(self, x, rows):
+        return x[rows]
+
     def linear(self, x, weight, bias=None):
         if x.ndim == 2 and 1 < x.shape[0] <= ROW_BY_ROW_MAX:
             out = np.empty((x.shape[0], weight.shape[0]), dtype=np.result_type(x, weight))

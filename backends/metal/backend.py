@@ -12,6 +12,7 @@ from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.weights import WeightRole
 
 try:
     import mlx.core as mx
@@ -34,6 +35,7 @@ class MetalBackend(Backend):
         self._dtypes = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
         self._names = {v: k for k, v in self._dtypes.items()} | {mx.int32: "int32", mx.int64: "int64",
                                                                  mx.bool_: "bool"}
+        self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
 
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
@@ -69,6 +71,16 @@ class MetalBackend(Backend):
 
     def zeros(self, shape, dtype):
         return mx.zeros(shape, dtype=self._dtypes[self.check_dtype(dtype)])
+
+    def upload_weight(self, name, role, weight, dtype):
+        # A tied LM head comes right after the embedding, as the same host array: one tensor for both.
+        last, self._last_embedding = self._last_embedding, None
+        if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
+            return last[2]
+        tensor = super().upload_weight(name, role, weight, dtype)
+        if role is WeightRole.EMBEDDING:
+            self._last_embedding = (weight, dtype, tensor)
+        return tensor
 
     def free_memory(self) -> int:
         if mx.metal.is_available():

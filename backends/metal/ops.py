@@ -24,6 +24,9 @@ class MlxOps(Ops):
         rows = table[ids]
         return (_f32(rows) * scale).astype(table.dtype) if scale is not None else rows
 
+    def gather_rows(self, x, rows):
+        return x[rows]
+
     def linear(self, x, weight, bias=None):
         if bias is None:
             return x @ weight.T

@@ -1,7 +1,8 @@
 """The backend contract: everything a backend implements and everything the core hands it.
 
 `Backend` (memory, weights, KV cache, step metadata), `Ops` (the op interface, each op's exact
-semantics in its docstring), the step and sampling metadata, the KV cache spec and the dtypes.
+semantics in its docstring), the step and sampling metadata, the KV cache spec, the dtypes, and
+weight roles and quantized weights.
 """
 
 from candelabra.core.contract.backend import Backend, Probe
@@ -11,9 +12,10 @@ from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported, Ops, SampleResult, Tensor
 from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMetadata, StepMetadata
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 __all__ = [
     "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "DType", "KVCache", "KVCacheSpec", "OpNotSupported",
-    "Device", "Ops", "Probe", "SampleResult", "SamplingMetadata", "StepExecutor", "StepInputs", "StepMetadata",
-    "Tensor", "pad_step_inputs",
+    "Device", "Ops", "Probe", "QuantizedTensor", "SampleResult", "SamplingMetadata", "StepExecutor", "StepInputs",
+    "StepMetadata", "Tensor", "WeightRole", "pad_step_inputs",
 ]

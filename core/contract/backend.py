@@ -4,7 +4,8 @@ A backend subclasses `Backend`, gives it a `name`, and registers the class throu
 hook `register_backends` (see `candelabra.plugins`). The core then:
 
 * asks `probe()` whether it can run here, and why not, and constructs it for a `Device`;
-* moves data with `to_device` / `to_host`, and weights with `upload_weight`;
+* moves data with `to_device` / `to_host`, and weights, named and with their role, dense or
+  still quantized in a format it declares in `quantized_formats`, with `upload_weight`;
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
 * hands each step to the backend's executor (`step_executor`), which by default turns the step's
@@ -31,6 +32,7 @@ from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Backend:
     name: ClassVar[str] = ""
     # Compute dtypes this backend runs ops in; the first is its default.
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
+    # Quantized GGUF formats ("Q4_K", ...) whose linear and LM-head weights `upload_weight` takes
+    # still quantized; the core dequantizes every other weight first.
+    quantized_formats: ClassVar[frozenset[str]] = frozenset()
     ops: Ops
 
     def __init__(self, device: Device | None = None) -> None:
@@ -150,10 +155,24 @@ class Backend:
 
     # weights
 
-    def upload_weight(self, array: np.ndarray, dtype: DType) -> Tensor:
-        """A dense weight for `Ops.linear` and friends. Backends that keep weights in another
-        layout override this."""
-        return self.to_device(array, dtype)
+    def upload_weight(self, name: str, role: WeightRole, weight: np.ndarray | QuantizedTensor,
+                      dtype: DType) -> Tensor:
+        """The model's weight `name` (its checkpoint name, e.g. "model.layers.0.mlp.down_proj.weight";
+        a fused projection carries the fused name, "...qkv_proj.weight") for the op its `role` feeds.
+
+        `weight` is a float32 host array, or a `QuantizedTensor` when the role is linear or lm_head
+        and its format is in `quantized_formats`. What this returns is what the op receives:
+        `Ops.linear` takes whatever came back for roles linear and lm_head, so a backend may keep
+        its own layout or a packed handle there; `Ops.embedding` takes the embedding role's table
+        and the norm ops the norm role's weights, which must be tensors of `dtype`. A tied LM head
+        arrives a second time, right after the embedding and under its name, with role lm_head
+        (the very same host array when dense), so it may be kept in another layout. The backend
+        may keep `weight` itself: the caller does not change it afterwards.
+        """
+        if isinstance(weight, QuantizedTensor):
+            raise TypeError(f"backend {self.name!r} got {name} as {weight.format} blocks, but its upload_weight "
+                            "takes dense weights only; override upload_weight to keep quantized_formats")
+        return self.to_device(weight, dtype)
 
     # KV cache
 

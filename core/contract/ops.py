@@ -34,6 +34,7 @@ GeluApproximation = Literal["none", "tanh"]
 
 OP_NAMES: tuple[str, ...] = (
     "embedding",
+    "gather_rows",
     "linear",
     "rms_norm",
     "add_rms_norm",
@@ -96,15 +97,30 @@ class Ops:
     def embedding(self, ids: Tensor, table: Tensor, scale: float | None = None) -> Tensor:
         """Rows of `table` [V, H] at `ids` [T] (int32, each in [0, V)): out[t] = table[ids[t]].
 
-        With `scale`, each row is then multiplied by it (Gemma scales by sqrt(H)). Returns [T, H]
-        in the table's dtype.
+        `table` is what `Backend.upload_weight` returned for the embedding role (always handed
+        over dense). With `scale`, each row is then multiplied by it (Gemma scales by sqrt(H)).
+        Returns [T, H] in the table's dtype.
         """
         raise self._unsupported("embedding")
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x @ weight.T (+ bias): x [..., K], weight [N, K], bias [N] -> [..., N].
+    def gather_rows(self, x: Tensor, rows: Tensor) -> Tensor:
+        """Rows of activations x [T, H] at `rows` [N] (int32, each in [0, T), repeats and any
+        order allowed): out[n] = x[rows[n]], exactly. Returns [N, H] in x's dtype.
 
-        Products are accumulated in at least float32.
+        This picks rows of an op's output (the hidden states whose logits are needed, the logits
+        rows a batch samples from); `embedding` only ever reads an uploaded table.
+        """
+        raise self._unsupported("gather_rows")
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ W.T (+ bias): x [..., K], W [N, K], bias [N] -> [..., N].
+
+        `weight` is what `Backend.upload_weight` returned for a linear or lm_head role, and W its
+        values: the dense array handed over, or the `QuantizedTensor`'s `dequantize()`. `bias` is
+        what it returned for the bias role. Products are accumulated in at least float32; with a
+        quantized weight a backend may first round x to 8-bit integers with one scale per block of
+        32 values along K (256 for the K formats), as llama.cpp's kernels do; the conformance
+        thresholds per format allow that much and no more.
         """
         raise self._unsupported("linear")
 

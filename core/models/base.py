@@ -18,6 +18,7 @@ from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_quantized
 from candelabra.core.models.config import ModelConfig
 from candelabra.core.models.rope import RotaryTable
 from candelabra.core.weights import Checkpoint
@@ -70,14 +71,10 @@ class DecoderModel:
         self._progress = tqdm(total=len(self._names), desc="loading weights", unit="tensor",
                               disable=not progress, leave=False)
         try:
-            self.embed_tokens = self._weight("model.embed_tokens.weight")
+            self.embed_tokens, self.lm_head = self._embedding_and_lm_head()
             self.layers = [self.load_layer(f"model.layers.{i}") for i in range(config.num_layers)]
             self.final_norm = self._norm(self.final_norm_name)
-            if "lm_head.weight" in self._names and not config.tie_word_embeddings:
-                self.lm_head = self._weight("lm_head.weight")
-            else:
-                self.lm_head = self.embed_tokens
-            self.lm_head_bias = self._optional("lm_head.bias")
+            self.lm_head_bias = self._optional("lm_head.bias", WeightRole.BIAS)
         finally:
             self._progress.close()
         self.rotary = self._rotary_table(config.rope)
@@ -89,36 +86,66 @@ class DecoderModel:
 
     # loading
 
-    def _host(self, name: str) -> np.ndarray:
-        array = self._checkpoint.load(name)
-        self._progress.update()
-        return array
+    def _host(self, names: list[str], role: WeightRole) -> np.ndarray | QuantizedTensor:
+        """The tensors `names`, their rows one after another, as the backend takes them for `role`:
+        still quantized when they share a format it keeps, else dequantized to float32."""
+        if self._kept_format(names, role) is None:
+            parts = [self._checkpoint.load(name) for name in names]
+            tensor = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        else:
+            quantized = [self._checkpoint.load_quantized(name) for name in names]
+            tensor = quantized[0] if len(quantized) == 1 else QuantizedTensor.concatenate(quantized)
+        self._progress.update(len(names))
+        return tensor
 
-    def _weight(self, name: str):
-        return self.backend.upload_weight(self._host(name), self.dtype)
+    def _kept_format(self, names: list[str], role: WeightRole) -> str | None:
+        formats = {self._checkpoint.quantized_format(name) for name in names}
+        stored = formats.pop() if len(formats) == 1 else None
+        return stored if stays_quantized(role, stored, self.backend.quantized_formats) else None
 
-    def _optional(self, name: str):
-        return self._weight(name) if name in self._names else None
+    def _upload(self, name: str, role: WeightRole, tensor: np.ndarray | QuantizedTensor):
+        return self.backend.upload_weight(name, role, tensor, self.dtype)
+
+    def _weight(self, name: str, role: WeightRole):
+        return self._upload(name, role, self._host([name], role))
+
+    def _optional(self, name: str, role: WeightRole):
+        return self._weight(name, role) if name in self._names else None
+
+    def _embedding_and_lm_head(self):
+        """The embedding table, and the LM head: its own tensor, or else (tied) the embedding
+        uploaded again with role lm_head, right after it and as the same host array when dense."""
+        name = "model.embed_tokens.weight"
+        table = self._host([name], WeightRole.EMBEDDING)
+        embedding = self._upload(name, WeightRole.EMBEDDING, table)
+        if "lm_head.weight" in self._names and not self.config.tie_word_embeddings:
+            return embedding, self._weight("lm_head.weight", WeightRole.LM_HEAD)
+        if self._kept_format([name], WeightRole.LM_HEAD) is not None:
+            table = self._checkpoint.load_quantized(name)
+        return embedding, self._upload(name, WeightRole.LM_HEAD, table)
 
     def _norm(self, prefix: str) -> Norm:
-        return Norm(self._weight(f"{prefix}.weight"), self._optional(f"{prefix}.bias"))
+        weight = self._weight(f"{prefix}.weight", WeightRole.NORM)
+        return Norm(weight, self._optional(f"{prefix}.bias", WeightRole.BIAS))
 
     def _fused(self, prefix: str, fused: str, parts: tuple[str, ...], suffix: str):
         """A fused projection from the checkpoint, or its parts concatenated; None if absent."""
-        if f"{prefix}.{fused}.{suffix}" in self._names:
-            return self._weight(f"{prefix}.{fused}.{suffix}")
+        role = WeightRole.LINEAR if suffix == "weight" else WeightRole.BIAS
+        name = f"{prefix}.{fused}.{suffix}"
+        if name in self._names:
+            return self._weight(name, role)
         names = [f"{prefix}.{part}.{suffix}" for part in parts]
         if not all(n in self._names for n in names):
             return None
-        return self.backend.upload_weight(np.concatenate([self._host(n) for n in names]), self.dtype)
+        return self._upload(name, role, self._host(names, role))
 
     def load_layer(self, prefix: str) -> Layer:
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         layer = Layer(
             qkv=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight"),
             qkv_bias=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias"),
-            out=self._weight(f"{attn}.{self.attention_out_name}.weight"),
-            out_bias=self._optional(f"{attn}.{self.attention_out_name}.bias"),
+            out=self._weight(f"{attn}.{self.attention_out_name}.weight", WeightRole.LINEAR),
+            out_bias=self._optional(f"{attn}.{self.attention_out_name}.bias", WeightRole.BIAS),
             norms={name: self._norm(f"{prefix}.{name}") for name in self.layer_norm_names()
                    if f"{prefix}.{name}.weight" in self._names},
             q_norm=self._norm(f"{attn}.q_norm") if f"{attn}.q_norm.weight" in self._names else None,
@@ -126,10 +153,12 @@ class DecoderModel:
         )
         if self.gated_mlp:
             layer.mlp_in = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), "weight")
-            layer.mlp_out = self._weight(f"{mlp}.down_proj.weight")
+            layer.mlp_out = self._weight(f"{mlp}.down_proj.weight", WeightRole.LINEAR)
         else:
-            layer.mlp_in, layer.mlp_in_bias = self._weight(f"{mlp}.fc1.weight"), self._optional(f"{mlp}.fc1.bias")
-            layer.mlp_out, layer.mlp_out_bias = self._weight(f"{mlp}.fc2.weight"), self._optional(f"{mlp}.fc2.bias")
+            layer.mlp_in = self._weight(f"{mlp}.fc1.weight", WeightRole.LINEAR)
+            layer.mlp_in_bias = self._optional(f"{mlp}.fc1.bias", WeightRole.BIAS)
+            layer.mlp_out = self._weight(f"{mlp}.fc2.weight", WeightRole.LINEAR)
+            layer.mlp_out_bias = self._optional(f"{mlp}.fc2.bias", WeightRole.BIAS)
         return layer
 
     def layer_norm_names(self) -> tuple[str, ...]:
@@ -223,8 +252,7 @@ class DecoderModel:
 
     def compute_logits(self, hidden, rows):
         """Logits [N, vocab] of the hidden states at `rows` (int32 backend tensor [N])."""
-        # Gathering rows of the hidden states is exactly an embedding lookup.
-        picked = self.ops.embedding(rows, hidden)
+        picked = self.ops.gather_rows(hidden, rows)
         logits = self.ops.linear(self.norm(self.final_norm, picked), self.lm_head, self.lm_head_bias)
         if self.config.final_logit_softcapping:
             logits = self.ops.softcap(logits, self.config.final_logit_softcapping)

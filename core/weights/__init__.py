@@ -3,7 +3,8 @@
 Every format presents the same view: a Hugging Face `config.json`-style dict, and tensors named,
 shaped and laid out as Hugging Face transformers names them ("model.layers.0.self_attn.q_proj.weight",
 [out_features, in_features]), dequantized to float32 numpy arrays. Model graphs therefore know
-one naming scheme only.
+one naming scheme only. A checkpoint that stores a 2-D tensor quantized (GGUF) can also hand it
+over as stored (`quantized_format`, `load_quantized`), for backends that keep that format.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import abc
 from pathlib import Path
 
 import numpy as np
+
+from candelabra.core.contract.weights import QuantizedTensor
 
 
 class CheckpointError(ValueError):
@@ -44,6 +47,16 @@ class Checkpoint(abc.ABC):
     def load(self, name: str) -> np.ndarray:
         """The tensor as float32 numpy, dequantized and in Hugging Face layout. Raises KeyError
         naming the tensor and the file when it is absent."""
+
+    def quantized_format(self, name: str) -> str | None:
+        """The GGUF format ("Q4_K") `load_quantized(name)` hands the tensor over in, or None
+        when it can only be loaded dense."""
+        return None
+
+    def load_quantized(self, name: str) -> QuantizedTensor:
+        """The tensor still quantized, as stored, in Hugging Face layout (rows in Hugging Face's
+        order). Only for a tensor whose `quantized_format` is not None."""
+        raise ValueError(f"tensor {name!r} in {self.path} is not stored quantized")
 
     @abc.abstractmethod
     def tokenizer_files(self) -> dict:

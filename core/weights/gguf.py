@@ -2,7 +2,8 @@
 
 The header is read and checked when the file is opened (gguf_file); the configuration is
 synthesized from its metadata (gguf_config) and tensor names are mapped to Hugging Face's
-(gguf_tensors). Tensor data stays memory-mapped: `load` dequantizes one tensor per call.
+(gguf_tensors). Tensor data stays memory-mapped: `load` dequantizes one tensor per call, and
+`load_quantized` copies a quantized 2-D tensor's blocks as stored.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.core.contract.weights import QuantizedTensor
 from candelabra.core.weights import Checkpoint
 from candelabra.core.weights.gguf_config import synthesize_config
-from candelabra.core.weights.gguf_file import GGUFFile
+from candelabra.core.weights.gguf_file import DENSE_TYPES, GGUFFile
 from candelabra.core.weights.gguf_tensors import TensorRecipe, tensor_recipes
 
 
@@ -64,7 +66,27 @@ class GGUFCheckpoint(Checkpoint):
         else:
             weights = self._file.read_rows(info, *recipe.rows)
         weights = weights.reshape(recipe.shape)
+        if recipe.reorder_rows is not None:
+            weights = recipe.reorder_rows(weights)
         return weights if recipe.fix is None else recipe.fix(weights)
+
+    def quantized_format(self, name: str) -> str | None:
+        recipe = self._recipe(name)
+        ggml_type = self._file.tensors[recipe.source].ggml_type
+        if ggml_type in DENSE_TYPES or len(recipe.shape) != 2 or recipe.fix is not None:
+            return None
+        return ggml_type.name
+
+    def load_quantized(self, name: str) -> QuantizedTensor:
+        format = self.quantized_format(name)
+        if format is None:
+            return super().load_quantized(name)
+        recipe = self._recipe(name)
+        info = self._file.tensors[recipe.source]
+        blocks = self._file.read_blocks(info, *(recipe.rows or ()))
+        if recipe.reorder_rows is not None:
+            blocks = recipe.reorder_rows(blocks)
+        return QuantizedTensor(format, blocks, recipe.shape)
 
     def _recipe(self, name: str) -> TensorRecipe:
         if name not in self._recipes:

@@ -33,6 +33,7 @@ Q = GGMLQuantizationType
 DEQUANTIZABLE_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
+DENSE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})  # the rest are block formats
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ENTRIES = 1_000_000  # metadata entries or tensors; real files hold thousands at most
 MAX_NAME_BYTES = 65_535
@@ -121,6 +122,22 @@ class GGUFFile:
         """Rows [start, stop) of the tensor (its row-major layout's leading dims, flattened),
         dequantized to a float32 array of shape [stop - start, dims[0]], never a view of the map."""
         stop = info.n_rows if stop is None else stop
+        raw = self._mapped_rows(info, start, stop)
+        try:
+            rows = dequantize(raw, info.ggml_type)
+        except (ValueError, NotImplementedError) as error:
+            raise CheckpointError(self.path, f"tensor {info.name!r} cannot be dequantized: {error}") from None
+        if np.may_share_memory(rows, raw):
+            rows = rows.copy()
+        return rows.astype(np.float32, copy=False).reshape(stop - start, info.dims[0])
+
+    def read_blocks(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of the tensor as stored: a uint8 copy of shape
+        [stop - start, row_bytes], never a view of the map."""
+        stop = info.n_rows if stop is None else stop
+        return self._mapped_rows(info, start, stop).copy()
+
+    def _mapped_rows(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
         begin = info.offset + start * info.row_bytes
         count = (stop - start) * info.row_bytes
         if self._mapped is None:
@@ -129,14 +146,7 @@ class GGUFFile:
             problem = f"tensor {info.name!r} ends past the end of the file (truncated since opened?)"
             raise CheckpointError(self.path, problem)
         raw = np.frombuffer(self._mapped.map, dtype=np.uint8, count=count, offset=begin)
-        raw = raw.reshape(stop - start, info.row_bytes)
-        try:
-            rows = dequantize(raw, info.ggml_type)
-        except (ValueError, NotImplementedError) as error:
-            raise CheckpointError(self.path, f"tensor {info.name!r} cannot be dequantized: {error}") from None
-        if np.may_share_memory(rows, raw):
-            rows = rows.copy()
-        return rows.astype(np.float32, copy=False).reshape(stop - start, info.dims[0])
+        return raw.reshape(stop - start, info.row_bytes)
 
     def close(self) -> None:
         if self._mapped is not None:

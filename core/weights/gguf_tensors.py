@@ -38,7 +38,10 @@ class TensorRecipe:
     source: str  # the GGUF tensor's name
     shape: tuple[int, ...]  # the Hugging Face shape
     rows: tuple[int, int] | None = None  # [start, stop) of the source's rows, when the source fuses several tensors
-    fix: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a change the converter made
+    # Undoes a reordering of rows by the converter. Rows are independent in GGML's block formats
+    # too, so it applies as well to the stored blocks, one row of blocks per row.
+    reorder_rows: Callable[[np.ndarray], np.ndarray] | None = None
+    fix: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a change the converter made to values
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ class _RecipeBuilder:
             self._split_heads(info, prefix + module, suffix)
         elif part in self.layer_names:
             name = hf_name(prefix + self.layer_names[part], suffix)
-            self._put(name, TensorRecipe(info.name, info.shape, fix=self._fix(info, part)))
+            recipe = TensorRecipe(info.name, info.shape, reorder_rows=self._reorder_rows(part), fix=self._fix(info))
+            self._put(name, recipe)
         else:
             raise self._unknown(info)
 
@@ -194,9 +198,12 @@ class _RecipeBuilder:
             raise CheckpointError(self.file.path, f"holds both {other!r} and {recipe.source!r} for {name!r}")
         self.recipes[name] = recipe
 
-    def _fix(self, info: TensorInfo, part: str = "") -> Callable[[np.ndarray], np.ndarray] | None:
+    def _fix(self, info: TensorInfo) -> Callable[[np.ndarray], np.ndarray] | None:
         if self.layout.shifted_norms and info.name.endswith("norm.weight"):
             return subtract_one
+        return None
+
+    def _reorder_rows(self, part: str) -> Callable[[np.ndarray], np.ndarray] | None:
         if self.layout.permuted_qk and part == gguf_block_name(T.ATTN_Q):
             return partial(unpermute_rope_rows, n_heads=self.config["num_attention_heads"])
         if self.layout.permuted_qk and part == gguf_block_name(T.ATTN_K):
@@ -244,7 +251,7 @@ def subtract_one(weights: np.ndarray) -> np.ndarray:
 
 
 def unpermute_rope_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row permutation of a q/k weight or bias.
+    """Undo llama.cpp's per-head row permutation of a q/k weight or bias (or of a weight's blocks).
 
     The converter views each head's rows as (2, head_dim/2) and transposes them, moving row
     i * head_dim/2 + j to 2j + i; viewing them as (head_dim/2, 2) and transposing moves it back.

@@ -1,0 +1,77 @@
+"""Test backends around quantized weights: the numpy backend recording what `upload_weight`
+receives, one that keeps every GGUF format candelabra reads, one that also rounds activations as
+fast kernels do, and one with a quantized kernel bug.
+
+`QuantizedCpuBackend.linear` multiplies by a `QuantizedTensor`'s dequantized values on every
+call: slow, but an honest kernel for the formats it declares.
+"""
+
+import numpy as np
+
+from candelabra.backends.cpu import CpuBackend
+from candelabra.backends.cpu.ops import NumpyOps
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
+
+
+class RecordingCpuBackend(CpuBackend):
+    """The numpy backend, with `uploads`: what upload_weight received, by (name, role)."""
+
+    name = "cpu-recording"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.uploads = {}
+
+    def upload_weight(self, name, role, weight, dtype):
+        self.uploads[name, role] = weight
+        return weight if isinstance(weight, QuantizedTensor) else super().upload_weight(name, role, weight, dtype)
+
+
+class _DequantizingOps(NumpyOps):
+    backend_name = "cpu-quantized"
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedTensor):
+            weight = weight.dequantize()
+        return super().linear(x, weight, bias)
+
+
+class QuantizedCpuBackend(RecordingCpuBackend):
+    name = "cpu-quantized"
+    quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
+    ops_class = _DequantizingOps
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ops = self.ops_class()
+
+
+class _RoundsActivations(_DequantizingOps):
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedTensor):
+            block = 256 if weight.format.endswith("_K") else 32
+            blocks = x.reshape(*x.shape[:-1], -1, block)
+            scale = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+            scale = np.where(scale == 0, 1, scale)
+            x = (np.round(blocks / scale) * scale).reshape(x.shape).astype(x.dtype)
+        return super().linear(x, weight, bias)
+
+
+class QuantizedRoundsActivations(QuantizedCpuBackend):
+    """Rounds x to 8-bit integers per block along K before a quantized product, as llama.cpp's
+    CPU kernels do (Q8_0 blocks of 32, Q8_K blocks of 256): what the linear docstring allows."""
+
+    name = "cpu-quantized-int8"
+    ops_class = _RoundsActivations
+
+
+class _DropsBiasOnQuantized(_DequantizingOps):
+    def linear(self, x, weight, bias=None):
+        return super().linear(x, weight, None if isinstance(weight, QuantizedTensor) else bias)
+
+
+class QuantizedLinearDropsBias(QuantizedCpuBackend):
+    """Forgets the bias when the weight is quantized, as a kernel written for bias-free layers would."""
+
+    name = "broken-quantized-bias"
+    ops_class = _DropsBiasOnQuantized
