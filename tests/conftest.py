@@ -22,6 +22,13 @@ def fresh_plugin_discovery():
     installed_plugins.cache_clear()
 
 
+def available_backends() -> list[str]:
+    """Every installed backend that can run here, by name, from the plugin registry: tests over
+    backends then cover one installed tomorrow too."""
+    return [registration.name for registration in installed_plugins().backends.registrations()
+            if registration.value.probe().available]
+
+
 def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """The real console command, in a child process, as a user would run it."""
     env = {**os.environ, **(env_extra or {})}

@@ -18,7 +18,7 @@ def _params(rows, rng, temperature=1.0, top_k=0, top_p=1.0):
 
 
 def test_draws_follow_the_tempered_distribution():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(21)
     draws, logits = 40000, rng.standard_normal(6).astype(np.float32)
     result = CpuBackend().ops.sample(np.tile(logits, (draws, 1)), _params(draws, rng, temperature=0.7))
     expected = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
@@ -28,7 +28,7 @@ def test_draws_follow_the_tempered_distribution():
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(22)
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(probs).astype(np.float32)
     draws = 20000

@@ -7,7 +7,7 @@ import pytest
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
-from conftest import run_candelabra
+from conftest import available_backends, run_candelabra
 
 PROMPT = [5, 9, 23, 42, 7, 11]
 EOS = 1
@@ -118,7 +118,7 @@ def test_bad_sampling_parameters_are_refused(field, value, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("backend", available_backends())
 def test_engine_conformance_passes(tmp_path, backend):
     results = tmp_path / "engine.json"
     run = run_candelabra("conformance", "--backend", backend, "--level", "engine", "--json", str(results))

@@ -70,7 +70,7 @@ def test_cache_write_and_attention_evaluate_as_one_step():
     backend = MetalBackend()
     (cache,) = backend.allocate_kv_cache(KVCacheSpec(1, 4, 16, 2, 64, "bfloat16"))
     meta = StepMetadata.build([3], [3], [[2]], block_size=16)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     q, k, v = (backend.to_device(rng.standard_normal((3, h, 64)), "bfloat16") for h in (4, 2, 2))
     cache = backend.ops.write_kv(cache, k, v, backend.prepare_step(meta).slot_mapping)
     out = backend.ops.paged_attention(q, cache, backend.prepare_step(meta), scale=0.125)

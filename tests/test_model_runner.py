@@ -12,6 +12,7 @@ from candelabra.core.models import load_model
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
+from conftest import available_backends
 
 BLOCK = 16
 
@@ -24,11 +25,11 @@ def checkpoint():
         yield SafetensorsCheckpoint(folder)
 
 
-@pytest.mark.parametrize("backend_name", ["cpu", "metal"])
+@pytest.mark.parametrize("backend_name", available_backends())
 def test_mixed_batch_matches_each_sequence_alone(checkpoint, backend_name):
     backend = installed_plugins().backends.get(backend_name)()
     model = load_model(checkpoint, backend, "float32")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     first, second = rng.integers(3, 200, 30).tolist(), rng.integers(3, 200, 25).tolist()
 
     def alone(tokens, blocks):

@@ -1,17 +1,18 @@
 """`candelabra serve` with no model flag serves the default model (Qwen2.5-Coder-0.5B-Instruct from
-the PyPI chunks), and answers a chat sensibly on the cpu and metal backends."""
+the PyPI chunks), and answers a chat sensibly on every available backend."""
 
 import httpx
 import openai
 import pytest
 
+from conftest import available_backends
 from live_server import LiveServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("backend", available_backends())
 def test_the_default_model_answers_a_chat(backend):
     with LiveServer("--backend", backend, "--kvcache-mem-gpu", "64", "--kvcache-mem-cpu", "0") as server:
         assert "Qwen2.5-Coder-0.5B-Instruct (Qwen2ForCausalLM, 24 layers)" in server.startup
