@@ -95,13 +95,13 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
 class _Harness:
     """Fresh engines over one loaded model, and requests run to completion on them."""
 
-    def __init__(self, backend: Backend, folder: Path) -> None:
+    def __init__(self, backend: Backend, folder: Path, dtype: str) -> None:
         from candelabra.core.engine.tokenizer import Tokenizer
         from candelabra.core.models import load_model
         from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(folder)
-        self.model = load_model(checkpoint, backend, backend.dtypes[0])
+        self.model = load_model(checkpoint, backend, dtype)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
 
     def engine(self, **options):
@@ -144,14 +144,14 @@ def _tokens(outputs) -> list[list[int]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def run_engine_case(backend: Backend, case: EngineCase, seed: int) -> EngineResult:
+def run_engine_case(backend: Backend, case: EngineCase, seed: int, dtype: str = "float32") -> EngineResult:
     from candelabra.core.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with tempfile.TemporaryDirectory() as folder:
         write_tiny_checkpoint(Path(folder), seed)
-        h = _Harness(backend, Path(folder))
+        h = _Harness(backend, Path(folder), dtype)
     prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 60, 6)]
     problems, detail = [], ""
 

@@ -7,6 +7,11 @@ models as llama.cpp would, in several tensor types, and compare with transformer
 same quantized-then-dequantized weights. The backend's logits
 for every prompt position must match transformers' within the float32 NMSE threshold, and 16
 greedy tokens decoded through the paged cache must be transformers' tokens.
+
+In float16 or bfloat16 (`--dtype`) transformers still runs in float32, on the weights rounded to
+that dtype, so what is measured is the backend's arithmetic: logits within a per-dtype threshold,
+and greedy tokens the same up to the first step whose two best logits lie closer than that
+dtype's rounding can tell apart.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse
+from candelabra.conformance.compare import MODEL_NMSE_THRESHOLDS, nmse, round_to
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.worker.model_runner import ModelRunner
 
 VOCAB, PROMPT_TOKENS, GREEDY_TOKENS, BLOCK_SIZE = 211, 21, 16, 16
-# A greedy step is a tie, not a failure, when transformers' two best logits are this close.
-GREEDY_TIE_MARGIN = 1e-4
+# A greedy step is a tie, not a failure, when transformers' two best logits are this close, relative
+# to the larger of 1 and the best logit, in each compute dtype.
+GREEDY_TIE_MARGINS = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -147,7 +153,7 @@ class _IncrementalReference:
         self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
 
 
-def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int]) -> str:
+def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int], dtype: str) -> str:
     """Decode one token per step through the paged cache while transformers, decoding with its
     own cache, picks the same token. Returns how many matched ("16/16" when all did)."""
     tokens, next_token = list(prompt), first_token
@@ -156,7 +162,7 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
         expected_logits = expected_stream.logits
         if next_token != int(np.argmax(expected_logits)):
             second, best = np.sort(expected_logits)[-2:]
-            tie = best - second <= GREEDY_TIE_MARGIN * max(1.0, abs(best))
+            tie = best - second <= GREEDY_TIE_MARGINS[dtype] * max(1.0, abs(best))
             return f"{step}/{GREEDY_TOKENS}, then a tie" if tie else f"{step}/{GREEDY_TOKENS}"
         tokens.append(next_token)
         expected_stream.feed(next_token)
@@ -166,7 +172,7 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
-def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int) -> ModelResult:
+def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int, dtype: str = "float32") -> ModelResult:
     from candelabra.core.models import load_model
     from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
@@ -182,9 +188,20 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int)
             checkpoint = SafetensorsCheckpoint(folder)
             prompt_tokens, vocab = case.prompt_tokens, VOCAB
         with checkpoint:
-            model = load_model(checkpoint, backend, "float32")
+            model = load_model(checkpoint, backend, dtype)
     prompt = np.random.default_rng(seed).integers(3, vocab, prompt_tokens)
-    return _compare(backend, case.name, reference, model, prompt, seed)
+    return _compare(backend, case.name, _rounded(reference, dtype), model, prompt, seed, dtype)
+
+
+def _rounded(reference, dtype: str):
+    """`reference` with its weights as a model computing in `dtype` holds them, still in float32."""
+    if dtype != "float32":
+        import torch
+
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.copy_(torch.from_numpy(round_to(parameter.numpy(), dtype)))
+    return reference
 
 
 def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
@@ -205,7 +222,8 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
     return model, path
 
 
-def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int) -> ModelResult:
+def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int,
+             dtype: str) -> ModelResult:
     architecture = type(reference).__name__
     total = len(prompt) + GREEDY_TOKENS
     blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
@@ -216,10 +234,11 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
     logits = backend.to_host(runner.logits(prompt, prefill))
     error = nmse(logits, reference_logits(reference, prompt))
 
-    greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks)
+    greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype)
     passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie")
-    passed_nmse = error <= NMSE_THRESHOLDS["float32"]
-    problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {NMSE_THRESHOLDS['float32']:.0e}"]) + (
+    threshold = MODEL_NMSE_THRESHOLDS[dtype]
+    passed_nmse = error <= threshold
+    problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]) + (
         [] if passed_greedy else [f"greedy tokens diverged after {greedy}"])
     return ModelResult(name, architecture, "passed" if not problems else "failed", error, greedy, seed,
                        "; ".join(problems))

@@ -28,6 +28,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-seed", type=int, default=None, metavar="N",
                     help="base seed of the random inputs; a failure report names the one to reuse")
     group.addoption("--conformance-json", default=None, metavar="FILE", help="also write the results as JSON")
+    group.addoption("--conformance-dtype", default=None, metavar="DTYPE",
+                    help="compute dtype of the models and engine levels (default: float32)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,8 +49,11 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"no conformance cases for {', '.join(sorted(unknown))}; ops are: {', '.join(sorted(known))}"
         )
+    dtype = config.getoption("--conformance-dtype") or ("float32" if "float32" in cls.dtypes else cls.dtypes[0])
+    if dtype not in cls.dtypes:
+        raise pytest.UsageError(f"backend {cls.name!r} does not compute in {dtype}; it offers {', '.join(cls.dtypes)}")
     seed = config.getoption("--conformance-seed")
-    state = ConformanceRun(config, cls, probe.device, secrets.randbits(31) if seed is None else seed)
+    state = ConformanceRun(config, cls, probe.device, secrets.randbits(31) if seed is None else seed, dtype)
     config.pluginmanager.register(state, "candelabra-conformance-run")
 
 
@@ -90,10 +95,12 @@ def conformance_run(pytestconfig: pytest.Config) -> ConformanceRun:
 
 
 class ConformanceRun:
-    """The backend under test, the run's base seed, and the results gathered for the table."""
+    """The backend under test, the run's base seed, the dtype of its models and engine levels, and
+    the results gathered for the table."""
 
-    def __init__(self, config: pytest.Config, cls: type, device: str, seed: int) -> None:
+    def __init__(self, config: pytest.Config, cls: type, device: str, seed: int, dtype: str = "float32") -> None:
         self.config, self.backend_class, self.device, self.seed = config, cls, device, seed
+        self.dtype = dtype
         self.results: list[dict] = []
         self.model_results: list[dict] = []
         self.engine_results: list[dict] = []
@@ -124,7 +131,8 @@ class ConformanceRun:
                     self.engine_results.append(value)
 
     def pytest_report_header(self) -> str:
-        return f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}"
+        return (f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}, "
+                f"models and engine in {self.dtype}")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not (self.results or self.model_results or self.engine_results):
@@ -145,4 +153,5 @@ class ConformanceRun:
     def header(self) -> dict:
         levels = [level for level, results in
                   (("ops", self.results), ("models", self.model_results), ("engine", self.engine_results)) if results]
-        return {"backend": self.backend_class.name, "device": self.device, "levels": levels, "seed": self.seed}
+        return {"backend": self.backend_class.name, "device": self.device, "levels": levels, "seed": self.seed,
+                "dtype": self.dtype}

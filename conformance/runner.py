@@ -19,6 +19,7 @@ def run(
     ops: Sequence[str] = (),
     json_path: str | None = None,
     seed: int | None = None,
+    dtype: str | None = None,
     pytest_args: Sequence[str] = (),
 ) -> int:
     """Run the suite's `levels` on `backend`; returns pytest's exit code (0: every case passed
@@ -31,4 +32,6 @@ def run(
         args += ["--conformance-json", json_path]
     if seed is not None:
         args += ["--conformance-seed", str(seed)]
+    if dtype is not None:
+        args += ["--conformance-dtype", dtype]
     return int(pytest.main([*args, *pytest_args]))

@@ -6,7 +6,8 @@ from candelabra.conformance.engine_cases import run_engine_case
 
 
 def test_engine(engine_case, conformance_run, record_property):
-    result = run_engine_case(conformance_run.backend, engine_case, conformance_run.seed_for(engine_case))
+    result = run_engine_case(conformance_run.backend, engine_case, conformance_run.seed_for(engine_case),
+                             conformance_run.dtype)
     record_property("candelabra-conformance-engine", result.as_dict())
     if result.status != "passed":
         pytest.fail(f"{result.message} [run seed {conformance_run.seed}]", pytrace=False)

@@ -1,4 +1,5 @@
-"""Level 2: every architecture on the backend under test against transformers in float32."""
+"""Level 2: every architecture on the backend under test against transformers, in float32 unless
+--dtype says otherwise."""
 
 import pytest
 
@@ -6,9 +7,8 @@ from candelabra.conformance.model_cases import run_model_case
 
 
 def test_model(model_case, conformance_run, record_property):
-    if "float32" not in conformance_run.backend_class.dtypes:
-        pytest.skip("not supported: model conformance runs in float32, which this backend does not offer")
-    result = run_model_case(conformance_run.backend, model_case, conformance_run.seed_for(model_case))
+    result = run_model_case(conformance_run.backend, model_case, conformance_run.seed_for(model_case),
+                            conformance_run.dtype)
     record_property("candelabra-conformance-model", result.as_dict())
     if result.status != "passed":
         pytest.fail(f"{result.message} [run seed {conformance_run.seed}]", pytrace=False)

@@ -40,6 +40,9 @@ def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
     conformance.add_argument("--op", action="append", default=[], help="only this op's cases (repeatable)")
     conformance.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     conformance.add_argument("--seed", type=int, help="base seed of the random inputs, to repeat a run")
+    conformance.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                             help="compute dtype of the models and engine levels (default: float32); "
+                                  "the ops level always runs every dtype the backend declares")
     conformance.add_argument("pytest_args", nargs="*", help="passed on to pytest after --, e.g. -- -x -v")
     conformance.set_defaults(run=_conformance)
 
@@ -108,7 +111,7 @@ def _conformance(args: argparse.Namespace) -> int:
     from candelabra.conformance.runner import run
 
     return run(args.backend, levels=args.level or LEVELS, ops=args.op, json_path=args.json, seed=args.seed,
-               pytest_args=args.pytest_args)
+               dtype=args.dtype, pytest_args=args.pytest_args)
 
 
 if __name__ == "__main__":
