@@ -64,7 +64,7 @@ def test_equal_priorities_go_to_the_name_that_sorts_first(tmp_path, monkeypatch,
 
     assert chosen.name == "alphanpu"
     assert "zetanpu: priority 70" in message
-    assert [c.name for c in ranked_backends()][:3] == ["alphanpu", "zetanpu", "cpu"]
+    assert [c.name for c in ranked_backends()][:3] == ["alphanpu", "zetanpu", "torch"]
 
 
 def test_a_probe_that_raises_only_rules_itself_out(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_a_probe_that_raises_only_rules_itself_out(tmp_path, monkeypatch):
 
     assert not flaky.probe.available
     assert flaky.probe.reason == "its probe raised OSError: driver handshake failed"
-    assert choose_backend("auto").name == "cpu"
+    assert choose_backend("auto").name == "torch"
 
 
 def test_a_name_two_plugins_claim_is_never_chosen(tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_a_name_two_plugins_claim_is_never_chosen(tmp_path, monkeypatch):
 
     assert npu.backend is None and npu.distribution == "vendor_a 1.0 and vendor_b 1.0"
     assert "is claimed by vendor_a 1.0" in npu.probe.reason
-    assert choose_backend("auto").name == "cpu"
+    assert choose_backend("auto").name == "torch"
 
 
 def test_with_nothing_available_auto_says_why_for_each():

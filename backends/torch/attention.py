@@ -1,0 +1,155 @@
+"""Paged attention in PyTorch: each group of queries gathers its sequences' whole cache blocks and runs one
+dense attention.
+
+A step's sequences fall into two groups: the decodes (one query each) and the prefills (several
+queries each, padded to the longest). Gathering by block rather than by slot reads each block once
+as one contiguous row. Keys past a sequence's end (the tail of its last block, the padding of its
+block table) may hold anything, NaN included, so they are zeroed before they meet a query; the
+mask then keeps them, and keys outside the causal or sliding window, out of every softmax.
+Attention runs through `scaled_dot_product_attention`, or in plain float32 when logits are
+soft-capped, which it does not offer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import StepMetadata
+
+
+@dataclass
+class QueryGroup:
+    """R sequences with Q query slots each, over S = blocks * block_size keys. A sequence with
+    fewer than Q queries repeats its last one in the padding slots, whose outputs are dropped."""
+
+    token_index: torch.Tensor  # [R, Q] int64
+    real_slots: torch.Tensor  # [N] int64: flat indices of the real query slots
+    real_tokens: torch.Tensor  # [N] int64: the step tokens they answer for
+    block_tables: torch.Tensor  # [R, blocks] int64
+    seq_lens: torch.Tensor  # [R, 1, 1] int64
+    query_pos: torch.Tensor  # [R, Q, 1] int64
+    key_pos: torch.Tensor  # [1, 1, S] int64
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def key_valid(self) -> torch.Tensor:
+        """[R, S, 1, 1] bool: key j exists (j < seq_len)."""
+        if "valid" not in self._masks:
+            self._masks["valid"] = (self.key_pos < self.seq_lens).reshape(self.seq_lens.shape[0], -1, 1, 1)
+        return self._masks["valid"]
+
+    def visible(self, sliding_window: int | None) -> torch.Tensor:
+        """[R, 1, Q, S] bool: the key at j is visible to the query at p (j <= p, and j > p - W)."""
+        if sliding_window not in self._masks:
+            visible = self.key_pos <= self.query_pos
+            if sliding_window is not None:
+                visible = visible & (self.key_pos > self.query_pos - sliding_window)
+            self._masks[sliding_window] = visible[:, None]
+        return self._masks[sliding_window]
+
+
+@dataclass
+class TorchStep:
+    """The step's metadata as torch tensors, shared by every layer."""
+
+    host: StepMetadata
+    slot_mapping: torch.Tensor
+    rope_positions: torch.Tensor
+    logits_rows: torch.Tensor
+    groups: list[QueryGroup]
+
+    @classmethod
+    def prepare(cls, meta: StepMetadata, device: torch.device) -> TorchStep:
+        query_lens = np.diff(meta.query_start_loc)
+        groups = [_group(meta, seqs, device) for seqs in (np.flatnonzero(query_lens == 1),
+                                                          np.flatnonzero(query_lens > 1)) if seqs.size]
+        return cls(
+            host=meta,
+            slot_mapping=_tensor(meta.slot_mapping, device),
+            rope_positions=_tensor(meta.rope_positions, device),
+            logits_rows=_tensor(meta.logits_rows, device),
+            groups=groups,
+        )
+
+    def __getattr__(self, name: str):
+        if name == "host":
+            raise AttributeError(name)
+        return getattr(self.host, name)
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def _group(meta: StepMetadata, seqs: np.ndarray, device: torch.device) -> QueryGroup:
+    starts = meta.query_start_loc.astype(np.int64)
+    query_lens = starts[seqs + 1] - starts[seqs]
+    width = int(query_lens.max())
+    offsets = np.arange(width)[None, :]
+    real = offsets < query_lens[:, None]
+    token_index = starts[seqs][:, None] + np.minimum(offsets, query_lens[:, None] - 1)
+    seq_lens = meta.seq_lens[seqs].astype(np.int64)
+    blocks = -(-int(seq_lens.max()) // meta.block_size)
+    return QueryGroup(
+        token_index=_tensor(token_index, device),
+        real_slots=_tensor(np.flatnonzero(real), device),
+        real_tokens=_tensor(token_index[real], device),
+        block_tables=_tensor(meta.block_tables[seqs, :blocks], device),
+        seq_lens=_tensor(seq_lens.reshape(-1, 1, 1), device),
+        query_pos=_tensor(meta.positions[token_index].reshape(len(seqs), width, 1), device),
+        key_pos=_tensor(np.arange(blocks * meta.block_size).reshape(1, 1, -1), device),
+    )
+
+
+def paged_attention(q: torch.Tensor, cache: KVCache, step: TorchStep, scale: float,
+                    sliding_window: int | None, logit_softcap: float | None) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    # A cache in another dtype than q: keys, values and q all in float32, which holds any of them exactly.
+    compute_dtype = q.dtype if cache.key.dtype == q.dtype else torch.float32
+    for group in step.groups:
+        rows, width = group.token_index.shape
+        grouped_q = q[group.token_index].transpose(1, 2).to(compute_dtype)  # [R, Hq, Q, D]
+        k = _gathered(cache.key, group, compute_dtype)  # [R, Hk, S, D]
+        v = _gathered(cache.value, group, compute_dtype)
+        visible = group.visible(sliding_window)
+        if logit_softcap is None:
+            attended = _sdpa(grouped_q, k, v, visible, scale)
+        else:
+            attended = _softcapped(grouped_q, k, v, visible, scale, logit_softcap)
+        attended = attended.transpose(1, 2).reshape(rows * width, num_heads, head_dim)
+        out.index_copy_(0, group.real_tokens, attended.index_select(0, group.real_slots).to(q.dtype))
+    return out
+
+
+def _gathered(cache: torch.Tensor, group: QueryGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The group's keys (or values) in `dtype`, [R, Hk, S, D], zero past each sequence's end."""
+    rows, blocks = group.block_tables.shape
+    gathered = cache[group.block_tables].reshape(rows, -1, *cache.shape[2:])  # [R, S, Hk, D]
+    gathered = torch.where(group.key_valid, gathered.to(dtype), 0)
+    return gathered.transpose(1, 2)
+
+
+def _sdpa(q, k, v, visible, scale):
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+
+
+def _softcapped(q, k, v, visible, scale, cap):
+    rows, heads, queries, head_dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, queries, head_dim).float()
+    scores = grouped @ k[:, :, None].float().transpose(-1, -2) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~visible[:, :, None], -math.inf)
+    out = torch.softmax(scores, dim=-1) @ v[:, :, None].float()
+    return out.reshape(rows, heads, queries, head_dim).to(q.dtype)

@@ -1,0 +1,225 @@
+"""The PyTorch backend: everything device-generic for any torch device, and the CPU device itself.
+
+`TorchBackend` owns memory and dtypes, the KV cache and its swap space (pinned host memory where the
+device has memory of its own), block copies, the prepared step as torch tensors, free memory per
+device type, and a step executor that runs without autograd. A backend for another torch device
+subclasses it with its `device_type`, its probe, and the ops it overrides (`ops_class`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import numpy as np
+import psutil
+
+from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
+from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.device import Device
+from candelabra.core.contract.executor import StepExecutor, StepInputs
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
+
+try:
+    import torch
+except Exception as exc:  # noqa: BLE001 - probe() reports why torch cannot be used
+    torch = None
+    _TORCH_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+log = logging.getLogger("candelabra")
+
+CPU_DTYPES = default_dtypes(has_native_bfloat16())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+class TorchBackend(Backend):
+    """PyTorch on one torch device. Subclasses set `device_type` and may override `ops_class`."""
+
+    name = "torch"
+    device_type: ClassVar[str] = "cpu"
+    dtypes = CPU_DTYPES
+    # Every GGUF format reaches `upload_weight` still quantized; it keeps what its kernels take and
+    # dequantizes the rest itself, so the choice can depend on the compute dtype.
+    quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
+
+    def __init__(self, device: Device | None = None) -> None:
+        if torch is None:
+            raise RuntimeError(self.probe().reason)
+        super().__init__(device)
+        self.torch_device = torch.device(self.device_type, self.device.index) if self.device_type != "cpu" \
+            else torch.device("cpu")
+        self.ops = self.ops_class()(self.torch_device)
+        self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
+        self._configure_device()
+
+    @classmethod
+    def ops_class(cls) -> type:
+        from candelabra.backends.torch.ops import TorchOps
+
+        return TorchOps
+
+    @classmethod
+    def probe(cls) -> Probe:
+        if torch is None:
+            return Probe(False, f"torch is not installed ({_TORCH_IMPORT_ERROR}); pip install 'candelabra[torch]'")
+        arithmetic = "bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware: float32"
+        return Probe(True, device=f"cpu ({usable_cores()} cores, torch {torch.__version__}, {arithmetic})",
+                     priority=50)
+
+    def _configure_device(self) -> None:
+        """Use every core this process may run on, and say which dtype is the default and why."""
+        cores = usable_cores()
+        if torch.get_num_threads() != cores:
+            torch.set_num_threads(cores)
+        log.info("torch backend on cpu: %d threads, default dtype %s (%s)", cores, self.dtypes[0],
+                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware")
+
+    @classmethod
+    def kv_cache_dtypes(cls, compute_dtype):
+        """Any float dtype: write_kv casts to the cache's dtype and attention reads it in the compute dtype."""
+        return (compute_dtype, *(d for d in cls.dtypes if d != compute_dtype))
+
+    # memory
+
+    def to_device(self, array, dtype=None):
+        array = np.asarray(array)
+        if array.dtype.kind == "f":
+            target = torch_dtype(self.check_dtype(dtype or "float32"))
+            return torch.from_numpy(np.array(array, dtype=np.float32)).to(self.torch_device, target)
+        if array.dtype.kind in "iub":
+            return torch.from_numpy(np.array(array)).to(self.torch_device)
+        raise TypeError(f"cannot move an array of dtype {array.dtype} to the {self.name} backend")
+
+    def to_host(self, tensor):
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return tensor.detach().to("cpu").numpy().copy()
+
+    def fetch(self, *tensors):
+        if self.torch_device.type == "cpu":
+            return super().fetch(*tensors)
+        # Device memory: the tensors' bytes packed into one buffer, copied to the host once.
+        flat = [t.detach().contiguous().reshape(-1) for t in tensors]
+        packed = torch.cat([t.view(torch.uint8) for t in flat]).to("cpu")
+        out, offset = [], 0
+        for tensor, part in zip(tensors, flat):
+            size = part.numel() * part.element_size()
+            host = packed[offset:offset + size].view(part.dtype).reshape(tensor.shape)
+            out.append(self.to_host(host))
+            offset += size
+        return tuple(out)
+
+    def dtype_of(self, tensor):
+        return str(tensor.dtype).removeprefix("torch.")
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(shape, dtype=torch_dtype(self.check_dtype(dtype)), device=self.torch_device)
+
+    def free_memory(self) -> int:
+        if self.torch_device.type == "cpu":
+            return int(psutil.virtual_memory().available)
+        module = getattr(torch, self.torch_device.type)
+        free, _total = module.mem_get_info(self.torch_device)
+        return int(free)
+
+    def kv_cache_fraction(self) -> float:
+        """A device of its own gives half its free memory; the host's RAM, shared with everything, a quarter."""
+        return 0.25 if self.torch_device.type == "cpu" else 0.5
+
+    def synchronize(self) -> None:
+        if self.torch_device.type != "cpu":
+            getattr(torch, self.torch_device.type).synchronize(self.torch_device)
+
+    # weights
+
+    def upload_weight(self, name, role, weight, dtype):
+        # A tied LM head comes right after the embedding, as the same host array: one tensor for both.
+        last, self._last_embedding = self._last_embedding, None
+        if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
+            return last[2]
+        if isinstance(weight, QuantizedTensor):
+            return self.upload_quantized(name, weight, dtype)
+        tensor = self.to_device(weight, dtype)
+        if role is WeightRole.EMBEDDING:
+            self._last_embedding = (weight, dtype, tensor)
+        return tensor
+
+    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str):
+        """A linear weight still in a GGUF format: kept in a weight-only quantized form the device
+        multiplies by where there is one for this format and dtype, else dequantized."""
+        from candelabra.backends.torch.quantized import keep_quantized
+
+        kept = keep_quantized(weight, torch_dtype(dtype)) if self.torch_device.type == "cpu" else None
+        if kept is None:
+            return self.to_device(weight.dequantize(), dtype)
+        return kept
+
+    # KV cache
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+                for _ in range(spec.num_layers)]
+
+    def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
+        # Pinned host memory copies to and from a device asynchronously; a CPU device needs no pinning.
+        pin = self.torch_device.type != "cpu"
+        dtype = torch_dtype(spec.dtype)
+        return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=pin),
+                        torch.zeros(spec.block_shape, dtype=dtype, pin_memory=pin))
+                for _ in range(spec.num_layers)]
+
+    def copy_blocks(self, caches, mapping):
+        src, dst = self._pairs(mapping, self.torch_device, self.torch_device)
+        for cache in caches:
+            cache.key.index_copy_(0, dst, cache.key.index_select(0, src))
+            cache.value.index_copy_(0, dst, cache.value.index_select(0, src))
+        return caches
+
+    def swap_out(self, caches, swap, mapping):
+        device_blocks, host_blocks = self._pairs(mapping, self.torch_device, torch.device("cpu"))
+        for cache, host in zip(caches, swap):
+            host.key.index_copy_(0, host_blocks, cache.key.index_select(0, device_blocks).to("cpu"))
+            host.value.index_copy_(0, host_blocks, cache.value.index_select(0, device_blocks).to("cpu"))
+        return swap
+
+    def swap_in(self, caches, swap, mapping):
+        host_blocks, device_blocks = self._pairs(mapping, torch.device("cpu"), self.torch_device)
+        for cache, host in zip(caches, swap):
+            cache.key.index_copy_(0, device_blocks, host.key.index_select(0, host_blocks).to(self.torch_device))
+            cache.value.index_copy_(0, device_blocks, host.value.index_select(0, host_blocks).to(self.torch_device))
+        return caches
+
+    @staticmethod
+    def _pairs(mapping, first_device, second_device):
+        mapping = torch.from_numpy(np.asarray(mapping, dtype=np.int64).reshape(-1, 2))
+        return mapping[:, 0].to(first_device), mapping[:, 1].to(second_device)
+
+    # the step
+
+    def step_executor(self, model: Any) -> StepExecutor:
+        return TorchStepExecutor(self, model)
+
+    def prepare_step(self, meta: StepMetadata):
+        from candelabra.backends.torch.attention import TorchStep
+
+        return TorchStep.prepare(meta, self.torch_device)
+
+    def prepare_sampling(self, meta: SamplingMetadata):
+        from candelabra.backends.torch.sampling import TorchSampling
+
+        return TorchSampling.prepare(meta, self.torch_device)
+
+
+class TorchStepExecutor(StepExecutor):
+    """The default executor with autograd off: no graph is recorded for a forward that is never
+    differentiated, which saves a bookkeeping object per op."""
+
+    def run(self, inputs: StepInputs, caches: list[KVCache]):
+        with torch.inference_mode():
+            return super().run(inputs, caches)

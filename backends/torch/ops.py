@@ -1,0 +1,105 @@
+"""The ops in PyTorch, for any torch device. Semantics are those of `candelabra.core.contract.ops.Ops`.
+
+Norms, activations and rotary embedding compute in float32 and round to the input dtype once;
+matmuls run in the input dtype with float32 accumulation, as torch's kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from candelabra.backends.torch import attention, sampling
+from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
+from candelabra.core.contract.ops import KVCache, Ops, SampleResult
+
+QUANTIZED_WEIGHTS = (Int4Weight, Int8Weight)
+
+
+class TorchOps(Ops):
+    backend_name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def embedding(self, ids, table, scale=None):
+        rows = F.embedding(ids, table)
+        return rows * scale if scale is not None else rows
+
+    def gather_rows(self, x, rows):
+        return x.index_select(0, rows)
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, QUANTIZED_WEIGHTS):
+            out = weight.matmul(x)
+            return out + bias if bias is not None else out
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps, weight_offset=0.0):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        scale = weight.float() + weight_offset if weight_offset else weight.float()
+        return (normed * scale).to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps, weight_offset=0.0):
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps, weight_offset), summed
+
+    def layer_norm(self, x, weight, bias, eps):
+        out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+        return out.to(x.dtype)
+
+    def rotary(self, q, k, positions, cos_sin, style="neox"):
+        half = cos_sin.shape[1] // 2
+        table = cos_sin.index_select(0, positions)
+        cos, sin = table[:, None, :half], table[:, None, half:]
+        return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+    def gelu_and_mul(self, x, approximate="none"):
+        gate, up = x.chunk(2, dim=-1)
+        return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(x.dtype)
+
+    def gelu(self, x, approximate="none"):
+        return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+
+    def write_kv(self, cache, key, value, slot_mapping):
+        # Boolean indexing drops NO_SLOT tokens; its data-dependent shape is free on a CPU, and a
+        # device that captures steps (cuda) writes the cache with a kernel of its own.
+        written = slot_mapping >= 0
+        slots = slot_mapping[written].long()
+        for target, rows in ((cache.key, key), (cache.value, value)):
+            flat = target.view(-1, *target.shape[2:])
+            flat.index_copy_(0, slots, rows[written].to(target.dtype))
+        return cache
+
+    def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
+        return attention.paged_attention(q, cache, step, scale, sliding_window, logit_softcap)
+
+    def softcap(self, x, cap):
+        return (torch.tanh(x.float() / cap) * cap).to(x.dtype)
+
+    def softmax(self, x):
+        return torch.softmax(x.float(), dim=-1).to(x.dtype)
+
+    def sample(self, logits, params) -> SampleResult:
+        return sampling.sample(logits, params)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    rotary_dim = 2 * cos.shape[-1]
+    x32 = x.float()
+    if style == "neox":
+        a, b = x32[..., : rotary_dim // 2], x32[..., rotary_dim // 2 : rotary_dim]
+        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    elif style == "gptj":
+        a, b = x32[..., 0:rotary_dim:2], x32[..., 1:rotary_dim:2]
+        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    else:
+        raise ValueError(f"unknown rotary style {style!r}; expected 'neox' or 'gptj'")
+    if rotary_dim < x.shape[-1]:
+        rotated = torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)
+    return rotated.to(x.dtype)

@@ -1,0 +1,148 @@
+"""The torch backend: its conformance, its choice of dtype, and what it does beyond the ops."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.torch.backend import TorchBackend
+from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, parse_cpu_flags
+from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
+from candelabra.conformance.quantized_weights import random_quantized
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import OP_NAMES
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
+from candelabra.plugins import backend_class
+from conftest import run_candelabra
+
+
+def test_torch_is_installed_available_and_implements_every_op():
+    assert backend_class("torch") is TorchBackend
+    probe = TorchBackend.probe()
+    assert probe.available and probe.priority == 50 and f"torch {torch.__version__}" in probe.device
+    backend = TorchBackend()
+    assert set(backend.dtypes) == {"float32", "float16", "bfloat16"}
+    assert all(backend.ops.supports(op) for op in OP_NAMES)
+    assert backend.quantized_formats == frozenset(GGUF_QUANTIZED_FORMATS)
+
+
+@pytest.mark.slow
+def test_torch_passes_every_op_case_at_every_dtype(tmp_path):
+    results = tmp_path / "torch.json"
+    run = run_candelabra("conformance", "--backend", "torch", "--level", "ops", "--json", str(results))
+
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr
+    document = json.loads(results.read_text())
+    assert {case["status"] for case in document["cases"]} == {"passed"}
+    formats = {case["weight_format"] for case in document["cases"] if case["weight_format"]}
+    assert formats == set(GGUF_QUANTIZED_FORMATS)
+    assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("cpuinfo, native", [
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx2 amx_bf16 amx_tile\n", True),
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n", False),
+    ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", True),
+    ("processor\t: 0\nFeatures\t: fp asimd\n", False),
+])
+def test_bfloat16_is_the_default_only_where_the_cpu_computes_it(cpuinfo, native):
+    assert has_native_bfloat16(parse_cpu_flags(cpuinfo)) is native
+    assert default_dtypes(native)[0] == ("bfloat16" if native else "float32")
+    assert set(default_dtypes(native)) == {"float32", "float16", "bfloat16"}
+
+
+def test_this_machines_default_dtype_follows_its_cpu():
+    assert TorchBackend.dtypes[0] == ("bfloat16" if has_native_bfloat16() else "float32")
+
+
+def test_start_up_uses_every_core_and_says_which_dtype_and_why(caplog):
+    import logging
+    import os
+
+    with caplog.at_level(logging.INFO, logger="candelabra"):
+        TorchBackend()
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"default dtype {TorchBackend.dtypes[0]}" in message and "threads" in message
+
+
+def test_probe_explains_a_missing_torch():
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from candelabra.backends.torch.backend import TorchBackend\n"
+        "probe = TorchBackend.probe(); print(probe.available, probe.reason)\n"
+        "try:\n    TorchBackend()\nexcept RuntimeError as exc:\n    print('refused:', exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.splitlines()
+    assert first.startswith("False torch is not installed") and "pip install 'candelabra[torch]'" in first
+    assert second.startswith("refused: torch is not installed")
+
+
+@pytest.mark.parametrize("format, kept", [("Q4_K", Int4Weight), ("Q4_0", Int4Weight), ("Q5_0", Int8Weight)])
+def test_quantized_weights_stay_quantized_in_bfloat16_and_are_dequantized_in_float32(format, kept):
+    rng = np.random.default_rng(3)
+    weight = random_quantized(rng, format, 64, 256)
+    backend = TorchBackend()
+    assert isinstance(backend.upload_weight("w", WeightRole.LINEAR, weight, "bfloat16"), kept)
+    dense = backend.upload_weight("w", WeightRole.LINEAR, weight, "float32")
+    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.float32
+    assert np.array_equal(dense.numpy(), weight.dequantize())
+
+
+def test_a_tied_lm_head_is_the_embedding_tensor_itself():
+    backend = TorchBackend()
+    table = np.random.default_rng(4).standard_normal((32, 16), dtype=np.float32)
+    embedding = backend.upload_weight("model.embed_tokens.weight", WeightRole.EMBEDDING, table, "bfloat16")
+    assert backend.upload_weight("model.embed_tokens.weight", WeightRole.LM_HEAD, table, "bfloat16") is embedding
+    other = backend.upload_weight("model.embed_tokens.weight", WeightRole.LM_HEAD, table.copy(), "bfloat16")
+    assert other is not embedding and torch.equal(other, embedding)
+
+
+def test_fetch_from_device_memory_packs_every_result_into_one_copy():
+    """The packing a device with memory of its own uses, run on CPU tensors: every dtype and shape
+    comes back as `to_host` gives it."""
+    backend = TorchBackend()
+    rng = np.random.default_rng(5)
+    tensors = (torch.from_numpy(rng.integers(0, 150_000, 7, dtype=np.int32)),
+               torch.from_numpy(rng.standard_normal(7, dtype=np.float32)),
+               torch.from_numpy(rng.integers(0, 150_000, (7, 3), dtype=np.int32)),
+               torch.from_numpy(rng.standard_normal((7, 0), dtype=np.float32)),
+               torch.from_numpy(rng.standard_normal((2, 5), dtype=np.float32)).to(torch.bfloat16))
+    backend.torch_device = torch.device("meta")  # anything but "cpu" takes the packing path
+    packed = backend.fetch(*tensors)
+    for got, tensor in zip(packed, tensors):
+        expected = tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+        assert got.dtype == expected.dtype and got.shape == expected.shape and np.array_equal(got, expected)
+
+
+def test_swap_space_is_host_memory_in_the_cache_dtype():
+    backend = TorchBackend()
+    spec = KVCacheSpec(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    swap = backend.allocate_swap_space(spec)
+    assert len(swap) == 2 and all(part.device.type == "cpu" and part.dtype == torch.bfloat16
+                                  and tuple(part.shape) == spec.block_shape for layer in swap for part in layer)
+
+
+@pytest.mark.slow
+def test_torch_passes_the_models_and_engine_levels_in_bfloat16(tmp_path):
+    results = tmp_path / "torch.json"
+    run = run_candelabra("conformance", "--backend", "torch", "--level", "models", "--level", "engine",
+                         "--dtype", "bfloat16", "--json", str(results))
+
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr
+    document = json.loads(results.read_text())
+    assert document["dtype"] == "bfloat16"
+    assert {case["status"] for case in document["models"]} == {"passed"}
+    assert {case["status"] for case in document["engine"]} == {"passed"}
+
+
+def test_conformance_refuses_a_dtype_the_backend_does_not_compute_in():
+    run = run_candelabra("conformance", "--backend", "cpu", "--level", "engine", "--dtype", "bfloat16")
+    assert run.returncode != 0
+    assert "backend 'cpu' does not compute in bfloat16; it offers float32" in run.stdout + run.stderr

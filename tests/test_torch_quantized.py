@@ -1,0 +1,135 @@
+"""GGUF quantized weights kept by the torch backend: int4 groups and int8 rows, and the matmuls on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.torch.quantized import (
+    INT4_FORMATS,
+    INT8_FORMATS,
+    Int4Weight,
+    Int8Weight,
+    dequantized,
+    int4_groupwise,
+    int8_rowwise,
+    keep_quantized,
+)
+from candelabra.conformance.quantized_weights import random_quantized
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS
+
+MATMUL_NMSE = 1e-4
+
+
+def nmse(values: torch.Tensor, reference: np.ndarray) -> float:
+    difference = values.double().numpy() - reference
+    return float(np.sum(np.square(difference)) / np.sum(np.square(reference)))
+
+
+def random_x(rng: np.random.Generator, *shape: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape)).to(torch.bfloat16)
+
+
+def oracle(x: torch.Tensor, weight: np.ndarray) -> np.ndarray:
+    return x.double().numpy() @ weight.astype(np.float64).T
+
+
+@pytest.mark.parametrize("format", sorted(INT4_FORMATS))
+def test_int4_groups_rebuild_the_dequantized_weight(format):
+    weight = random_quantized(np.random.default_rng(1), format, 48, 512)
+    nibbles, scales, zeros = int4_groupwise(weight)
+    assert nibbles.dtype == np.uint8 and nibbles.shape == (48, 512) and nibbles.max() <= 15
+    assert scales.dtype == zeros.dtype == np.float32 and scales.shape == zeros.shape == (48, 16)
+    assert len(np.unique(nibbles)) == 16
+    rebuilt = (nibbles.astype(np.float64) - 8) * np.repeat(scales, 32, axis=1) + np.repeat(zeros, 32, axis=1)
+    reference = weight.dequantize().astype(np.float64)
+    np.testing.assert_allclose(rebuilt, reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
+
+
+def test_int4_groups_refuse_other_formats_by_name():
+    weight = random_quantized(np.random.default_rng(2), "Q5_K", 16, 256)
+    with pytest.raises(ValueError, match="Q5_K"):
+        int4_groupwise(weight)
+
+
+def test_int8_rows_round_to_the_nearest_step():
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((6, 64)).astype(np.float32) * rng.uniform(0.1, 10, (6, 1)).astype(np.float32)
+    values[2] = 0
+    quantized, scales = int8_rowwise(values)
+    assert quantized.dtype == np.int8 and scales.dtype == np.float32 and scales.shape == (6,)
+    assert scales[2] == 1 and not quantized[2].any()
+    assert np.all(np.abs(quantized).max(axis=1)[[0, 1, 3, 4, 5]] == 127)
+    error = np.abs(quantized * scales[:, None].astype(np.float64) - values)
+    assert np.all(error <= scales[:, None] * (0.5 + 1e-5))
+
+
+@pytest.mark.parametrize("format", sorted(INT4_FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_int4_matmul_matches_the_float64_oracle(format, rows):
+    rng = np.random.default_rng(4)
+    weight = random_quantized(rng, format, 40, 512)  # 40 output rows: not whole tiles of 16
+    kept = Int4Weight.from_groups(*int4_groupwise(weight), torch.bfloat16)
+    x = random_x(rng, rows, 512)
+    out = kept.matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    assert nmse(out, oracle(x, weight.dequantize())) < MATMUL_NMSE
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_int8_matmul_matches_the_float64_oracle(rows):
+    rng = np.random.default_rng(5)
+    weight = random_quantized(rng, "Q8_0", 40, 512).dequantize()
+    kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)
+    x = random_x(rng, rows, 512)
+    out = kept.matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
+    assert nmse(out, oracle(x, weight)) < MATMUL_NMSE
+
+
+@pytest.mark.parametrize("format", ["Q4_K", "Q6_K"])
+def test_matmul_keeps_leading_dims(format):
+    rng = np.random.default_rng(6)
+    weight = random_quantized(rng, format, 32, 256)
+    kept = keep_quantized(weight, torch.bfloat16)
+    x = random_x(rng, 2, 5, 256)
+    out = kept.matmul(x)
+    assert out.shape == (2, 5, 32)
+    np.testing.assert_array_equal(out.reshape(10, 32).float().numpy(), kept.matmul(x.reshape(10, 256)).float().numpy())
+
+
+def test_sizes_count_what_is_kept():
+    rng = np.random.default_rng(7)
+    int4 = keep_quantized(random_quantized(rng, "Q4_0", 32, 256), torch.bfloat16)
+    int8 = keep_quantized(random_quantized(rng, "Q8_0", 32, 256), torch.bfloat16)
+    assert int4.shape == int8.shape == (32, 256)
+    assert int4.nbytes == 32 * 256 // 2 + 256 // 32 * 32 * 2 * 2
+    assert int8.nbytes == 32 * 256 + 32 * 2
+
+
+def test_int8_refuses_widths_its_kernel_cannot_read():
+    with pytest.raises(ValueError, match="16"):
+        Int8Weight(torch.ones(4, 24, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("format", GGUF_QUANTIZED_FORMATS)
+def test_keep_quantized_chooses_by_format_in_bfloat16(format):
+    weight = random_quantized(np.random.default_rng(8), format, 16, 256)
+    kept = keep_quantized(weight, torch.bfloat16)
+    expected = Int4Weight if format in INT4_FORMATS else Int8Weight if format in INT8_FORMATS else type(None)
+    assert type(kept) is expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+def test_keep_quantized_leaves_slow_dtypes_to_a_dense_copy(format, dtype):
+    assert keep_quantized(random_quantized(np.random.default_rng(9), format, 16, 256), dtype) is None
+
+
+def test_dequantized_is_the_dense_weight():
+    weight = random_quantized(np.random.default_rng(10), "Q5_1", 16, 64)
+    dense = dequantized(weight, torch.float32)
+    assert dense.dtype == torch.float32
+    np.testing.assert_array_equal(dense.numpy(), weight.dequantize())
+    assert dequantized(weight, torch.bfloat16).dtype == torch.bfloat16
