@@ -1,7 +1,8 @@
-"""Real models from PyPI, end to end on both in-tree backends.
+"""Real models from PyPI, end to end on the in-tree backends.
 
 The default model, Qwen2.5-Coder-0.5B-Instruct (GGUF: Q8_0, Q5_0, Q4_K and Q6_K tensors), must
-produce transformers' greedy tokens on the same file for at least 32 tokens. Gemma 3 270M (a base
+produce transformers' greedy tokens on the same file for at least 32 tokens in float32, and for the
+first 16 in torch's bfloat16 with the weights it keeps quantized. Gemma 3 270M (a base
 model) must complete plain facts correctly; transformers' own GGUF path is no oracle for it.
 """
 
@@ -30,10 +31,11 @@ GREEDY_TOKENS = 32
 BLOCK_SIZE = 16
 
 
-def greedy(backend_name: str, checkpoint, prompt_ids: list[int], max_tokens: int, stop_ids) -> list[int]:
+def greedy(backend_name: str, checkpoint, prompt_ids: list[int], max_tokens: int, stop_ids,
+           dtype: str = "float32") -> list[int]:
     """Greedy tokens from candelabra, one sequence through the paged cache, stopping at EOS."""
     backend = installed_plugins().backends.get(backend_name)()
-    model = load_model(checkpoint, backend, "float32")
+    model = load_model(checkpoint, backend, dtype)
     blocks = list(range(-(-(len(prompt_ids) + max_tokens) // BLOCK_SIZE)))
     runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
     meta = StepMetadata.build([len(prompt_ids)], [len(prompt_ids)], [blocks], BLOCK_SIZE)
@@ -86,6 +88,16 @@ def test_default_model_matches_transformers_on_the_same_gguf(qwen, qwen_referenc
     assert "KV cache" in answer and "store" in answer, answer
 
 
+def test_torch_in_bfloat16_with_quantized_weights_answers_as_transformers_does(qwen, qwen_reference):
+    """torch's fast path (bfloat16, GGUF weights kept as int4 groups and int8 rows) starts every
+    answer with the float32 reference's 16 tokens; rounding may part them later."""
+    checkpoint, tokenizer = qwen
+    for prompt in QWEN_PROMPTS:
+        prompt_ids, expected = qwen_reference[prompt]
+        ours = greedy("torch", checkpoint, prompt_ids, 16, tokenizer.eos_token_ids, dtype="bfloat16")
+        assert ours == expected[:16], f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(expected)!r}"
+
+
 # A 270M base model: phrasings it completes with the fact (it continues "The capital of France
 # is" with " the capital of the country of France", as transformers does on the same weights).
 GEMMA_FACTS = [
@@ -127,11 +139,13 @@ def test_gemma3_graph_matches_transformers_on_the_real_weights(gemma):
     assert nmse(ours, expected) < 1e-9
 
 
-@pytest.mark.parametrize("backend, facts", [("cpu", GEMMA_FACTS), ("metal", GEMMA_FACTS[:1])])
-def test_gemma3_270m_completes_plain_facts(gemma, backend, facts):
+@pytest.mark.parametrize("backend, dtype, facts", [
+    ("cpu", "float32", GEMMA_FACTS), ("metal", "float32", GEMMA_FACTS[:1]), ("torch", "bfloat16", GEMMA_FACTS),
+])
+def test_gemma3_270m_completes_plain_facts(gemma, backend, dtype, facts):
     checkpoint, tokenizer = gemma
     assert checkpoint.config["architectures"] == ["Gemma3ForCausalLM"]
     for prompt, answer in facts:
         ids = tokenizer.encode(prompt)  # BOS first, as Gemma expects
-        completion = tokenizer.decode(greedy(backend, checkpoint, ids, 8, tokenizer.eos_token_ids))
+        completion = tokenizer.decode(greedy(backend, checkpoint, ids, 8, tokenizer.eos_token_ids, dtype))
         assert answer in completion, f"{prompt!r} -> {completion!r}"

@@ -104,7 +104,7 @@ def test_sizes_count_what_is_kept():
     int4 = keep_quantized(random_quantized(rng, "Q4_0", 32, 256), torch.bfloat16)
     int8 = keep_quantized(random_quantized(rng, "Q8_0", 32, 256), torch.bfloat16)
     assert int4.shape == int8.shape == (32, 256)
-    assert int4.nbytes == 32 * 256 // 2 + 256 // 32 * 32 * 2 * 2
+    assert int4.nbytes == 2 * (32 * 256 // 2) + 256 // 32 * 32 * 2 * 2  # torch's layout and the row-order pairs
     assert int8.nbytes == 32 * 256 + 32 * 2
 
 
@@ -133,3 +133,16 @@ def test_dequantized_is_the_dense_weight():
     assert dense.dtype == torch.float32
     np.testing.assert_array_equal(dense.numpy(), weight.dequantize())
     assert dequantized(weight, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_dense_copy_is_the_weight_with_bfloat16_scales(format):
+    rng = np.random.default_rng(11)
+    weight = random_quantized(rng, format, 40, 512)
+    kept = keep_quantized(weight, torch.bfloat16)
+    nibbles, scales, zeros = int4_groupwise(weight)
+    as_kept = lambda v: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+    expected = ((nibbles.astype(np.float32) - 8).reshape(40, -1, 32) * as_kept(scales)[..., None]
+                + as_kept(zeros)[..., None]).reshape(40, 512)
+    assert np.allclose(kept.dense().float().numpy(), expected, rtol=1e-2, atol=1e-6)
+    assert nmse(kept.dense(), weight.dequantize()) < 1e-5

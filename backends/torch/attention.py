@@ -137,11 +137,7 @@ def _gathered(cache: torch.Tensor, group: QueryGroup, dtype: torch.dtype) -> tor
 
 
 def _sdpa(q, k, v, visible, scale):
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if heads != kv_heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _softcapped(q, k, v, visible, scale, cap):

@@ -67,13 +67,15 @@ class TorchOps(Ops):
         return F.gelu(x.float(), approximate=approximate).to(x.dtype)
 
     def write_kv(self, cache, key, value, slot_mapping):
-        # Boolean indexing drops NO_SLOT tokens; its data-dependent shape is free on a CPU, and a
-        # device that captures steps (cuda) writes the cache with a kernel of its own.
-        written = slot_mapping >= 0
-        slots = slot_mapping[written].long()
+        slots = slot_mapping.long()
+        # NO_SLOT tokens (padding) are dropped by a boolean mask: its data-dependent shape costs a CPU
+        # nothing, and a device that captures steps (cuda) writes the cache with a kernel of its own.
+        padded = bool((slots < 0).any())
+        if padded:
+            written = slots >= 0
+            slots, key, value = slots[written], key[written], value[written]
         for target, rows in ((cache.key, key), (cache.value, value)):
-            flat = target.view(-1, *target.shape[2:])
-            flat.index_copy_(0, slots, rows[written].to(target.dtype))
+            target.view(-1, *target.shape[2:]).index_copy_(0, slots, rows.to(target.dtype))
         return cache
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):

@@ -34,6 +34,10 @@ INT8_NMSE_BUDGET = 3e-4
 # The CPU kernels are fast only in bfloat16. Both take float16 and float32 too, but there they ran 10 to 40
 # times slower than a dense matmul of the same dtype (torch 2.13, AVX-512 BF16 CPU, 1 and 16 rows).
 QUANTIZED_COMPUTE_DTYPES = frozenset({torch.bfloat16})
+# From this many rows of x on, rebuilding a dense bfloat16 weight and multiplying by it beats the
+# weight-only kernels, which stay memory-bound while the dense GEMM reaches the CPU's bfloat16
+# throughput (bench/torch_linear.py). MEASURE
+DENSE_FROM_ROWS = 16
 
 
 # host side: GGUF blocks to int4 groups and int8 rows
@@ -120,12 +124,18 @@ _INT4_DECODERS: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, n
 
 
 class Int4Weight:
-    """A [N, K] weight as int4 groups of 32 with a scale and a zero each, for x @ W.T on a CPU."""
+    """A [N, K] weight as int4 groups of 32 with a scale and a zero each, for x @ W.T on a CPU.
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int]) -> None:
+    Besides torch's packed layout it keeps the nibbles two to a byte in row order, from which a dense
+    copy is rebuilt for a batch of DENSE_FROM_ROWS rows or more.
+    """
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int],
+                 nibble_pairs: torch.Tensor) -> None:
         self.packed = packed  # uint8 [N', K / 2] in torch's own int4 CPU layout, N' = N padded to whole tiles
         self.scales_and_zeros = scales_and_zeros  # compute dtype [K / 32, N', 2]
         self.shape = shape
+        self.nibble_pairs = nibble_pairs  # uint8 [N, K / 2]: column 2j in the low nibble, 2j + 1 in the high
 
     @classmethod
     def from_groups(cls, nibbles: np.ndarray, scales: np.ndarray, zeros: np.ndarray, dtype: torch.dtype) -> Int4Weight:
@@ -137,7 +147,8 @@ class Int4Weight:
         scales, zeros = np.pad(scales, ((0, padding), (0, 0))), np.pad(zeros, ((0, padding), (0, 0)))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(nibbles.astype(np.int32)), 1)
         scales_and_zeros = torch.from_numpy(np.stack([scales.T, zeros.T], axis=-1)).to(dtype).contiguous()
-        return cls(packed, scales_and_zeros, (rows, nibbles.shape[1]))
+        pairs = nibbles[:rows, 0::2] | (nibbles[:rows, 1::2] << 4)
+        return cls(packed, scales_and_zeros, (rows, nibbles.shape[1]), torch.from_numpy(pairs))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,10 +156,21 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros)
+        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros) + _nbytes(self.nibble_pairs)
+
+    def dense(self) -> torch.Tensor:
+        """The weight's values [N, K] in the compute dtype."""
+        rows, columns = self.shape
+        nibbles = torch.stack([self.nibble_pairs & 0x0F, self.nibble_pairs >> 4], dim=-1).reshape(rows, -1, 32)
+        # in float32: a zero point cancels most of (q - 8) * scale, which bfloat16 arithmetic would blur
+        scales = self.scales_and_zeros[:, :rows, 0].T[..., None].float()
+        zeros = self.scales_and_zeros[:, :rows, 1].T[..., None].float()
+        return ((nibbles.float() - 8) * scales + zeros).reshape(rows, columns).to(self.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] in the compute dtype to x @ W.T [..., N]."""
+        if _rows(x) >= DENSE_FROM_ROWS:
+            return torch.nn.functional.linear(x, self.dense())
         out = _rows_at_once(x, lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros))
         rows = self.shape[0]
@@ -178,9 +200,19 @@ class Int8Weight:
     def nbytes(self) -> int:
         return _nbytes(self.values) + _nbytes(self.scales)
 
+    def dense(self) -> torch.Tensor:
+        """The weight's values [N, K] in the compute dtype."""
+        return self.values.to(self.dtype) * self.scales[:, None]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] in the compute dtype to x @ W.T [..., N]."""
+        if _rows(x) >= DENSE_FROM_ROWS:
+            return torch.nn.functional.linear(x, self.dense())
         return _rows_at_once(x, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.values, self.scales))
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def _rows_at_once(x: torch.Tensor, multiply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
