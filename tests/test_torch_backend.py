@@ -146,3 +146,33 @@ def test_conformance_refuses_a_dtype_the_backend_does_not_compute_in():
     run = run_candelabra("conformance", "--backend", "cpu", "--level", "engine", "--dtype", "bfloat16")
     assert run.returncode != 0
     assert "backend 'cpu' does not compute in bfloat16; it offers float32" in run.stdout + run.stderr
+
+
+def test_batches_larger_than_a_sampling_chunk_draw_what_numpy_draws():
+    """Rows are sampled in chunks; across chunk borders every row keeps its own parameters."""
+    from candelabra.backends.cpu import sampling as numpy_sampling
+    from candelabra.backends.torch.sampling import ROWS_PER_CHUNK, TorchSampling, sample
+    from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+
+    rng = np.random.default_rng(8)
+    rows, vocab = 2 * ROWS_PER_CHUNK + 5, 3000
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    tokens = [rng.integers(0, vocab, rng.integers(0, 9)).tolist() for _ in range(rows)]
+    meta = SamplingMetadata(
+        temperature=rng.choice([0.0, 0.7, 1.3], rows).astype(np.float32),
+        top_k=rng.choice([0, 5, 50], rows).astype(np.int32), top_p=rng.choice([1.0, 0.9], rows).astype(np.float32),
+        min_p=rng.choice([0.0, 0.05], rows).astype(np.float32),
+        repetition_penalty=rng.choice([1.0, 1.2], rows).astype(np.float32),
+        presence_penalty=rng.choice([0.0, 0.5], rows).astype(np.float32),
+        frequency_penalty=rng.choice([0.0, 0.3], rows).astype(np.float32),
+        penalty_tokens=pad_token_lists(tokens), output_tokens=pad_token_lists(tokens),
+        bias_token_ids=pad_token_lists([[int(rng.integers(vocab))] for _ in range(rows)]),
+        bias_values=rng.uniform(-5, 5, (rows, 1)).astype(np.float32),
+        uniform=rng.random(rows, dtype=np.float32), num_top_logprobs=3)
+
+    ours = sample(torch.from_numpy(logits), TorchSampling.prepare(meta, torch.device("cpu")))
+    expected = numpy_sampling.sample(logits, meta)
+
+    assert np.array_equal(ours.token_ids.numpy(), expected.token_ids)
+    assert np.allclose(ours.logprobs.numpy(), expected.logprobs, atol=1e-4)
+    assert np.array_equal(ours.top_token_ids.numpy(), expected.top_token_ids)

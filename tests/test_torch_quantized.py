@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from candelabra.backends.torch import quantized
 from candelabra.backends.torch.quantized import (
     INT4_FORMATS,
     INT8_FORMATS,
@@ -65,9 +66,16 @@ def test_int8_rows_round_to_the_nearest_step():
     assert np.all(error <= scales[:, None] * (0.5 + 1e-5))
 
 
+# 1 to 17 rows go through the weight-only kernels; 40 and 70 through dense slices, in one slice, or in
+# several when the scratch buffer is made smaller than the weight.
+ROWS_AND_SCRATCH = [(1, None), (3, None), (17, None), (40, None), (70, 512 * 7)]
+
+
 @pytest.mark.parametrize("format", sorted(INT4_FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_int4_matmul_matches_the_float64_oracle(format, rows):
+@pytest.mark.parametrize("rows, scratch", ROWS_AND_SCRATCH)
+def test_int4_matmul_matches_the_float64_oracle(format, rows, scratch, monkeypatch):
+    if scratch:
+        monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
     rng = np.random.default_rng(4)
     weight = random_quantized(rng, format, 40, 512)  # 40 output rows: not whole tiles of 16
     kept = Int4Weight.from_groups(*int4_groupwise(weight), torch.bfloat16)
@@ -77,8 +85,10 @@ def test_int4_matmul_matches_the_float64_oracle(format, rows):
     assert nmse(out, oracle(x, weight.dequantize())) < MATMUL_NMSE
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_int8_matmul_matches_the_float64_oracle(rows):
+@pytest.mark.parametrize("rows, scratch", ROWS_AND_SCRATCH)
+def test_int8_matmul_matches_the_float64_oracle(rows, scratch, monkeypatch):
+    if scratch:
+        monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
     rng = np.random.default_rng(5)
     weight = random_quantized(rng, "Q8_0", 40, 512).dequantize()
     kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)

@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
+from candelabra.backends.torch.host_memory import keep_freed_memory_for_reuse
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.executor import StepExecutor, StepInputs
@@ -77,6 +78,7 @@ class TorchBackend(Backend):
         cores = usable_cores()
         if torch.get_num_threads() != cores:
             torch.set_num_threads(cores)
+        keep_freed_memory_for_reuse()
         log.info("torch backend on cpu: %d threads, default dtype %s (%s)", cores, self.dtypes[0],
                  "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware")
 
@@ -163,15 +165,18 @@ class TorchBackend(Backend):
     # KV cache
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
+        if self.torch_device.type == "cpu":
+            return [KVCache(_untouched_zeros(spec), _untouched_zeros(spec)) for _ in range(spec.num_layers)]
         return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
                 for _ in range(spec.num_layers)]
 
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
-        # Pinned host memory copies to and from a device asynchronously; a CPU device needs no pinning.
-        pin = self.torch_device.type != "cpu"
+        if self.torch_device.type == "cpu":
+            return [KVCache(_untouched_zeros(spec), _untouched_zeros(spec)) for _ in range(spec.num_layers)]
+        # Pinned host memory copies to and from a device asynchronously.
         dtype = torch_dtype(spec.dtype)
-        return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=pin),
-                        torch.zeros(spec.block_shape, dtype=dtype, pin_memory=pin))
+        return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True),
+                        torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True))
                 for _ in range(spec.num_layers)]
 
     def copy_blocks(self, caches, mapping):
@@ -214,6 +219,15 @@ class TorchBackend(Backend):
         from candelabra.backends.torch.sampling import TorchSampling
 
         return TorchSampling.prepare(meta, self.torch_device)
+
+
+def _untouched_zeros(spec: KVCacheSpec) -> torch.Tensor:
+    """Zeros in host memory whose pages the OS maps only when first written (numpy's calloc), so a KV
+    cache sized for the worst case occupies RAM only as far as sequences fill it. torch.zeros writes
+    every page up front."""
+    itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
+    raw = np.zeros(spec.block_shape, dtype=np.dtype(f"u{itemsize}"))
+    return torch.from_numpy(raw).view(torch_dtype(spec.dtype))
 
 
 class TorchStepExecutor(StepExecutor):

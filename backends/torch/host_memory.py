@@ -1,0 +1,37 @@
+"""How the process's C heap hands memory to torch's CPU tensors.
+
+glibc's malloc serves a large block with a fresh mmap and returns it to the OS on free, so every
+step's large temporaries (logits, sampling rows, dense weight slices) fault in new zeroed pages
+each time: at decode sizes that cost more than the arithmetic. Raising the mmap threshold to its
+maximum (32 MiB) and never trimming the heap keeps freed blocks for the next step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("candelabra")
+
+# mallopt parameters, from glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest on 64-bit
+TOP_PAD = 64 * 2**20
+TRIM_THRESHOLD = 2**31 - 1  # never give the top of the heap back
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tune glibc's malloc as above; False where the C library is not glibc (macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    settings = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    done = all(mallopt(ctypes.c_int(option), ctypes.c_int(value)) == 1 for option, value in settings)
+    if not done:
+        log.info("torch backend: glibc's mallopt refused a setting; large temporaries are allocated afresh")
+    return done
