@@ -9,6 +9,7 @@ subclasses it with its `device_type`, its probe, and the ops it overrides (`ops_
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
@@ -231,9 +232,18 @@ def _untouched_zeros(spec: KVCacheSpec) -> torch.Tensor:
 
 
 class TorchStepExecutor(StepExecutor):
-    """The default executor with autograd off: no graph is recorded for a forward that is never
-    differentiated, which saves a bookkeeping object per op."""
+    """The default executor with autograd off (no graph is recorded for a forward that is never
+    differentiated), on every core from whichever thread steps: torch's thread count belongs to
+    the thread that set it, and a server steps on a thread of its own, where the default ran the
+    default model's decode step 1.3 to 1.5 times slower."""
+
+    def __init__(self, backend: Any, model: Any) -> None:
+        super().__init__(backend, model)
+        self._configured = threading.local()
 
     def run(self, inputs: StepInputs, caches: list[KVCache]):
+        if not getattr(self._configured, "threads", False):
+            torch.set_num_threads(usable_cores())
+            self._configured.threads = True
         with torch.inference_mode():
             return super().run(inputs, caches)
