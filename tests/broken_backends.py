@@ -99,3 +99,50 @@ class UnwrittenOutputRow(_OneBrokenOp):
 
     name = "broken-unwritten"
     ops_class = _ForgetsLastRow
+
+
+# Low-precision slips on the torch backend, which computes in float16 and bfloat16: each is right in
+# float32 and only a little off in low precision, and conformance must fail exactly them there.
+
+
+def _torch_backend_with(ops_class):
+    from candelabra.backends.torch.backend import TorchBackend
+
+    class Broken(TorchBackend):
+        @classmethod
+        def ops_class(cls):
+            return ops_class
+
+    return Broken
+
+
+def _rms_norm_in_input_dtype():
+    import torch
+
+    from candelabra.backends.torch.ops import TorchOps
+
+    class RmsNormInInputDtype(TorchOps):
+        def rms_norm(self, x, weight, eps, weight_offset=0.0):
+            normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+            return normed * (weight + weight_offset if weight_offset else weight)
+
+    return RmsNormInInputDtype
+
+
+def _silu_rounded_twice():
+    import torch.nn.functional as F
+
+    from candelabra.backends.torch.ops import TorchOps
+
+    class SiluRoundedTwice(TorchOps):
+        def silu_and_mul(self, x):
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up  # the activation rounded to x's dtype before the product
+
+    return SiluRoundedTwice
+
+
+LowPrecisionRmsNorm = _torch_backend_with(_rms_norm_in_input_dtype())
+LowPrecisionRmsNorm.name = "broken-low-precision-rms-norm"
+DoubleRoundedSilu = _torch_backend_with(_silu_rounded_twice())
+DoubleRoundedSilu.name = "broken-double-rounded-silu"

@@ -32,3 +32,21 @@ def test_conformance_catches_exactly_the_broken_op(tmp_path, backend, broken_op)
     assert summary[broken_op]["passed"] > 0, "only the cases that exercise the bug should fail"
     # Rows apart from the ops ("linear Q4_K") are quantized weights, which the numpy backend keeps none of.
     assert all(counts["not supported"] == 0 for op, counts in summary.items() if op in OP_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, broken_ops", [
+    ("LowPrecisionRmsNorm", {"rms_norm", "add_rms_norm"}),  # add_rms_norm normalises through rms_norm
+    ("DoubleRoundedSilu", {"silu_and_mul"}),
+])
+def test_conformance_catches_low_precision_arithmetic_at_exactly_the_low_precision_dtypes(tmp_path, backend,
+                                                                                          broken_ops):
+    results = tmp_path / "results.json"
+    ops = [arg for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul") for arg in ("--op", op)]
+    run = run_candelabra("conformance", "--backend", f"broken_backends:{backend}", "--level", "ops", *ops,
+                         "--json", str(results), env_extra={"PYTHONPATH": str(TESTS)})
+
+    assert run.returncode == 1, run.stdout + run.stderr
+    by_dtype = json.loads(results.read_text())["summary_by_dtype"]
+    failing = {(op, dtype) for op, dtypes in by_dtype.items() for dtype, counts in dtypes.items() if counts["failed"]}
+    assert failing == {(op, dtype) for op in broken_ops for dtype in ("float16", "bfloat16")}
