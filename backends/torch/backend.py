@@ -9,6 +9,7 @@ subclasses it with its `device_type`, its probe, and the ops it overrides (`ops_
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, ClassVar
 
@@ -34,6 +35,16 @@ except Exception as exc:  # noqa: BLE001 - probe() reports why torch cannot be u
 log = logging.getLogger("candelabra")
 
 CPU_DTYPES = default_dtypes(has_native_bfloat16())
+# Set to 1 to keep, beside each weight kept quantized, a dense copy that batches multiply by: faster
+# serving of many requests at once, at about twice the memory for those weights.
+DENSE_COPIES_VARIABLE = "CANDELABRA_TORCH_DENSE_COPIES"
+
+
+def dense_copies_wanted() -> bool:
+    value = os.environ.get(DENSE_COPIES_VARIABLE, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ValueError(f"{DENSE_COPIES_VARIABLE}={value!r}: 1 keeps dense copies of quantized weights, 0 does not")
+    return value in ("1", "true", "yes")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -58,6 +69,7 @@ class TorchBackend(Backend):
             else torch.device("cpu")
         self.ops = self.ops_class()(self.torch_device)
         self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
+        self.dense_copies = dense_copies_wanted()
         self._configure_device()
 
     @classmethod
@@ -80,8 +92,10 @@ class TorchBackend(Backend):
         if torch.get_num_threads() != cores:
             torch.set_num_threads(cores)
         keep_freed_memory_for_reuse()
-        log.info("torch backend on cpu: %d threads, default dtype %s (%s)", cores, self.dtypes[0],
-                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware")
+        log.info("torch backend on cpu: %d threads, default dtype %s (%s)%s", cores, self.dtypes[0],
+                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware",
+                 f"; dense copies of quantized weights for batches ({DENSE_COPIES_VARIABLE}=1)"
+                 if self.dense_copies else "")
 
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
@@ -158,7 +172,8 @@ class TorchBackend(Backend):
         multiplies by where there is one for this format and dtype, else dequantized."""
         from candelabra.backends.torch.quantized import keep_quantized
 
-        kept = keep_quantized(weight, torch_dtype(dtype)) if self.torch_device.type == "cpu" else None
+        kept = (keep_quantized(weight, torch_dtype(dtype), self.dense_copies) if self.torch_device.type == "cpu"
+                else None)
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
