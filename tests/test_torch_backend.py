@@ -176,3 +176,22 @@ def test_batches_larger_than_a_sampling_chunk_draw_what_numpy_draws():
     assert np.array_equal(ours.token_ids.numpy(), expected.token_ids)
     assert np.allclose(ours.logprobs.numpy(), expected.logprobs, atol=1e-4)
     assert np.array_equal(ours.top_token_ids.numpy(), expected.top_token_ids)
+
+
+@pytest.mark.parametrize("value, wanted", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
+def test_dense_copies_are_asked_for_by_environment_variable(monkeypatch, value, wanted):
+    from candelabra.backends.torch.backend import DENSE_COPIES_VARIABLE
+
+    if value is None:
+        monkeypatch.delenv(DENSE_COPIES_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(DENSE_COPIES_VARIABLE, value)
+    assert TorchBackend().dense_copies is wanted
+
+
+def test_a_dense_copies_value_that_says_neither_is_refused_by_name(monkeypatch):
+    from candelabra.backends.torch.backend import DENSE_COPIES_VARIABLE
+
+    monkeypatch.setenv(DENSE_COPIES_VARIABLE, "maybe")
+    with pytest.raises(ValueError, match=f"{DENSE_COPIES_VARIABLE}='maybe'"):
+        TorchBackend()

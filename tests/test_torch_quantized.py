@@ -156,3 +156,14 @@ def test_int4_dense_copy_is_the_weight_with_bfloat16_scales(format):
                 + as_kept(zeros)[..., None]).reshape(40, 512)
     assert np.allclose(kept.dense().float().numpy(), expected, rtol=1e-2, atol=1e-6)
     assert nmse(kept.dense(), weight.dequantize()) < 1e-5
+
+
+@pytest.mark.parametrize("format", ["Q4_K", "Q5_0"])
+def test_a_dense_copy_holds_the_kept_values_and_serves_batches(format):
+    rng = np.random.default_rng(12)
+    weight = random_quantized(rng, format, 40, 512)
+    kept = keep_quantized(weight, torch.bfloat16, dense_copy=True)
+    assert torch.equal(kept.dense_copy, kept.dense())
+    assert keep_quantized(weight, torch.bfloat16).dense_copy is None
+    x = random_x(rng, quantized.DENSE_COPY_FROM_ROWS, 512)
+    assert nmse(kept.matmul(x), oracle(x, weight.dequantize())) < MATMUL_NMSE
