@@ -29,6 +29,22 @@ def available_backends() -> list[str]:
             if registration.value.probe().available]
 
 
+def probe_without(module: str, backend: str) -> tuple[str, str]:
+    """In a fresh interpreter where `module` cannot be imported: what the backend class at
+    `backend` ("package.module:Class") answers from probe(), and what constructing it raises."""
+    module_path, class_name = backend.split(":")
+    script = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        f"from {module_path} import {class_name}\n"
+        f"probe = {class_name}.probe(); print(probe.available, probe.reason)\n"
+        f"try:\n    {class_name}()\nexcept RuntimeError as exc:\n    print('refused:', exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.splitlines()
+    return first, second
+
+
 def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """The real console command, in a child process, as a user would run it."""
     env = {**os.environ, **(env_extra or {})}

@@ -3,14 +3,13 @@ honest probe when MLX is missing."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from candelabra.backends.metal import MetalBackend
 from candelabra.core.contract.ops import OP_NAMES
-from conftest import run_candelabra
+from conftest import probe_without, run_candelabra
 
 if not MetalBackend.probe().available:
     # CI installs the metal extra, so there a missing MLX is a failure, not a skip.
@@ -46,15 +45,7 @@ def test_metal_passes_every_op_case_at_every_dtype(tmp_path):
 
 
 def test_probe_explains_a_missing_mlx():
-    script = (
-        "import sys; sys.modules['mlx'] = None\n"
-        "from candelabra.backends.metal.backend import MetalBackend\n"
-        "probe = MetalBackend.probe(); print(probe.available, probe.reason)\n"
-        "try:\n    MetalBackend()\nexcept RuntimeError as exc:\n    print('refused:', exc)\n"
-    )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    first, second = run.stdout.splitlines()
+    first, second = probe_without("mlx", "candelabra.backends.metal.backend:MetalBackend")
     assert first.startswith("False mlx is not installed") and "pip install 'candelabra[metal]'" in first
     assert second.startswith("refused: mlx is not installed")
 

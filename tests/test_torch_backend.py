@@ -1,8 +1,6 @@
 """The torch backend: its conformance, its choice of dtype, and what it does beyond the ops."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
 from candelabra.plugins import backend_class
-from conftest import run_candelabra
+from conftest import probe_without, run_candelabra
 
 
 def test_torch_is_installed_available_and_implements_every_op():
@@ -71,15 +69,7 @@ def test_start_up_uses_every_core_and_says_which_dtype_and_why(caplog):
 
 
 def test_probe_explains_a_missing_torch():
-    script = (
-        "import sys; sys.modules['torch'] = None\n"
-        "from candelabra.backends.torch.backend import TorchBackend\n"
-        "probe = TorchBackend.probe(); print(probe.available, probe.reason)\n"
-        "try:\n    TorchBackend()\nexcept RuntimeError as exc:\n    print('refused:', exc)\n"
-    )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    first, second = run.stdout.splitlines()
+    first, second = probe_without("torch", "candelabra.backends.torch.backend:TorchBackend")
     assert first.startswith("False torch is not installed") and "pip install 'candelabra[torch]'" in first
     assert second.startswith("refused: torch is not installed")
 

@@ -12,7 +12,6 @@ from candelabra.backends.torch.quantized import (
     INT8_FORMATS,
     Int4Weight,
     Int8Weight,
-    dequantized,
     int4_groupwise,
     int8_rowwise,
     keep_quantized,
@@ -135,14 +134,6 @@ def test_keep_quantized_chooses_by_format_in_bfloat16(format):
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
 def test_keep_quantized_leaves_slow_dtypes_to_a_dense_copy(format, dtype):
     assert keep_quantized(random_quantized(np.random.default_rng(9), format, 16, 256), dtype) is None
-
-
-def test_dequantized_is_the_dense_weight():
-    weight = random_quantized(np.random.default_rng(10), "Q5_1", 16, 64)
-    dense = dequantized(weight, torch.float32)
-    assert dense.dtype == torch.float32
-    np.testing.assert_array_equal(dense.numpy(), weight.dequantize())
-    assert dequantized(weight, torch.bfloat16).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q4_K"])

@@ -87,7 +87,10 @@ class TorchBackend(Backend):
                      priority=50)
 
     def _configure_device(self) -> None:
-        """Use every core this process may run on, and say which dtype is the default and why."""
+        """On a CPU: use every core this process may run on, keep freed memory for reuse, and say
+        which dtype is the default and why. A device backend configures its own device."""
+        if self.torch_device.type != "cpu":
+            return
         cores = usable_cores()
         if torch.get_num_threads() != cores:
             torch.set_num_threads(cores)

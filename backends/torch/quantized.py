@@ -310,7 +310,3 @@ def int8_error(dense: np.ndarray, values: np.ndarray, scales: np.ndarray, rows_p
         scale += float(np.sum(np.square(part)))
     return error / scale if scale else 0.0
 
-
-def dequantized(weight: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight`'s values as a dense [N, K] tensor of `dtype`."""
-    return torch.from_numpy(weight.dequantize()).to(dtype)
