@@ -4,8 +4,9 @@ dense attention.
 A step's sequences fall into two groups: the decodes (one query each) and the prefills (several
 queries each, padded to the longest). Gathering by block rather than by slot reads each block once
 as one contiguous row. Keys past a sequence's end (the tail of its last block, the padding of its
-block table) may hold anything, NaN included, so they are zeroed before they meet a query; the
-mask then keeps them, and keys outside the causal or sliding window, out of every softmax.
+block table) may hold anything, NaN included. They lie outside every query's window, so the mask
+replaces their scores, and their values are zeroed so that a zero weight never meets a NaN. The query
+heads that share a KV head are stacked into one matmul with it, so no KV head is copied per query head.
 Every group runs the same arithmetic, two batched matmuls around a float32 softmax, so a token
 gets the same attention whether it is decoded or recomputed in a prefill: with the fused
 `scaled_dot_product_attention` for prefills (which rounds the softmax weights to bfloat16) and this
@@ -44,19 +45,19 @@ class QueryGroup:
     _masks: dict = field(default_factory=dict)
 
     @property
-    def key_valid(self) -> torch.Tensor:
-        """[R, S, 1, 1] bool: key j exists (j < seq_len)."""
-        if "valid" not in self._masks:
-            self._masks["valid"] = (self.key_pos < self.seq_lens).reshape(self.seq_lens.shape[0], -1, 1, 1)
-        return self._masks["valid"]
+    def key_invalid(self) -> torch.Tensor:
+        """[R, 1, S, 1] bool: no key at j (j >= seq_len)."""
+        if "invalid" not in self._masks:
+            self._masks["invalid"] = (self.key_pos >= self.seq_lens).reshape(self.seq_lens.shape[0], 1, -1, 1)
+        return self._masks["invalid"]
 
     def visible(self, sliding_window: int | None) -> torch.Tensor:
-        """[R, 1, Q, S] bool: the key at j is visible to the query at p (j <= p, and j > p - W)."""
+        """[R, 1, 1, Q, S] bool: the key at j is visible to the query at p (j <= p, and j > p - W)."""
         if sliding_window not in self._masks:
             visible = self.key_pos <= self.query_pos
             if sliding_window is not None:
                 visible = visible & (self.key_pos > self.query_pos - sliding_window)
-            self._masks[sliding_window] = visible[:, None]
+            self._masks[sliding_window] = visible[:, None, None]
         return self._masks[sliding_window]
 
 
@@ -116,39 +117,42 @@ def _group(meta: StepMetadata, seqs: np.ndarray, device: torch.device) -> QueryG
 def paged_attention(q: torch.Tensor, cache: KVCache, step: TorchStep, scale: float,
                     sliding_window: int | None, logit_softcap: float | None) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = cache.key.shape[2]
+    shared = num_heads // kv_heads
     out = torch.empty_like(q)
-    # A cache in another dtype than q: keys, values and q all in float32, which holds any of them exactly.
-    compute_dtype = q.dtype if cache.key.dtype == q.dtype else torch.float32
     for group in step.groups:
         rows, width = group.token_index.shape
-        grouped_q = q[group.token_index].transpose(1, 2).to(compute_dtype)  # [R, Hq, Q, D]
-        k = _gathered(cache.key, group, compute_dtype)  # [R, Hk, S, D]
-        v = _gathered(cache.value, group, compute_dtype)
+        # [R, Hk, G, Q, D]: the G query heads that share a KV head side by side, so each KV head meets
+        # all of its queries in one matmul and is never copied G times
+        grouped_q = (q[group.token_index].reshape(rows, width, kv_heads, shared, head_dim)
+                     .permute(0, 2, 3, 1, 4).float())
+        k = _gathered(cache.key, group)
+        v = _gathered(cache.value, group).masked_fill_(group.key_invalid, 0)
         visible = group.visible(sliding_window)
-        attended = torch.cat([_explicit(grouped_q[:, :, start:start + QUERY_CHUNK], k, v,
-                                        visible[:, :, start:start + QUERY_CHUNK], scale, logit_softcap)
-                              for start in range(0, width, QUERY_CHUNK)], dim=2)
-        attended = attended.transpose(1, 2).reshape(rows * width, num_heads, head_dim)
+        attended = torch.cat([_explicit(grouped_q[:, :, :, start:start + QUERY_CHUNK], k, v,
+                                        visible[:, :, :, start:start + QUERY_CHUNK], scale, logit_softcap)
+                              for start in range(0, width, QUERY_CHUNK)], dim=3)
+        attended = attended.permute(0, 3, 1, 2, 4).reshape(rows * width, num_heads, head_dim)
         out.index_copy_(0, group.real_tokens, attended.index_select(0, group.real_slots).to(q.dtype))
     return out
 
 
-def _gathered(cache: torch.Tensor, group: QueryGroup, dtype: torch.dtype) -> torch.Tensor:
-    """The group's keys (or values) in `dtype`, [R, Hk, S, D], zero past each sequence's end."""
+def _gathered(cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """The group's keys (or values) in float32, [R, Hk, S, D]. Past each sequence's end they hold
+    whatever the cache did: every such key is outside every query's window."""
     rows, blocks = group.block_tables.shape
     gathered = cache[group.block_tables].reshape(rows, -1, *cache.shape[2:])  # [R, S, Hk, D]
-    gathered = torch.where(group.key_valid, gathered.to(dtype), 0)
-    return gathered.transpose(1, 2)
+    return gathered.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def _explicit(q, k, v, visible, scale, cap):
-    """Attention as two batched matmuls around a float32 softmax."""
-    rows, heads, queries, head_dim = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.reshape(rows, kv_heads, heads // kv_heads, queries, head_dim).float()
-    scores = grouped @ k[:, :, None].float().transpose(-1, -2) * scale
+    """Attention as two batched matmuls around a float32 softmax: q [R, Hk, G, Q, D] float32, k and v
+    [R, Hk, S, D] float32, visible [R, 1, 1, Q, S]; gives [R, Hk, G, Q, D] float32."""
+    rows, kv_heads, shared, queries, head_dim = q.shape
+    scores = q.reshape(rows, kv_heads, shared * queries, head_dim) @ k.transpose(-1, -2)
+    scores = scores.mul_(scale).view(rows, kv_heads, shared, queries, -1)
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~visible[:, :, None], -math.inf)
-    out = torch.softmax(scores, dim=-1) @ v[:, :, None].float()
-    return out.reshape(rows, heads, queries, head_dim).to(q.dtype)
+    scores = scores.masked_fill_(~visible, -math.inf)
+    out = torch.softmax(scores.view(rows, kv_heads, shared * queries, -1), dim=-1) @ v
+    return out.view(rows, kv_heads, shared, queries, head_dim)
