@@ -67,7 +67,7 @@ def test_int8_rows_round_to_the_nearest_step():
 
 # 1 to 17 rows go through the weight-only kernels; 40 and 70 through dense slices, in one slice, or in
 # several when the scratch buffer is made smaller than the weight.
-ROWS_AND_SCRATCH = [(1, None), (3, None), (17, None), (40, None), (70, 512 * 7)]
+ROWS_AND_SCRATCH = [(1, None), (3, None), (17, None), (20, 512 * 7), (40, None), (70, 512 * 7)]
 
 
 @pytest.mark.parametrize("format", sorted(INT4_FORMATS))
@@ -75,6 +75,7 @@ ROWS_AND_SCRATCH = [(1, None), (3, None), (17, None), (40, None), (70, 512 * 7)]
 def test_int4_matmul_matches_the_float64_oracle(format, rows, scratch, monkeypatch):
     if scratch:
         monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
+        monkeypatch.setattr(quantized, "SLICE_ELEMENTS", scratch)
     rng = np.random.default_rng(4)
     weight = random_quantized(rng, format, 40, 512)  # 40 output rows: not whole tiles of 16
     kept = Int4Weight.from_groups(*int4_groupwise(weight), torch.bfloat16)
@@ -88,6 +89,7 @@ def test_int4_matmul_matches_the_float64_oracle(format, rows, scratch, monkeypat
 def test_int8_matmul_matches_the_float64_oracle(rows, scratch, monkeypatch):
     if scratch:
         monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
+        monkeypatch.setattr(quantized, "SLICE_ELEMENTS", scratch)
     rng = np.random.default_rng(5)
     weight = random_quantized(rng, "Q8_0", 40, 512).dequantize()
     kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)

@@ -37,15 +37,23 @@ INT8_NMSE_BUDGET = 3e-4
 QUANTIZED_COMPUTE_DTYPES = frozenset({torch.bfloat16})
 # The weight-only kernels multiply row by row: their time grows with every row of x, while a dense
 # bfloat16 GEMM's barely does. From this many rows on, rebuilding the weight densely, a slice at a
-# time, and multiplying by that is faster: for a 4864 x 896 weight on 2 cores, int8 took 0.9 ms at
-# 16 rows and 3.7 ms at 64; rebuilding 0.8 ms plus the GEMM 0.6 ms and 1.6 ms.
+# time, and multiplying by that is faster (torch 2.13, 2 cores, AVX-512 BF16, medians): int8 against
+# rebuilt at 32 rows, 9728 x 896 5.4 / 4.0 ms, 896 x 4864 2.3 / 1.7; at 16 rows 2.8 / 2.7 and
+# 1.1 / 1.3. An int4 weight's rebuild costs more (three float32 passes), and pays from 32 rows too.
 DENSE_FROM_ROWS = 32
+# A weight larger than the scratch buffer (an LM head) no longer stays in the cache between the int8
+# kernel's rows, so rebuilding pays much earlier: 151936 x 896 at 12 rows 47 / 37 ms, 16 rows 65 / 41,
+# 64 rows 260 / 79; at 8 rows 34 / 35.
+LARGE_DENSE_FROM_ROWS = 12
 # With a dense copy kept beside the quantized weight (keep_quantized's dense_copy), batches of this
 # many rows or more multiply by it: at 16 rows 0.6 ms against int8's 0.9 for a 4864 x 896 weight.
 DENSE_COPY_FROM_ROWS = 8
 # Elements of the shared buffer dense slices are rebuilt in (32 MiB of bfloat16): reused rather than
-# allocated, since fresh pages cost more than the rebuild itself.
+# allocated, since fresh pages cost more than the rebuild itself. A weight that fits is rebuilt whole;
+# a larger one (an LM head) in slices of SLICE_ELEMENTS, which the GEMM then reads from the cache: the
+# LM head above at 64 rows took 136 ms in slices of 16 Mi elements, 79 in slices of 4 Mi.
 SCRATCH_ELEMENTS = 16 * 2**20
+SLICE_ELEMENTS = 4 * 2**20
 
 
 # host side: GGUF blocks to int4 groups and int8 rows
@@ -226,8 +234,10 @@ class Int8Weight:
         rows = _rows(x)
         if self.dense_copy is not None and rows >= DENSE_COPY_FROM_ROWS:
             return torch.nn.functional.linear(x, self.dense_copy)
-        if rows >= DENSE_FROM_ROWS:
-            return _dense_matmul(x, self.shape, self.dense)
+        if rows >= (DENSE_FROM_ROWS if self.values.numel() <= SCRATCH_ELEMENTS else LARGE_DENSE_FROM_ROWS):
+            # int8 values are exact in bfloat16, so the slices are the values alone, and the row
+            # scales are applied to the product, as the int8 kernel applies them
+            return _dense_matmul(x, self.shape, lambda start, stop, out: out.copy_(self.values[start:stop])).mul_(self.scales)
         return _rows_at_once(x, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.values, self.scales))
 
 
@@ -235,7 +245,7 @@ def _dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild) -> torch.Ten
     """x @ W.T through dense slices of W: `rebuild(start, stop, out)` gives rows start:stop of W,
     written into `out` (a slice of this thread's scratch buffer) where it can."""
     rows, columns = shape
-    step = max(1, SCRATCH_ELEMENTS // columns)
+    step = rows if rows * columns <= SCRATCH_ELEMENTS else max(1, SLICE_ELEMENTS // columns)
     scratch = _scratch(x.dtype)
 
     def dense(start: int, stop: int) -> torch.Tensor:
