@@ -64,7 +64,8 @@ def profile(llm: LLM, timer: OpTimer, concurrency: int, args, rng) -> list[tuple
     vocab = llm.model.config.vocab_size
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(f"profile-{concurrency}-{i}", rng.integers(100, vocab - 100, args.prompt_tokens).tolist(), params)
+        prompt = rng.integers(100, vocab - 100, args.prompt_tokens).tolist()
+        engine.add_request(f"profile-{concurrency}-{i}", prompt, params)
     while engine.core.scheduler.waiting or any(not seq.output_token_ids for seq in engine.core.scheduler.running):
         engine.step()  # every prompt prefilled: what follows are decode steps
     timer.reset()

@@ -237,7 +237,8 @@ class Int8Weight:
         if rows >= (DENSE_FROM_ROWS if self.values.numel() <= SCRATCH_ELEMENTS else LARGE_DENSE_FROM_ROWS):
             # int8 values are exact in bfloat16, so the slices are the values alone, and the row
             # scales are applied to the product, as the int8 kernel applies them
-            return _dense_matmul(x, self.shape, lambda start, stop, out: out.copy_(self.values[start:stop])).mul_(self.scales)
+            product = _dense_matmul(x, self.shape, lambda start, stop, out: out.copy_(self.values[start:stop]))
+            return product.mul_(self.scales)
         return _rows_at_once(x, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.values, self.scales))
 
 
