@@ -172,6 +172,36 @@ def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, to
     h.equal("value cache", h.host(cache.value), round_to(ref_value, kv_dtype))
 
 
+def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: int, block_size: int, style: str,
+                              padding: str) -> None:
+    """The rotated keys may go to the cache without first being rounded to the compute dtype, so
+    the written keys are compared within the op's threshold; every other slot must be untouched."""
+    q_heads, kv_heads = heads
+    base, hf_scaling = ROPE_SCALINGS["default"]
+    table = cos_sin_table(head_dim, ROPE_MAX_POSITIONS, base, RopeScaling.from_hf(hf_scaling, ROPE_MAX_POSITIONS))
+    num_blocks = tokens // block_size + 4
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = round_to(h.rand(*shape), h.dtype), round_to(h.rand(*shape), h.dtype)
+    slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
+    if padding == "some":
+        slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
+    q, k, v = h.rand(tokens, q_heads, head_dim), h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
+    positions = h.rng.integers(0, ROPE_MAX_POSITIONS, tokens)
+    q_out, cache = h.call(
+        h.backend.ops.rotary_and_write_kv, h.upload(q), h.upload(k), h.upload(v), h.upload(positions),
+        h.backend.to_device(table, "float32"), h.upload_cache(key_cache, value_cache), h.upload(slots), style,
+    )
+    q_ref, k_ref = oracle.rotary(q, k, positions, head_dim, base, style, hf_scaling)
+    ref_key, ref_value = oracle.write_kv(key_cache, value_cache, k_ref, v, slots)
+    h.close("q", q_out, q_ref)
+    written = slots[slots != NO_SLOT]
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    keys = h.host(cache.key).reshape(num_blocks * block_size, kv_heads, head_dim)
+    h.close("written keys", keys[written], round_to(ref_key.reshape(keys.shape)[written], h.dtype))
+    h.equal("untouched keys", keys[untouched], key_cache.reshape(keys.shape)[untouched])
+    h.equal("value cache", h.host(cache.value), round_to(ref_value, h.dtype))
+
+
 # (query_len, seq_len) per sequence: decodes, full prefills, chunks of a prefill after cached
 # context, exactly full and partial last blocks, from 1 to a few hundred tokens.
 ATTENTION_BATCHES = {
@@ -418,6 +448,8 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                tokens=[1, 70], padding=["none", "some"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],
                padding=["all"]),
+        *_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, tokens=[1, 37], heads=[(8, 2)],
+               head_dim=[64, 128], block_size=[16], style=["neox", "gptj"], padding=["none", "some"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 128, 256], heads=attention_heads,
                block_size=[16, 32], batch=["mixed"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(16, 4)], block_size=[16],

@@ -44,11 +44,16 @@ OP_NAMES: tuple[str, ...] = (
     "gelu_and_mul",
     "gelu",
     "write_kv",
+    "rotary_and_write_kv",
     "paged_attention",
     "softcap",
     "softmax",
     "sample",
 )
+
+
+# Ops whose default implementation runs other ops in turn, which a backend may fuse.
+FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv")}
 
 
 class OpNotSupported(NotImplementedError):
@@ -86,10 +91,13 @@ class Ops:
     backend_name = "unnamed"
 
     def supports(self, op: str) -> bool:
-        """Whether this backend implements `op` at all (it may still refuse some arguments)."""
+        """Whether this backend implements `op` at all (it may still refuse some arguments). A fused
+        op is supported when the backend fuses it or implements every op its default runs."""
         if op not in OP_NAMES:
             raise ValueError(f"unknown op {op!r}")
-        return getattr(type(self), op) is not getattr(Ops, op)
+        if getattr(type(self), op) is not getattr(Ops, op):
+            return True
+        return op in FUSED_OPS and all(self.supports(part) for part in FUSED_OPS[op])
 
     def _unsupported(self, op: str) -> OpNotSupported:
         return OpNotSupported(self.backend_name, op)
@@ -188,6 +196,23 @@ class Ops:
         are distinct. Every other slot keeps its contents. Returns the updated cache.
         """
         raise self._unsupported("write_kv")
+
+    def rotary_and_write_kv(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        cos_sin: Tensor,
+        cache: KVCache,
+        slot_mapping: Tensor,
+        style: RotaryStyle = "neox",
+    ) -> tuple[Tensor, KVCache]:
+        """`rotary` of q and k, then `write_kv` of the rotated k with v: returns (rotated q, the
+        updated cache). The rotated keys go to the cache only, so a backend may fuse the two and
+        write them rounded once, to the cache's dtype; this default runs the two ops in turn."""
+        q, k = self.rotary(q, k, positions, cos_sin, style)
+        return q, self.write_kv(cache, k, v, slot_mapping)
 
     def paged_attention(
         self,
