@@ -2,11 +2,13 @@
 
     python bench/offline_throughput.py [--backend cpu] [--model PATH] [--concurrency 1 4 16 64]
                                        [--prompt-tokens 64] [--output-tokens 64]
+                                       [--load-format auto|dummy] [--dummy-quantization FORMAT]
 
 Each row runs `concurrency` requests at once (random prompts of --prompt-tokens, greedy, exactly
 --output-tokens each) and reports output tokens per second over the whole run, the mean time per
 output token of a request after its first, and the speed-up over one request at a time measured
-in the same run. The model defaults to the default model (Qwen2.5-Coder-0.5B-Instruct, GGUF).
+in the same run. The model defaults to the default model (Qwen2.5-Coder-0.5B-Instruct, GGUF);
+`--model bench/configs/llama-3-8b --load-format dummy` runs Llama-3-8B's shapes on random weights.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--kvcache-mem", type=float, default=2048, help="MB of KV cache")
+    parser.add_argument("--load-format", default="auto",
+                        help="auto: the checkpoint's weights; dummy: random ones shaped by --model's config.json")
+    parser.add_argument("--dummy-quantization", metavar="FORMAT", help="with dummy: linear weights in this GGUF format")
     args = parser.parse_args()
 
-    llm = LLM(args.model, backend=args.backend, kvcache_mem_gpu=args.kvcache_mem, kvcache_mem_cpu=0,
+    llm = LLM(args.model, backend=args.backend, load_format=args.load_format,
+              dummy_quantization=args.dummy_quantization, kvcache_mem_gpu=args.kvcache_mem, kvcache_mem_cpu=0,
               max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096, prefill_chunk_size=512)
     rng = np.random.default_rng(0)
     run(llm, 1, 8, 4, rng)  # warm-up

@@ -39,17 +39,25 @@ def choose_backend(name: str = "auto"):
 
 
 def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
-               revision: str | None = None) -> Checkpoint:
-    """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named."""
+               revision: str | None = None, load_format: str = "auto",
+               dummy_quantization: str | None = None) -> Checkpoint:
+    """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named.
+    `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint)."""
+    from candelabra.core.weights import CheckpointError
     from candelabra.core.weights.default_model import default_model_path
-    from candelabra.core.weights.open import open_checkpoint
+    from candelabra.core.weights.open import check_load_format, open_checkpoint
 
+    check_load_format(load_format, dummy_quantization)
+    formats = {"load_format": load_format, "dummy_quantization": dummy_quantization}
     if model is None and model_id is None and weight_file is None:
+        if load_format == "dummy":
+            raise CheckpointError("--load-format dummy", "needs a config.json to shape the weights; pass "
+                                  "--weight-path FOLDER (holding config.json) or --model-id ORG/NAME")
         model = default_model_path()
     path = Path(model) if model is not None else None
     if path is not None and path.is_file() and weight_file is None:
-        return open_checkpoint(weight_path=path.parent, weight_file=path.name)
-    return open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id, revision=revision)
+        return open_checkpoint(weight_path=path.parent, weight_file=path.name, **formats)
+    return open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id, revision=revision, **formats)
 
 
 class LLM:
@@ -60,19 +68,29 @@ class LLM:
     The KV cache is in `kv_cache_dtype` (default: the compute dtype) and takes `kvcache_mem_gpu`
     MB, or else `kv_fraction` of the backend's free memory (default: the backend's own share),
     never more than `max_num_seqs` sequences of the whole context can fill. `kvcache_mem_cpu` MB
-    of host memory hold swapped-out blocks (0: preempt by recompute)."""
+    of host memory hold swapped-out blocks (0: preempt by recompute).
+
+    `load_format` "dummy" loads no weights: random ones in the shapes `model`'s config.json gives
+    (a folder holding it, or the file), still quantized in `dummy_quantization` (a GGUF format such
+    as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `eager_steps` runs
+    every step op by op, where the backend would capture it (CUDA graphs) or compile it."""
 
     def __init__(self, model: str | Path | Checkpoint | None = None, backend: str | type = "auto",
                  device: Device | int | None = None, dtype: str | None = None, kv_cache_dtype: str | None = None,
                  kvcache_mem_gpu: float | None = None, kv_fraction: float | None = None, kvcache_mem_cpu: float = 128,
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
-                 model_type: str | None = None, **engine_options) -> None:
-        checkpoint = model if isinstance(model, Checkpoint) else open_model(model, model_id, weight_file, revision)
+                 model_type: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
+                 eager_steps: bool = False, **engine_options) -> None:
+        if isinstance(model, Checkpoint):
+            checkpoint = model
+        else:
+            checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
         self.checkpoint = checkpoint
         backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
         if isinstance(device, int):
             device = Device(device)
         self.backend = backend_cls() if device is None else backend_cls(device)
+        self.backend.eager_steps = eager_steps
         self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)

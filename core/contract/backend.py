@@ -61,6 +61,9 @@ class Backend:
     # Quantized GGUF formats ("Q4_K", ...) whose linear and LM-head weights `upload_weight` takes
     # still quantized; the core dequantizes every other weight first.
     quantized_formats: ClassVar[frozenset[str]] = frozenset()
+    # Set by the engine before it asks for a step executor (`--disable-cuda-graph`): run every step
+    # op by op, capturing and compiling nothing. A backend that never captures ignores it.
+    eager_steps: bool = False
     ops: Ops
 
     def __init__(self, device: Device | None = None) -> None:

@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="dtype of the KV cache, where the backend offers one beside the compute dtype (see "
                             "`candelabra backends`; default: the compute dtype)")
     where.add_argument("--quant", help="weight format; only gguf (a .gguf checkpoint, dequantized at load) so far")
+    where.add_argument("--load-format", metavar="{auto,dummy}", default="auto",
+                       help="auto: the checkpoint's weights; dummy: random weights in the shapes of the config.json "
+                            "that --weight-path or --model-id names, for benchmarks without a checkpoint (the "
+                            "folder's tokenizer if it has one, else a byte-level stand-in) (default: auto)")
+    where.add_argument("--dummy-quantization", metavar="FORMAT",
+                       help="with --load-format dummy: linear weights as random blocks of this GGUF format (Q4_K, "
+                            "Q8_0, ...), kept quantized by a backend that keeps it (default: dense)")
 
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to expose; default 127.0.0.1)")
@@ -68,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is shared with everything else)")
     engine.add_argument("--kvcache-mem-cpu", type=float, default=128, metavar="MB",
                         help="host memory for swapped-out KV blocks in MB (default 128; 0: preempt by recompute)")
+    engine.add_argument("--disable-cuda-graph", action="store_true",
+                        help="run every step op by op: no CUDA graphs on cuda, nothing captured or compiled elsewhere")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     engine.add_argument("--prefill-chunk-size", type=int, default=512,
@@ -129,10 +138,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     from candelabra.core.contract.device import Device
     from candelabra.core.engine.sampling_params import SamplingParams
     from candelabra.core.kv_cache_size import check_kv_fraction
+    from candelabra.core.weights.open import check_load_format
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
                          "K-quants, F16), which is dequantized at load")
+    check_load_format(args.load_format, args.dummy_quantization)
     Device.parse_ids(args.device_ids)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
@@ -174,7 +185,8 @@ def _backend_and_checkpoint(args: argparse.Namespace):
     if args.kv_cache_dtype:
         compute = DTYPE_ALIASES[args.dtype] if args.dtype else backend.dtypes[0]
         backend.check_kv_cache_dtype(DTYPE_ALIASES[args.kv_cache_dtype], compute)
-    checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision)
+    checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision, args.load_format,
+                            args.dummy_quantization)
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
         config.check_model_type(args.model_type)
@@ -214,7 +226,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
               dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
               kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
               kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction, kvcache_mem_cpu=args.kvcache_mem_cpu,
-              model_type=args.model_type, **engine_options)
+              model_type=args.model_type, eager_steps=args.disable_cuda_graph, **engine_options)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
     engine = AsyncEngine(llm.engine)
     recommended = recommended_sampling(llm.checkpoint) if args.generation_config == "auto" else {}
@@ -285,7 +297,7 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
     probe = type(llm.backend).probe()
     lines = [
         f"backend   {llm.backend.name} on {probe.device}",
-        f"model     {served.name} ({model.architecture}, {model.num_layers} layers) from {llm.checkpoint.path}",
+        f"model     {served.name} ({model.architecture}, {model.num_layers} layers) from {_weights_source(llm)}",
         f"dtype     {llm.model.dtype}",
         f"KV cache  {config.num_blocks * config.block_size} tokens ({config.num_blocks} blocks of "
         f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB in {kv.dtype}); "
@@ -297,6 +309,16 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
         f"serving   {url}  (OpenAI API at {url}/v1)",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _weights_source(llm) -> str:
+    from candelabra.core.weights.dummy import DummyCheckpoint
+
+    checkpoint = llm.checkpoint
+    if not isinstance(checkpoint, DummyCheckpoint):
+        return str(checkpoint.path)
+    kind = f"{checkpoint.quantization} " if checkpoint.quantization else ""
+    return f"random {kind}weights (--load-format dummy, seed {checkpoint.seed}) shaped by {checkpoint.path}"
 
 
 def _describe_defaults(defaults) -> str:

@@ -1,6 +1,7 @@
 """Open whichever checkpoint the command line names, as candle-vllm's flags do:
 `--weight-path` a folder (safetensors, or one .gguf), `--weight-file` a file in it (or on its own),
-`--model-id` (with `--revision`) a model in the local Hugging Face cache."""
+`--model-id` (with `--revision`) a model in the local Hugging Face cache. `--load-format dummy`
+reads only the config.json there and draws random weights in its shapes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from candelabra.core.weights.hf_cache import resolve_snapshot
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint, is_safetensors_folder
 
 USAGE = "pass --weight-path FOLDER, --weight-file FILE or --model-id ORG/NAME"
+# auto: the weights the path holds; dummy: random weights shaped by its config.json.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def open_checkpoint(
@@ -18,9 +21,30 @@ def open_checkpoint(
     weight_file: str | None = None,
     model_id: str | None = None,
     revision: str | None = None,
+    load_format: str = "auto",
+    dummy_quantization: str | None = None,
 ) -> Checkpoint:
-    """The checkpoint the flags name; CheckpointError saying what to pass when they name none."""
-    return open_path(checkpoint_path(weight_path, weight_file, model_id, revision))
+    """The checkpoint the flags name; CheckpointError saying what to pass when they name none.
+    With `load_format` "dummy", random weights (quantized in `dummy_quantization`, a GGUF format,
+    if given) shaped by the config.json there."""
+    check_load_format(load_format, dummy_quantization)
+    path = checkpoint_path(weight_path, weight_file, model_id, revision)
+    if load_format == "dummy":
+        from candelabra.core.weights.dummy import DummyCheckpoint
+
+        return DummyCheckpoint(path, quantization=dummy_quantization)
+    return open_path(path)
+
+
+def check_load_format(load_format: str, dummy_quantization: str | None) -> None:
+    """ValueError in one line for an unknown format, or a quantization without dummy weights."""
+    from candelabra.core.weights.dummy import check_dummy_quantization
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format} is unknown; choose one of {', '.join(LOAD_FORMATS)}")
+    if dummy_quantization is not None and load_format != "dummy":
+        raise ValueError(f"--dummy-quantization {dummy_quantization} applies to --load-format dummy only")
+    check_dummy_quantization(dummy_quantization)
 
 
 def checkpoint_path(

@@ -1,0 +1,136 @@
+"""Which tensors, by Hugging Face name, shape and role, a model family loads for a config.json.
+
+The shared decoder (`candelabra.core.models.base`) loads what its family's attributes say
+(norm kind and names, gated or plain MLP, the attention output's and the final norm's names) and
+takes the rest from whatever the checkpoint holds: biases, per-head q/k norms, projections stored
+fused. Those last facts live in each architecture's config.json conventions, which
+`ARCHITECTURE_TENSORS` writes down; everything else is read from the family class itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from candelabra.core.contract.weights import WeightRole
+from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.config import ModelConfig
+
+# A bias is always there (True), never (False), or there when a config.json key says so
+# (the key, and transformers' default for it when config.json leaves it out).
+BiasRule = bool | tuple[str, bool]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    role: WeightRole
+
+
+@dataclass(frozen=True)
+class ArchitectureTensors:
+    """What the shared decoder takes from an architecture's checkpoint when it is there."""
+
+    qkv_bias: BiasRule = False
+    out_bias: BiasRule = False
+    mlp_bias: BiasRule = False
+    lm_head_bias: bool = False
+    qk_norms: bool = False  # per-head RMSNorm weights on queries and keys
+    fused_qkv: bool = False  # one qkv_proj instead of q_proj, k_proj, v_proj
+    fused_gate_up: bool = False  # one gate_up_proj instead of gate_proj and up_proj
+
+
+_ATTENTION_BIAS = ("attention_bias", False)
+
+# As transformers' modeling files build each architecture's layers.
+ARCHITECTURE_TENSORS: dict[str, ArchitectureTensors] = {
+    "LlamaForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS,
+                                            mlp_bias=("mlp_bias", False)),
+    "MistralForCausalLM": ArchitectureTensors(),
+    "Qwen2ForCausalLM": ArchitectureTensors(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS, qk_norms=True),
+    "GemmaForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS),
+    "Gemma2ForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS),
+    "Gemma3ForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS, qk_norms=True),
+    "Phi3ForCausalLM": ArchitectureTensors(fused_qkv=True, fused_gate_up=True),
+    "PhiForCausalLM": ArchitectureTensors(qkv_bias=True, out_bias=True, mlp_bias=True, lm_head_bias=True),
+    "StableLmForCausalLM": ArchitectureTensors(qkv_bias=("use_qkv_bias", False)),
+    "Glm4ForCausalLM": ArchitectureTensors(qkv_bias=("attention_bias", True), fused_gate_up=True),
+}
+# An architecture a plugin registers without an entry here: the plain decoder, no biases.
+PLAIN = ArchitectureTensors()
+
+
+def model_tensors(config: ModelConfig, family: type[DecoderModel]) -> dict[str, TensorSpec]:
+    """Every tensor `family` loads for `config`, in the order transformers saves them."""
+    kind = ARCHITECTURE_TENSORS.get(config.architecture, PLAIN)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    tensors = {"model.embed_tokens.weight": TensorSpec((vocab, hidden), WeightRole.EMBEDDING)}
+    for index in range(config.num_layers):
+        tensors |= _layer_tensors(f"model.layers.{index}", config, family, kind)
+    tensors |= _norm(family.final_norm_name, hidden, family)
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = TensorSpec((vocab, hidden), WeightRole.LM_HEAD)
+    if kind.lm_head_bias:
+        tensors["lm_head.bias"] = TensorSpec((vocab,), WeightRole.BIAS)
+    return tensors
+
+
+def _layer_tensors(prefix: str, c: ModelConfig, family: type[DecoderModel],
+                   kind: ArchitectureTensors) -> dict[str, TensorSpec]:
+    attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    has_qkv_bias, has_mlp_bias = _has(kind.qkv_bias, c), _has(kind.mlp_bias, c)
+    tensors: dict[str, TensorSpec] = {}
+    if kind.fused_qkv:
+        tensors |= _linear(f"{attn}.qkv_proj", q_rows + 2 * kv_rows, c.hidden_size, has_qkv_bias)
+    else:
+        for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            tensors |= _linear(f"{attn}.{name}", rows, c.hidden_size, has_qkv_bias)
+    tensors |= _linear(f"{attn}.{family.attention_out_name}", c.hidden_size, q_rows, _has(kind.out_bias, c))
+    if kind.qk_norms:
+        tensors |= _norm(f"{attn}.q_norm", c.head_dim, family) | _norm(f"{attn}.k_norm", c.head_dim, family)
+    if not family.gated_mlp:
+        tensors |= _linear(f"{mlp}.fc1", c.intermediate_size, c.hidden_size, has_mlp_bias)
+        tensors |= _linear(f"{mlp}.fc2", c.hidden_size, c.intermediate_size, has_mlp_bias)
+    elif kind.fused_gate_up:
+        tensors |= _linear(f"{mlp}.gate_up_proj", 2 * c.intermediate_size, c.hidden_size, has_mlp_bias)
+    else:
+        tensors |= _linear(f"{mlp}.gate_proj", c.intermediate_size, c.hidden_size, has_mlp_bias)
+        tensors |= _linear(f"{mlp}.up_proj", c.intermediate_size, c.hidden_size, has_mlp_bias)
+    if family.gated_mlp:
+        tensors |= _linear(f"{mlp}.down_proj", c.hidden_size, c.intermediate_size, has_mlp_bias)
+    for name in _layer_norm_names(family, c):
+        tensors |= _norm(f"{prefix}.{name}", c.hidden_size, family)
+    return tensors
+
+
+def _layer_norm_names(family: type[DecoderModel], config: ModelConfig) -> tuple[str, ...]:
+    """The family's own answer, from an instance that loads nothing. A parallel residual is the
+    one layout a config switches on (StableLM's use_parallel_residual); the family reads it in its
+    constructor, so it is set here as the constructor would."""
+    shell = family.__new__(family)
+    if config.raw.get("use_parallel_residual"):
+        shell.residual_layout = "parallel"
+    return tuple(shell.layer_norm_names())
+
+
+def _linear(prefix: str, rows: int, columns: int, bias: bool) -> dict[str, TensorSpec]:
+    tensors = {f"{prefix}.weight": TensorSpec((rows, columns), WeightRole.LINEAR)}
+    if bias:
+        tensors[f"{prefix}.bias"] = TensorSpec((rows,), WeightRole.BIAS)
+    return tensors
+
+
+def _norm(prefix: str, size: int, family: type[DecoderModel]) -> dict[str, TensorSpec]:
+    tensors = {f"{prefix}.weight": TensorSpec((size,), WeightRole.NORM)}
+    if family.norm_kind == "layer":
+        tensors[f"{prefix}.bias"] = TensorSpec((size,), WeightRole.BIAS)
+    return tensors
+
+
+def _has(rule: BiasRule, config: ModelConfig) -> bool:
+    if isinstance(rule, bool):
+        return rule
+    key, default = rule
+    value = config.raw.get(key)
+    return default if value is None else bool(value)
