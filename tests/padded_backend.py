@@ -19,6 +19,10 @@ class PaddingExecutor(StepExecutor):
     def __init__(self, backend, model) -> None:
         super().__init__(backend, model)
         self.shapes: list[tuple[int, int, int]] = []  # (tokens, sequences, rows) of every step run
+        self.warm_ups: list[tuple[int, int]] = []  # (max_num_seqs, steps run before) of every warm-up
+
+    def warm_up(self, caches, max_num_seqs: int) -> None:
+        self.warm_ups.append((max_num_seqs, len(self.shapes)))
 
     def run(self, inputs: StepInputs, caches):
         real_rows = inputs.num_rows

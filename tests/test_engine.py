@@ -190,6 +190,17 @@ def test_a_padding_backend_generates_what_the_reference_does_and_really_pads(llm
     assert shapes and all(tokens in SIZES and rows in (0, *SIZES) for tokens, _, rows in shapes)
 
 
+def test_the_executor_warms_up_once_before_the_first_step_for_the_engine_batch_limit(tmp_path):
+    from padded_backend import PaddedCpuBackend
+
+    write_tiny_checkpoint(tmp_path, seed=5)
+    padded = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=4, kvcache_mem_cpu=0, block_size=16,
+                 max_num_seqs=5)
+    padded.generate([PROMPT], greedy(max_tokens=3), progress=False)
+    executor = padded.engine.runner.executor
+    assert executor.warm_ups == [(5, 0)] and executor.shapes
+
+
 def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
     """A mixed step (a decode beside a chunk of prefill), padded, gives the same tokens and
     logprobs in its real rows as unpadded, and writes nothing to the cache for its padding."""

@@ -39,6 +39,12 @@ class StepExecutor:
     def __init__(self, backend: Any, model: Any) -> None:
         self.backend, self.model = backend, model
 
+    def warm_up(self, caches: list[KVCache], max_num_seqs: int) -> None:
+        """Called once before the first step with the caches every step will use and the most
+        sequences one step will hold. An executor that captures or compiles steps does it here, so
+        that start-up pays for it rather than the first requests; it must leave the caches as they
+        are. The default does nothing."""
+
     def run(self, inputs: StepInputs, caches: list[KVCache]) -> tuple[SampleResult | None, list[KVCache]]:
         """The sampled tokens of `inputs.num_rows` rows (backend tensors, not yet evaluated on a
         lazy backend), None when no row is sampled (a step of prefill chunks only), and the

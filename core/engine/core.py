@@ -89,6 +89,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0}
+        runner.warm_up(config.max_num_seqs)
 
     def add_request(self, request_id: str, checked: CheckedRequest) -> None:
         if request_id in self.requests:

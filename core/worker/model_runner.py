@@ -30,6 +30,10 @@ class ModelRunner:
         self.swap_space, self.num_host_blocks = None, 0
         self.executor = self.backend.step_executor(model)
 
+    def warm_up(self, max_num_seqs: int) -> None:
+        """Let the executor capture or compile its steps, for batches of up to `max_num_seqs`."""
+        self.executor.warm_up(self.caches, max_num_seqs)
+
     def allocate_swap_space(self, num_host_blocks: int) -> None:
         """Host memory for `num_host_blocks` blocks of every layer, where preempted sequences wait."""
         self.swap_space = self.backend.allocate_swap_space(replace(self.kv_spec, num_blocks=num_host_blocks))
