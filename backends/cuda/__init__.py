@@ -1,0 +1,1 @@
+"""The cuda backend: the torch backend with Triton kernels and CUDA graphs."""

@@ -1,0 +1,1 @@
+"""Triton kernels of the cuda backend, one module per op family."""

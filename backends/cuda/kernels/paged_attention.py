@@ -1,0 +1,328 @@
+"""Paged attention as Triton kernels: one kernel for prefill, chunked prefill and decode over the
+block tables, and a second one that merges the key segments of a split-K decode.
+
+A program owns a tile of rows, (query tokens of one sequence) x (the query heads sharing one KV
+head), so even a single decode token fills a tensor-core tile. In a decode step each sequence's
+keys are split into a fixed number of segments whose partial results land in a workspace that is
+reused across calls: the launch depends only on the step's shapes, never on its lengths, so a
+decode step captured in a CUDA graph replays correctly with any sequence lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from candelabra.backends.cuda.step import CudaStep
+
+LOG2_E = math.log2(math.e)
+# tl.dot needs at least 16 rows (and 16 columns) per operand.
+MIN_DOT_SIZE = 16
+_TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Where the segments of a split-K decode leave their partial results, per (token, query
+    head, segment): the unnormalised weighted sum of values, the running maximum of the scores
+    (in log2 units) and the sum of exponentials below that maximum."""
+
+    partial_out: torch.Tensor  # [T, Hq, segments, D] float32
+    partial_max: torch.Tensor  # [T, Hq, segments] float32
+    partial_sum: torch.Tensor  # [T, Hq, segments] float32
+
+
+_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
+
+
+def decode_workspace(device: torch.device, dtype: torch.dtype, num_tokens: int, num_heads: int,
+                     head_dim: int, segments: int) -> DecodeWorkspace:
+    """The workspace for these shapes: views of a buffer sized for the next power of two of
+    `num_tokens`, allocated on first use and the same memory ever after (a captured graph keeps
+    pointing at it), so batches of any size share a few buffers rather than one each."""
+    capacity = triton.next_power_of_2(max(num_tokens, 1))
+    key = (torch.device(device), dtype, capacity, num_heads, head_dim, segments)
+    workspace = _WORKSPACES.get(key)
+    if workspace is None:
+        shape = (capacity, num_heads, segments)
+        workspace = DecodeWorkspace(
+            partial_out=torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
+            partial_max=torch.empty(shape, dtype=torch.float32, device=device),
+            partial_sum=torch.empty(shape, dtype=torch.float32, device=device),
+        )
+        _WORKSPACES[key] = workspace
+    return DecodeWorkspace(workspace.partial_out[:num_tokens], workspace.partial_max[:num_tokens],
+                           workspace.partial_sum[:num_tokens])
+
+
+def release_decode_workspaces() -> None:
+    """Forget every workspace (only once no captured graph that uses them will replay)."""
+    _WORKSPACES.clear()
+
+
+def decode_segments(num_seqs: int, num_kv_heads: int) -> int:
+    """Key segments per (sequence, KV head) in a decode step: many when the batch alone leaves
+    most of a GPU's SMs idle, fewer when it fills them, since each segment adds a merge read."""
+    programs = num_seqs * num_kv_heads
+    return min(16, max(4, triton.next_power_of_2(triton.cdiv(1024, programs))))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    queries: int  # query tokens per tile
+    rows: int  # tile rows: queries x padded group, at least MIN_DOT_SIZE
+    keys: int  # keys per inner step
+    warps: int
+    stages: int
+
+
+def choose_tiling(max_query_len: int, group: int, head_dim_pad: int, float32_dot: bool) -> Tiling:
+    """Tile shapes for sm_90, chosen where ptxas reports no spills: 16-bit operands go to the
+    tensor cores (wgmma from 64 rows); float32 ones multiply exactly on the FMA units, whose
+    operand layouts take far more registers, hence their narrow key steps and 8 warps."""
+    group_pad = triton.next_power_of_2(group)
+    decode = max_query_len == 1
+    if float32_dot:
+        keys = 32 if decode and head_dim_pad <= 128 else 16
+        rows_wanted, stages = 32, 2
+    else:
+        keys = 64 if head_dim_pad <= 128 else 32
+        rows_wanted, stages = (128 if head_dim_pad <= 128 else 64), 3
+    queries = 1 if decode else min(max(1, rows_wanted // group_pad), triton.next_power_of_2(max_query_len))
+    rows = max(MIN_DOT_SIZE, queries * group_pad)
+    if float32_dot:
+        warps = 8
+    else:
+        warps = 8 if rows >= 128 or (rows >= 64 and head_dim_pad > 128) else 4
+    return Tiling(queries, rows, keys, warps, stages)
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: CudaStep,
+                    scale: float, sliding_window: int | None = None,
+                    logit_softcap: float | None = None) -> torch.Tensor:
+    """`Ops.paged_attention`: q [T, Hq, D] over key_cache/value_cache [num_blocks, block_size, Hk, D]
+    through the step's block tables; returns [T, Hq, D] in q's dtype."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    if key_cache.shape[1] != step.block_size:
+        raise ValueError(f"the cache has blocks of {key_cache.shape[1]} slots, the step {step.block_size}")
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous along head_dim")
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
+    # Matching 16-bit operands go to the tensor cores as they are; anything else (float32, or
+    # a cache dtype other than q's) is multiplied in float32, exactly.
+    dot_dtype = q.dtype if (q.dtype in (torch.float16, torch.bfloat16)
+                            and key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
+    tiling = choose_tiling(step.max_query_len, group, head_dim_pad, dot_dtype == torch.float32)
+    num_seqs = step.num_seqs
+    segments = decode_segments(num_seqs, num_kv_heads) if step.max_query_len == 1 else 1
+    if tiling.queries == 1:
+        tiles = num_tokens
+    else:
+        # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
+        tiles = num_tokens // tiling.queries + num_seqs
+
+    if segments > 1:
+        workspace = decode_workspace(q.device, q.dtype, num_tokens, num_heads, head_dim, segments)
+        partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
+    else:
+        partials = (out, out, out)  # never touched when there is a single segment
+
+    if logit_softcap is None:
+        score_scale, capped_scale = scale * LOG2_E, 0.0
+    else:
+        score_scale, capped_scale = scale / logit_softcap, logit_softcap * LOG2_E
+
+    _attention_tile_kernel[(tiles, num_kv_heads, segments)](
+        out, *partials,
+        q, key_cache, value_cache,
+        step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
+        num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
+        score_scale, capped_scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        step.block_tables.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows, BLOCK_N=tiling.keys,
+        BLOCK_SIZE=step.block_size, NUM_SEGMENTS=segments,
+        USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None,
+        DOT_DTYPE=_TRITON_DTYPES[dot_dtype],
+        num_warps=tiling.warps, num_stages=tiling.stages,
+    )
+    if segments > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out, *partials, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=segments,
+            num_warps=4 if head_dim_pad >= 128 else 2,
+        )
+    return out
+
+
+@triton.jit
+def _tanh(x):
+    # from exp rather than a libdevice call, so the interpreter runs it; saturates to +-1
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE: tl.constexpr):
+    """The last sequence b whose first tile, query_start_loc[b] // QUERIES_PER_TILE + b, is <= tile."""
+    low = tl.full([], 0, tl.int32)
+    high = tl.full([], 0, tl.int32) + num_seqs
+    for _ in range(search_steps):
+        middle = (low + high) // 2
+        first_tile = tl.load(query_start_loc_ptr + middle) // QUERIES_PER_TILE + middle
+        starts_before = first_tile <= tile
+        low = tl.where(starts_before, middle, low)
+        high = tl.where(starts_before, high, middle)
+    return low
+
+
+@triton.jit
+def _attention_tile_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr,
+    num_seqs, search_steps,
+    score_scale, capped_scale, sliding_window,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_block_tables,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    if QUERIES_PER_TILE == 1:
+        seq = tl.load(token_seq_ptr + tile)
+        first_token = tile
+        tile_queries = 1
+    else:
+        seq = _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE)
+        seq_first_token = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - seq_first_token
+        first_query = (tile - seq_first_token // QUERIES_PER_TILE - seq) * QUERIES_PER_TILE
+        if first_query >= query_len:
+            return
+        first_token = seq_first_token + first_query
+        tile_queries = tl.minimum(query_len - first_query, QUERIES_PER_TILE)
+
+    rows = tl.arange(0, BLOCK_M)
+    query_in_tile = rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    row_valid = (query_in_tile < tile_queries) & (head_in_group < GROUP)
+    token = first_token + query_in_tile
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    position = tl.load(token_positions_ptr + token, mask=row_valid, other=-1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    key_end = tl.minimum(seq_len, tl.max(position, 0) + 1)
+    key_begin = 0
+    if USE_WINDOW:
+        earliest = tl.min(tl.where(row_valid, position, seq_len), 0)
+        key_begin = tl.maximum(earliest - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    if NUM_SEGMENTS > 1:
+        # the segment's share is computed here from the lengths on the device, so the grid
+        # never depends on them; trailing segments of a short sequence get nothing
+        steps_per_segment = tl.cdiv(tl.cdiv(key_end - key_begin, BLOCK_N), NUM_SEGMENTS)
+        key_begin = key_begin + segment * steps_per_segment * BLOCK_N
+        key_end = tl.minimum(key_end, key_begin + steps_per_segment * BLOCK_N)
+
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0).to(DOT_DTYPE)
+
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_row = block_tables_ptr + seq * stride_block_tables
+    for start in range(key_begin, key_end, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)
+        key_valid = key_pos < key_end
+        # masked, since past the sequence's last block the table row may end
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = key_pos % BLOCK_SIZE
+        # Unused slots may hold NaN: loads outside the sequence read 0, and their scores are
+        # masked below, since a NaN times a zero weight would still be NaN.
+        keys = tl.load(key_cache_ptr + block[None, :] * stride_k_block + slot[None, :] * stride_k_slot
+                       + kv_head * stride_k_head + dims[:, None],
+                       mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        scores = tl.dot(q, keys.to(DOT_DTYPE), input_precision="ieee")
+        if USE_SOFTCAP:
+            scores = capped_scale * _tanh(scores * score_scale)
+        else:
+            scores = scores * score_scale
+        visible = key_valid[None, :] & (key_pos[None, :] <= position[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > position[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        # a row that has seen no visible key yet keeps weights of exactly 0, not NaN
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        weights = tl.exp2(scores - shift[:, None])
+        decay = tl.exp2(running_max - shift)
+        running_sum = running_sum * decay + tl.sum(weights, 1)
+        values = tl.load(value_cache_ptr + block[:, None] * stride_v_block + slot[:, None] * stride_v_slot
+                         + kv_head * stride_v_head + dims[None, :],
+                         mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
+        running_max = new_max
+
+    if NUM_SEGMENTS > 1:
+        partial = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(partial_max_ptr + partial, running_max, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, running_sum, mask=row_valid)
+    else:
+        result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    stride_out_token, stride_out_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    partial = (token * NUM_HEADS + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    segment_max = tl.load(partial_max_ptr + partial)
+    overall_max = tl.max(segment_max, 0)
+    overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
+    # an empty segment has max -inf and sum 0: its weight is exactly 0
+    segment_weight = tl.exp2(segment_max - overall_max)
+    total = tl.sum(tl.load(partial_sum_ptr + partial) * segment_weight, 0)
+    segment_out = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :],
+                          mask=dim_valid[None, :], other=0.0)
+    merged = tl.sum(segment_out * segment_weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims,
+             merged.to(out_ptr.dtype.element_ty), mask=dim_valid)

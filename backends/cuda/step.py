@@ -1,0 +1,59 @@
+"""The step's metadata as device tensors for the Triton kernels, shared by every layer.
+
+Every tensor here is one a kernel reads on the device; nothing a kernel's launch grid depends on
+varies with the sequences' lengths except `max_query_len`, so a decode step (max_query_len 1) of a
+given padded size launches the same grids every time and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from candelabra.core.contract.step_metadata import StepMetadata
+
+
+@dataclass
+class CudaStep:
+    host: StepMetadata
+    token_positions: torch.Tensor  # [T] int32: each query token's position in its sequence
+    token_seq: torch.Tensor  # [T] int32: the sequence each token belongs to
+    slot_mapping: torch.Tensor  # [T] int64, NO_SLOT (-1) writes nothing
+    rope_positions: torch.Tensor  # [T] int64
+    logits_rows: torch.Tensor  # [N] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_size: int
+    max_query_len: int
+
+    @classmethod
+    def prepare(cls, meta: StepMetadata, device: torch.device) -> CudaStep:
+        query_lens = np.diff(meta.query_start_loc)
+        return cls(
+            host=meta,
+            token_positions=_tensor(meta.positions, np.int32, device),
+            token_seq=_tensor(np.repeat(np.arange(meta.num_seqs), query_lens), np.int32, device),
+            slot_mapping=_tensor(meta.slot_mapping, np.int64, device),
+            rope_positions=_tensor(meta.rope_positions, np.int64, device),
+            logits_rows=_tensor(meta.logits_rows, np.int64, device),
+            query_start_loc=_tensor(meta.query_start_loc, np.int32, device),
+            seq_lens=_tensor(meta.seq_lens, np.int32, device),
+            block_tables=_tensor(meta.block_tables, np.int32, device),
+            block_size=meta.block_size,
+            max_query_len=int(meta.max_query_len),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_positions.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def _tensor(array: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device)

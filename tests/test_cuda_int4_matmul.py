@@ -1,0 +1,141 @@
+"""The cuda backend's int4 weights and their dequantizing GEMM, through the Triton interpreter, against
+the float64 product with the GGUF weight's own dequantized values."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from candelabra.backends.cuda.kernels import int4_matmul as kernel  # noqa: E402
+from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles  # noqa: E402
+from candelabra.backends.cuda.quantized import Int4CudaWeight  # noqa: E402
+from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to  # noqa: E402
+from candelabra.conformance.quantized_weights import random_quantized  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs on CPU tensors, interpreted")
+
+FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# float32: the general threshold; the kernel measures about 1e-13. float16: the dot takes each dequantized
+# weight rounded to float16, which a dense float16 weight never needs (hence above linear's 1e-8 op
+# threshold): 7e-8 to 1.5e-7 measured. Still far below QUANTIZED_NMSE_THRESHOLDS (3e-4, room for rounding x to
+# 8 bits, which this kernel does not do) and below what scales rounded to bfloat16 cost (about 5e-6).
+THRESHOLDS = {"float32": NMSE_THRESHOLDS["float32"], "float16": 1e-6}
+# (M, N, K): decode rows and prefill-like tiles, widths inside one column tile, whole tiles and ragged ones
+SHAPES = [(1, 1000, 512), (3, 40, 768), (17, 384, 768), (64, 40, 512)]
+
+
+def _case(rng, format, dtype, rows, columns, width):
+    weight = random_quantized(rng, format, columns, width)
+    x = round_to(rng.standard_normal((rows, width)), dtype)
+    expected = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T
+    return weight, torch.from_numpy(x).to(DTYPES[dtype]), expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_matmul_matches_the_dequantized_product(format, dtype, shape):
+    rng = np.random.default_rng([sum(map(ord, format)), len(dtype), *shape])
+    weight, x, expected = _case(rng, format, dtype, *shape)
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    out = kept.matmul(x)
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_and_grouped_row_tiles(dtype):
+    # K = 768 in 12 steps of 64 split three ways; four row tiles walk the column tiles in groups of two
+    rng = np.random.default_rng(7)
+    weight, x, expected = _case(rng, "Q4_K", dtype, 64, 100, 768)
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    config = TileConfig(block_m=16, block_n=32, block_k=64, split_k=3, group_m=2)
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
+    assert out.dtype == x.dtype
+    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+
+
+def test_split_k_that_does_not_divide_the_steps_falls_back_to_one_that_does():
+    rng = np.random.default_rng(8)
+    weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 1
+    kept = Int4CudaWeight.from_quantized(weight, torch.float32, "cpu")
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, TileConfig(16, 32, 32, split_k=4))
+    assert nmse(out.numpy(), expected) <= THRESHOLDS["float32"]
+
+
+def test_leading_dims_strided_rows_and_no_rows():
+    rng = np.random.default_rng(9)
+    weight, _, _ = _case(rng, "Q4_0", "float32", 1, 24, 96)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float32, "cpu")
+    dense = weight.dequantize().astype(np.float64)
+    wide = torch.from_numpy(rng.standard_normal((2, 3, 160)).astype(np.float32))
+    x = wide[..., 32:128]  # rows 160 apart, unit stride along K
+    out = kept.matmul(x)
+    assert out.shape == (2, 3, 24)
+    assert nmse(out.numpy(), x.numpy().astype(np.float64) @ dense.T) <= THRESHOLDS["float32"]
+    assert kept.matmul(torch.empty(0, 96)).shape == (0, 24)
+
+
+def test_packed_layout_holds_each_group_value_h_and_h_plus_16_in_one_byte():
+    rng = np.random.default_rng(10)
+    nibbles = rng.integers(0, 16, size=(5, 64), dtype=np.uint8)
+    packed = pack_nibbles(nibbles)
+    assert packed.shape == (32, 5) and packed.dtype == np.uint8
+    for n in range(5):
+        for group in range(2):
+            for h in range(16):
+                byte = packed[group * 16 + h, n]
+                assert byte & 0x0F == nibbles[n, group * 32 + h]
+                assert byte >> 4 == nibbles[n, group * 32 + 16 + h]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_nbytes_is_half_a_byte_a_weight_plus_scales_and_zeros(dtype):
+    rng = np.random.default_rng(11)
+    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_K", 48, 512), dtype, "cpu")
+    item = torch.tensor([], dtype=dtype).element_size()
+    assert kept.shape == (48, 512) and kept.dtype == dtype
+    assert kept.packed.dtype == torch.uint8 and kept.packed.numel() == 48 * 512 // 2
+    assert kept.nbytes == 48 * 512 // 2 + 2 * (48 * 512 // 32) * item
+
+
+def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
+    rng = np.random.default_rng(12)
+    with pytest.raises(ValueError, match="takes Q4_0, Q4_1, Q4_K weights, not Q8_0"):
+        Int4CudaWeight.from_quantized(random_quantized(rng, "Q8_0", 8, 64), torch.float16, "cpu")
+    with pytest.raises(ValueError, match="computes in"):
+        Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float64, "cpu")
+    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float16, "cpu")
+    with pytest.raises(ValueError, match="computes in torch.float16"):
+        kept.matmul(torch.ones(1, 64, dtype=torch.float32))
+    with pytest.raises(ValueError, match="has 32 features; the weight is 8 x 64"):
+        kept.matmul(torch.ones(1, 32, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 151936, 896), (8, 14336, 4864), (64, 896, 4864),
+                                   (200, 4096, 4096), (4096, 4096, 14336), (3, 40, 96)])
+def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel, "_sm_count", lambda device: 132)
+    rows, columns, width = shape
+    config = kernel.choose_config(rows, columns, width, torch.device("cuda"))
+    steps = width // config.block_k
+    assert width % config.block_k == 0 and config.block_k % 32 == 0
+    if rows <= kernel.DECODE_ROWS:
+        assert rows <= config.block_m <= kernel.DECODE_ROWS
+    assert steps % config.split_k == 0 and config.split_k <= kernel.MAX_SPLIT_K
+    assert config.split_k == 1 or steps // config.split_k >= kernel.MIN_STEPS_PER_SPLIT
+    tiles = -(-rows // config.block_m) * -(-columns // config.block_n)
+    if rows == 1 and columns == 4096:  # 64 column tiles alone would leave half the SMs idle
+        assert tiles * config.split_k >= 132
+    if rows > kernel.DECODE_ROWS and tiles >= 132:
+        assert config.split_k == 1
+
+
+def test_interpreter_uses_one_fixed_tiling():
+    assert kernel.choose_config(1, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_CONFIG
+    assert kernel.choose_config(3000, 40, 96, torch.device("cpu")).block_k == 32

@@ -1,0 +1,150 @@
+"""The cuda backend's paged-attention kernels under the Triton interpreter, against the float64
+oracle: decode (split-K), prefill, chunked prefill and mixed batches, GQA, sliding window,
+soft-capping, odd head sizes, NaN in every slot the step does not cover, and workspace reuse."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from candelabra.backends.cuda.kernels.paged_attention import (  # noqa: E402
+    decode_segments,
+    decode_workspace,
+    paged_attention,
+)
+from candelabra.backends.cuda.step import CudaStep  # noqa: E402
+from candelabra.conformance.oracle import paged_attention as oracle_attention  # noqa: E402
+from candelabra.core.contract.step_metadata import StepMetadata  # noqa: E402
+
+# Largest error allowed, relative to the largest reference value: float32 is computed exactly
+# (ieee dots); float16 rounds the softmax weights and the output to float16.
+TOLERANCE = {torch.float32: 5e-6, torch.float16: 2e-3}
+
+
+class Case:
+    """A step over a NaN-poisoned paged cache in which only the step's own keys are real."""
+
+    def __init__(self, seed, query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                 dtype=torch.float32, cache_dtype=None, max_blocks=None):
+        rng = np.random.default_rng(seed)
+        cache_dtype = cache_dtype or dtype
+        needed = [-(-length // block_size) for length in seq_lens]
+        num_blocks = sum(needed) + 3
+        block_ids = rng.permutation(num_blocks)
+        poison_block = int(block_ids[-1])  # only ever a padding entry of the block tables
+        tables, used = [], 0
+        for count in needed:
+            tables.append([int(b) for b in block_ids[used:used + count]] + [poison_block])
+            used += count
+        self.meta = StepMetadata.build(query_lens, seq_lens, tables, block_size,
+                                       max_blocks=max_blocks or max(needed) + 2)
+        self.step = CudaStep.prepare(self.meta, torch.device("cpu"))
+
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        key, value = np.full(shape, np.nan), np.full(shape, np.nan)
+        for table, length in zip(tables, seq_lens):
+            positions = np.arange(length)
+            blocks, slots = np.asarray(table)[positions // block_size], positions % block_size
+            key[blocks, slots] = rng.standard_normal((length, num_kv_heads, head_dim))
+            value[blocks, slots] = rng.standard_normal((length, num_kv_heads, head_dim))
+        self.key_cache = torch.from_numpy(key).to(cache_dtype)
+        self.value_cache = torch.from_numpy(value).to(cache_dtype)
+        # q is a view into a fused qkv projection, as a model hands it over
+        tokens = sum(query_lens)
+        qkv = torch.from_numpy(rng.standard_normal((tokens, num_heads + 2 * num_kv_heads, head_dim))).to(dtype)
+        self.q = qkv[:, :num_heads]
+        self.dtype = dtype
+
+    def run(self, scale, sliding_window=None, logit_softcap=None):
+        out = paged_attention(self.q, self.key_cache, self.value_cache, self.step, scale,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
+        assert out.dtype == self.q.dtype and out.shape == self.q.shape
+        expected = oracle_attention(
+            self.q.double().numpy(), self.key_cache.double().numpy(), self.value_cache.double().numpy(),
+            self.meta.query_start_loc, self.meta.seq_lens, self.meta.block_tables, scale,
+            sliding_window=sliding_window, logit_softcap=logit_softcap)
+        got = out.double().numpy()
+        assert np.isfinite(got).all(), "NaN from an unused cache slot reached the output"
+        error = np.abs(got - expected).max() / np.abs(expected).max()
+        assert error <= TOLERANCE[self.dtype], f"max relative error {error:.2e}"
+        return out
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
+    seq_lens = [1, 17, 70, 200]
+    case = Case(1, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
+    # at 64 keys a step, the longest sequence fills 4 segments, the others fewer
+    assert decode_segments(len(seq_lens), 2) > triton.cdiv(max(seq_lens), 16)
+    case.run(scale=0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_only(dtype):
+    case = Case(2, [5, 23], [5, 23], num_heads=2, num_kv_heads=2, dtype=dtype)
+    case.run(scale=0.125)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_of_decodes_prefills_and_chunks(group, dtype):
+    # a decode, a prefill long enough for several tiles, a chunk of a prefill over a cached
+    # prefix, a one-token sequence and a short prefill
+    case = Case(3, [1, 37, 6, 1, 3], [9, 37, 40, 1, 3], num_heads=2 * group, num_kv_heads=2,
+                block_size=32, dtype=dtype)
+    case.run(scale=0.125)
+
+
+@pytest.mark.parametrize("window", [1, 7])
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [3, 50, 130]), ([1, 20, 9], [33, 20, 45])],
+                         ids=["decode", "mixed"])
+def test_sliding_window(window, query_lens, seq_lens):
+    Case(4, query_lens, seq_lens, num_heads=8, num_kv_heads=2).run(scale=0.125, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1], [30, 90]), ([1, 14], [25, 30])],
+                         ids=["decode", "mixed"])
+def test_logit_softcap(dtype, query_lens, seq_lens):
+    # scale 1 gives scores of several units, so a cap of 2 changes the weights a lot
+    Case(5, query_lens, seq_lens, num_heads=4, num_kv_heads=1, dtype=dtype).run(scale=1.0, logit_softcap=2.0)
+
+
+def test_softcap_with_sliding_window():
+    Case(6, [1, 11], [60, 19], num_heads=4, num_kv_heads=1).run(scale=1.0, sliding_window=5, logit_softcap=3.0)
+
+
+@pytest.mark.parametrize("head_dim", [80, 256])
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1], [21, 70]), ([1, 10], [21, 26])],
+                         ids=["decode", "mixed"])
+def test_head_dims_padded_to_a_power_of_two(head_dim, query_lens, seq_lens):
+    Case(7, query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim).run(scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1], [19, 66]), ([4, 1], [23, 5])], ids=["decode", "mixed"])
+def test_float32_cache_with_float16_queries(query_lens, seq_lens):
+    case = Case(8, query_lens, seq_lens, dtype=torch.float16, cache_dtype=torch.float32)
+    case.run(scale=0.125)
+
+
+def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    first = Case(9, [1, 1, 1], [3, 40, 100], num_heads, num_kv_heads, head_dim, max_blocks=8)
+    first.run(scale=0.125)
+    segments = decode_segments(3, num_kv_heads)
+    workspace = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
+    pointers = [t.data_ptr() for t in (workspace.partial_out, workspace.partial_max, workspace.partial_sum)]
+
+    # same shapes, other lengths: what a CUDA graph replay of the first step would see
+    second = Case(10, [1, 1, 1], [90, 2, 17], num_heads, num_kv_heads, head_dim, max_blocks=8)
+    assert second.step.block_tables.shape == first.step.block_tables.shape
+    second.run(scale=0.125)
+    again = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
+    assert [t.data_ptr() for t in (again.partial_out, again.partial_max, again.partial_sum)] == pointers
