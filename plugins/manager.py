@@ -24,7 +24,6 @@ ENTRY_POINT_GROUP = "candelabra"
 # Backends the design names that this release does not ship yet: asking for one says so, instead of
 # suggesting it is merely missing from this environment.
 PLANNED_BACKENDS = {
-    "cuda": "NVIDIA GPUs, through PyTorch and Triton kernels",
     "gcu": "Enflame GCU, and the template for other accelerators",
 }
 

@@ -1,0 +1,96 @@
+"""The cuda backend: the torch backend on an NVIDIA GPU, with Triton kernels for the hot ops, int4
+GGUF weights kept packed, and decode steps replayed from CUDA graphs.
+
+With TRITON_INTERPRET=1 it runs on CPU tensors instead, every kernel through Triton's interpreter:
+exact but slow, and in float32 and float16 only, since the interpreter gets bfloat16 arithmetic
+wrong. That is how the kernels are tested without a GPU; `--backend auto` never picks it there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from candelabra.backends.cuda.availability import cuda_missing, interpreter_broken, interpreting, triton_missing
+from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, torch, torch_dtype
+from candelabra.core.contract.backend import Probe
+from candelabra.core.contract.executor import StepExecutor
+from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.contract.weights import QuantizedTensor
+
+log = logging.getLogger("candelabra")
+
+GPU_DTYPES = ("bfloat16", "float16", "float32")
+INTERPRETER_DTYPES = ("float32", "float16")
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+    device_type = "cpu" if interpreting() else "cuda"
+    dtypes = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
+
+    @classmethod
+    def probe(cls) -> Probe:
+        if torch is None:
+            return Probe(False, "torch is not installed; pip install 'candelabra[cuda]' with a CUDA build of torch")
+        missing = triton_missing()
+        if missing:
+            return Probe(False, missing)
+        if interpreting():
+            broken = interpreter_broken()
+            if broken:
+                return Probe(False, broken)
+            return Probe(True, priority=1, device="CPU tensors through the Triton interpreter (TRITON_INTERPRET=1): "
+                                                  "every kernel, slowly, for testing")
+        missing = cuda_missing(torch)
+        if missing:
+            return Probe(False, missing)
+        import triton
+
+        gpu = torch.cuda.get_device_properties(0)
+        memory = f"{gpu.total_memory / 2**30:.0f} GiB, compute capability {gpu.major}.{gpu.minor}"
+        versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}"
+        return Probe(True, priority=100, device=f"{gpu.name} ({memory}; {versions})")
+
+    @classmethod
+    def device_count(cls) -> int:
+        if interpreting() or torch is None or cuda_missing(torch):
+            return 1
+        return torch.cuda.device_count()
+
+    @classmethod
+    def ops_class(cls) -> type:
+        from candelabra.backends.cuda.ops import CudaOps
+
+        return CudaOps
+
+    def _configure_device(self) -> None:
+        if self.torch_device.type == "cpu":
+            log.info("cuda backend on CPU tensors through the Triton interpreter: for testing, slow")
+            return
+        torch.cuda.set_device(self.torch_device)
+        log.info("cuda backend on %s", torch.cuda.get_device_name(self.torch_device))
+
+    # weights
+
+    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str):
+        """Q4_0, Q4_1 and Q4_K stay int4 groups for the Triton GEMM; other formats are dequantized."""
+        from candelabra.backends.cuda.quantized import INT4_FORMATS, Int4CudaWeight
+
+        if weight.format in INT4_FORMATS:
+            return Int4CudaWeight.from_quantized(weight, torch_dtype(dtype), self.torch_device)
+        return self.to_device(weight.dequantize(), dtype)
+
+    # the step
+
+    def step_executor(self, model: Any) -> StepExecutor:
+        if self.torch_device.type == "cuda" and not self.eager_steps:
+            from candelabra.backends.cuda.graphs import CudaGraphExecutor
+
+            return CudaGraphExecutor(self, model)
+        return TorchStepExecutor(self, model)
+
+    def prepare_step(self, meta: StepMetadata):
+        from candelabra.backends.cuda.step import CudaStep
+
+        return CudaStep.prepare(meta, self.torch_device)

@@ -1,0 +1,174 @@
+"""Decode steps replayed from CUDA graphs, one graph per padded batch size.
+
+A decode step (every sequence one new token, each token sampled once, in order) is padded up to
+the next capture size with `pad_step_inputs` and copied into that size's persistent input
+buffers; the graph captured over those buffers then runs the whole forward and the LM head in one
+launch. Sampling runs after it, op by op: which sampling kernels a batch needs depends on its
+parameters, and none of them waits for the host. Every other step (prefills, chunked prefills,
+batches larger than the largest size) runs op by op.
+
+At start-up (`warm_up`) every size up to the engine's `max_num_seqs` is captured, largest first so
+the smaller graphs reuse its memory pool, and the time that took is logged; a size the warm-up did
+not cover is captured on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from candelabra.backends.cuda.step import CudaStep
+from candelabra.backends.torch.backend import torch
+from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
+from candelabra.core.contract.ops import KVCache
+
+log = logging.getLogger("candelabra")
+
+# Padded batch sizes a decode step is captured at: every size up to 8, then steps of 8 and 16, so a
+# batch pads by at most 16 rows.
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def capture_size(num_tokens: int, largest: int) -> int | None:
+    """The smallest capture size holding `num_tokens` decodes, or None when none up to `largest` does."""
+    for size in CAPTURE_SIZES:
+        if size > largest:
+            return None
+        if size >= num_tokens:
+            return size
+    return None
+
+
+def is_plain_decode(inputs: StepInputs) -> bool:
+    """One token per sequence, each sampled once, in order: the steps a graph replays."""
+    step = inputs.step
+    return (step.max_query_len == 1 and inputs.num_rows == step.num_tokens
+            and np.array_equal(step.logits_rows, np.arange(step.num_tokens)))
+
+
+class StaticDecode:
+    """Persistent device buffers of one capture size: the step's tokens and metadata, refilled in
+    place for every step, so a graph captured over them reads each new step's values."""
+
+    def __init__(self, size: int, block_table_width: int, block_size: int, device) -> None:
+        self.size, self.width, self.block_size = size, block_table_width, block_size
+        self.token_ids = torch.zeros(size, dtype=torch.int32, device=device)
+        self.step = CudaStep.prepare(_empty_decode(size, block_table_width, block_size), device)
+        self.logits = None  # the graph's output, once captured
+
+    def load(self, inputs: StepInputs) -> StepInputs:
+        """Copy `inputs`, padded to this size, into the buffers; the padded inputs."""
+        padded = pad_step_inputs(inputs, self.size, self.size, self.size)
+        meta = padded.step
+        tables = np.zeros((self.size, self.width), dtype=np.int32)
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        step = self.step
+        for buffer, values in ((self.token_ids, padded.token_ids), (step.token_positions, meta.positions),
+                               (step.slot_mapping, meta.slot_mapping), (step.rope_positions, meta.rope_positions),
+                               (step.seq_lens, meta.seq_lens), (step.block_tables, tables)):
+            buffer.copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buffer.dtype), non_blocking=True)
+        return padded
+
+
+def _empty_decode(size: int, width: int, block_size: int):
+    """A decode step of `size` one-token sequences, each at position 0 of block 0 and writing no
+    K/V: the buffers' shapes, the fields no decode changes (query offsets, token owners, logits
+    rows), and until the first real step a step that the warm-up can run without touching the cache."""
+    from candelabra.core.contract.step_metadata import NO_SLOT, StepMetadata
+
+    return StepMetadata.build([1] * size, [1] * size, [[0] * width] * size, block_size, width,
+                              slot_mapping=np.full(size, NO_SLOT, np.int32))
+
+
+class CudaGraphExecutor(StepExecutor):
+    """Plain decode steps of up to `max_batch` sequences from CUDA graphs; the rest op by op.
+
+    With `capture=False` the same padded persistent buffers are used but the forward runs op by op
+    on them each time: what the graphs replay, checkable where no GPU is (the tests)."""
+
+    def __init__(self, backend: Any, model: Any, max_batch: int = CAPTURE_SIZES[-1], capture: bool = True) -> None:
+        super().__init__(backend, model)
+        self.max_batch, self.capture = max_batch, capture
+        self._static: dict[tuple[int, int], StaticDecode] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._capture_seconds: dict[tuple[int, int], float] = {}
+
+    def warm_up(self, caches: list[KVCache], max_num_seqs: int) -> None:
+        """Capture the decode step at every size a batch of up to `max_num_seqs` pads to (at most
+        `max_batch`), on buffers that write no K/V, largest first; log the time it took."""
+        largest = capture_size(min(max_num_seqs, self.max_batch), self.max_batch)
+        sizes = [size for size in CAPTURE_SIZES if size <= largest][::-1]
+        block_size = int(caches[0].key.shape[1])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for size in sizes:
+                key = (size, block_size)
+                static = self._static_buffers(key)
+                if self.capture:
+                    self._capture(key, static, caches)
+                else:
+                    self._forward(static, caches)
+        what = "captured" if self.capture else "run op by op"
+        log.info("cuda graphs: decode steps of %d to %d sequences (%d sizes) %s in %.1f s", sizes[-1], sizes[0],
+                 len(sizes), what, time.perf_counter() - start)
+
+    def run(self, inputs: StepInputs, caches: list[KVCache]):
+        with torch.inference_mode():
+            size = capture_size(inputs.step.num_tokens, self.max_batch) if is_plain_decode(inputs) else None
+            width = self._block_table_width(inputs.step.block_size)
+            if size is None or inputs.step.block_tables.shape[1] > width:
+                return super().run(inputs, caches)
+            key = (size, inputs.step.block_size)
+            static = self._static_buffers(key)
+            static.load(inputs)
+            if not self.capture:
+                logits = self._forward(static, caches)
+            else:
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._capture(key, static, caches)
+                    log.info("cuda graph: captured the decode step for %d sequences on first use in %.0f ms",
+                             size, self._capture_seconds[key] * 1e3)
+                graph.replay()
+                logits = static.logits
+            sampling = self.backend.prepare_sampling(inputs.sampling)
+            return self.backend.ops.sample(logits[: inputs.num_rows], sampling), caches
+
+    def _static_buffers(self, key: tuple[int, int]) -> StaticDecode:
+        static = self._static.get(key)
+        if static is None:
+            size, block_size = key
+            static = self._static[key] = StaticDecode(size, self._block_table_width(block_size), block_size,
+                                                      self.backend.torch_device)
+        return static
+
+    def _block_table_width(self, block_size: int) -> int:
+        return math.ceil(self.model.config.max_position_embeddings / block_size)
+
+    def _forward(self, static: StaticDecode, caches: list[KVCache]):
+        hidden, _ = self.model.forward(static.token_ids, static.step, caches)
+        return self.model.compute_logits(hidden, static.step.logits_rows)
+
+    def _capture(self, key: tuple[int, int], static: StaticDecode, caches: list[KVCache]):
+        """Warm up on a side stream (kernel compilation, autotuning, workspaces), then capture."""
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(static, caches)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static.logits = self._forward(static, caches)
+        torch.cuda.synchronize()
+        self._capture_seconds[key] = time.perf_counter() - start
+        self._graphs[key] = graph
+        log.debug("cuda graph: captured the decode step for %d sequences in %.0f ms", key[0],
+                  self._capture_seconds[key] * 1e3)
+        return graph

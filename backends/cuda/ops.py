@@ -1,0 +1,52 @@
+"""The cuda backend's ops: Triton kernels for norms, activations, rotary with the cache write, paged
+attention, sampling and int4 GEMMs; torch (cuBLAS) for dense GEMMs and the rest."""
+
+from __future__ import annotations
+
+from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
+from candelabra.backends.cuda.kernels.paged_attention import paged_attention
+from candelabra.backends.cuda.quantized import Int4CudaWeight
+from candelabra.backends.torch.ops import TorchOps
+from candelabra.core.contract.ops import KVCache
+
+
+class CudaOps(TorchOps):
+    backend_name = "cuda"
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, Int4CudaWeight):
+            out = weight.matmul(x)
+            return out + bias if bias is not None else out
+        return super().linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps, weight_offset=0.0):
+        return norms.rms_norm(x, weight, eps, weight_offset)
+
+    def add_rms_norm(self, x, residual, weight, eps, weight_offset=0.0):
+        return norms.add_rms_norm(x, residual, weight, eps, weight_offset)
+
+    def rotary(self, q, k, positions, cos_sin, style="neox"):
+        return rotary.rotary(q, k, positions, cos_sin, style)
+
+    def silu_and_mul(self, x):
+        return activations.silu_and_mul(x)
+
+    def gelu_and_mul(self, x, approximate="none"):
+        return activations.gelu_and_mul(x, approximate)
+
+    def gelu(self, x, approximate="none"):
+        return activations.gelu(x, approximate)
+
+    def write_kv(self, cache: KVCache, key, value, slot_mapping):
+        rotary.write_kv(cache.key, cache.value, key, value, slot_mapping)
+        return cache
+
+    def rotary_and_write_kv(self, q, k, v, positions, cos_sin, cache: KVCache, slot_mapping, style="neox"):
+        q, _ = rotary.rotary_write_kv(q, k, v, positions, cos_sin, style, cache.key, cache.value, slot_mapping)
+        return q, cache
+
+    def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
+        return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap)
+
+    def sample(self, logits, params):
+        return sampling.sample(logits, params)

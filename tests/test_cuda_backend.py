@@ -1,0 +1,118 @@
+"""The cuda backend as a whole: what it says where it cannot run, the whole op conformance level
+through the Triton interpreter on CPU tensors, and decode steps through the persistent padded
+buffers the CUDA graphs replay."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from candelabra.backends.cuda import availability  # noqa: E402
+from candelabra.backends.cuda.backend import CudaBackend  # noqa: E402
+from candelabra.backends.cuda.graphs import capture_size  # noqa: E402
+from candelabra.backends.cuda.quantized import INT4_FORMATS  # noqa: E402
+from candelabra.core.contract.ops import OP_NAMES  # noqa: E402
+from conftest import run_candelabra  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not CudaBackend.probe().available, reason=CudaBackend.probe().reason)
+
+
+def fake_torch(cuda_version, available=False, count=0):
+    cuda = SimpleNamespace(is_available=lambda: available, device_count=lambda: count)
+    return SimpleNamespace(version=SimpleNamespace(cuda=cuda_version), cuda=cuda, __version__="2.13.0")
+
+
+def test_a_cpu_build_of_torch_is_named_as_the_reason():
+    reason = availability.cuda_missing(fake_torch(None))
+    assert reason.startswith("torch has no CUDA") and "CPU build" in reason and "TRITON_INTERPRET=1" in reason
+
+
+def test_no_visible_device_is_named_with_the_variable_read(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    reason = availability.cuda_missing(fake_torch("13.0"))
+    assert reason.startswith("no CUDA device") and "CUDA_VISIBLE_DEVICES=''" in reason
+
+
+def test_a_visible_device_is_no_reason():
+    assert availability.cuda_missing(fake_torch("13.0", available=True, count=1)) is None
+
+
+def test_listed_as_unavailable_without_the_interpreter_on_a_machine_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    listed = subprocess.run([sys.executable, "-m", "candelabra.core.cli", "backends", "--json"], env=env,
+                            capture_output=True, text=True, check=True)
+    cuda = next(b for b in json.loads(listed.stdout)["backends"] if b["name"] == "cuda")
+    assert cuda["available"] is False and "torch has no CUDA" in cuda["detail"]
+
+
+def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
+    probe = CudaBackend.probe()
+    assert probe.priority < 10 and "interpreter" in probe.device
+    assert CudaBackend.dtypes == ("float32", "float16")
+    assert all(CudaBackend().ops.supports(op) for op in OP_NAMES)
+
+
+@pytest.mark.slow
+def test_every_op_case_passes_through_the_interpreter(tmp_path):
+    """`TRITON_INTERPRET=1 candelabra conformance --backend cuda --level ops`, as CI runs it: every
+    Triton kernel on CPU tensors, at float32 and float16, every GGUF format through `linear`."""
+    results = tmp_path / "cuda.json"
+    run = run_candelabra("conformance", "--backend", "cuda", "--level", "ops", "--json", str(results),
+                         env_extra={"TRITON_INTERPRET": "1"}, timeout=2400)
+
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    document = json.loads(results.read_text())
+    assert {case["status"] for case in document["cases"]} == {"passed"}
+    assert set(document["summary"]) >= set(OP_NAMES)
+    assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16"}
+    formats = {case["weight_format"] for case in document["cases"] if case["weight_format"]}
+    assert formats >= set(INT4_FORMATS)
+
+
+def test_capture_sizes_pad_up_and_stop_at_the_largest():
+    assert [capture_size(n, 64) for n in (1, 3, 8, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, None]
+
+
+def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tmp_path):
+    """The steps a CUDA graph replays, run op by op on its persistent padded buffers (capture=False):
+    the start-up warm-up runs every size a batch of three pads to and writes nothing to the cache;
+    then the decodes of three sequences refill the buffers of four with new lengths at every step,
+    and every token matches the numpy reference's."""
+    from candelabra.backends.cuda.graphs import CudaGraphExecutor
+    from candelabra.conformance.engine_cases import write_tiny_checkpoint
+    from candelabra.core.engine.sampling_params import SamplingParams
+    from candelabra.core.llm import LLM
+
+    write_tiny_checkpoint(tmp_path, seed=13)
+    options = dict(kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)
+    prompts = [[5, 9, 23, 42, 7, 11], [3, 4], list(range(7, 40))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    reference = LLM(tmp_path, backend="cpu", **options).generate(prompts, params, progress=False)
+
+    llm = LLM(tmp_path, backend=CudaBackend, dtype="float32", **options)
+    executor = CudaGraphExecutor(llm.backend, llm.model, capture=False)
+    runner = llm.engine.runner
+    runner.executor = executor
+    before = [(cache.key.clone(), cache.value.clone()) for cache in runner.caches]
+    runner.warm_up(max_num_seqs=3)
+    assert set(executor._static) == {(1, 16), (2, 16), (4, 16)}, "every size up to three sequences pad to"
+    for (key, value), cache in zip(before, runner.caches):
+        torch.testing.assert_close(cache.key, key, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(cache.value, value, rtol=0, atol=0, equal_nan=True)
+    ours = llm.generate(prompts, params, progress=False)
+
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+    def logprobs(outputs):
+        return np.array([[entry["logprob"] for entry in o.outputs[0].logprobs] for o in outputs])
+
+    np.testing.assert_allclose(logprobs(ours), logprobs(reference), rtol=1e-4, atol=1e-5)
