@@ -1,0 +1,211 @@
+"""Decode speed of the cuda backend on one GPU, against the memory roofline and transformers.
+
+    python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
+                                [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
+                                [--skip-transformers] [--skip-int4] [--json FILE]
+
+One run, one GPU, everything measured in it:
+- the device-to-device copy bandwidth (a 2 GiB copy, read plus write), and from it the roofline of
+  a decode step: the bytes of weights it reads (every weight but the embedding table) over that
+  bandwidth, so batch B decodes at most B * bandwidth / bytes tokens a second;
+- candelabra, `--load-format dummy` weights in bfloat16 in the config's shapes: decode tokens/s at
+  each batch (requests of --prompt-tokens random ids, --output-tokens each, timed from the step
+  after every prefill to the end), and the time to first token of one --ttft-prompt-token prompt;
+- the same with the linear weights as random Q4_K blocks (int4 on the GPU) at batch 1;
+- transformers' `generate` on the same GPU and batches, random weights from the same config in
+  bfloat16, greedy: its decode tokens/s from two generate calls of different lengths.
+Then the goals of the cuda backend: batch 1 at >= 85% of the roofline, batch 64 >= 10x
+transformers, int4 batch 1 >= 1.6x bfloat16 batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.llm import LLM
+from candelabra.core.text_table import format_table
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"
+
+
+def copy_bandwidth(torch, gib: float = 2.0, repeats: int = 20) -> float:
+    """Bytes a second a device-to-device copy moves, counting what it reads and what it writes."""
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    stop.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(stop) / 1e3 / repeats
+    del source, target
+    return 2 * gib * 2**30 / seconds
+
+
+def weight_bytes_read_per_step(model) -> int:
+    """The bytes of every weight a decode step reads: all uploaded tensors and packed weights of the
+    model but the embedding table, of which a step reads only its tokens' rows."""
+    import torch
+
+    seen, total = {id(model.embed_tokens)}, 0
+    if model.lm_head is model.embed_tokens:  # a tied LM head reads the whole table
+        seen.discard(id(model.embed_tokens))
+    stack = [model.lm_head, model.final_norm, *model.layers]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif hasattr(item, "nbytes") and hasattr(item, "matmul"):
+            total += int(item.nbytes)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__dict__"):
+            stack.extend(vars(item).values())
+    return total
+
+
+def decode_speed(llm: LLM, batch: int, prompt_tokens: int, output_tokens: int, rng) -> float:
+    """Output tokens a second once every request is decoding."""
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{batch}-{i}-{rng.integers(1 << 30)}",
+                           rng.integers(0, vocab, prompt_tokens).tolist(), params)
+    produced = 0
+    while produced < batch:  # prefills, until every request has its first token
+        produced += sum(1 for output in engine.step() if len(output.outputs[0].token_ids) == 1)
+    llm.backend.synchronize()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    llm.backend.synchronize()
+    return batch * (output_tokens - 1) / (time.perf_counter() - start)
+
+
+def time_to_first_token(llm: LLM, prompt_tokens: int, rng) -> float:
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    best = float("inf")
+    for attempt in range(3):  # the first compiles the prefill kernels
+        engine.add_request(f"ttft-{attempt}-{rng.integers(1 << 30)}", rng.integers(0, vocab, prompt_tokens).tolist(),
+                           params)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def candelabra_run(args, quantization: str | None, batches: list[int], rng) -> dict:
+    import torch
+
+    llm = LLM(str(args.config), backend="cuda", dtype="bfloat16", load_format="dummy",
+              dummy_quantization=quantization, kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(4096, args.ttft_prompt),
+              prefill_chunk_size=max(2048, args.ttft_prompt))
+    result = {"weight_bytes": weight_bytes_read_per_step(llm.model)}
+    decode_speed(llm, 1, 16, 8, rng)  # warm-up: kernel compilation, the batch-1 graph
+    result["decode"] = {batch: decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
+                        for batch in batches}
+    if quantization is None:
+        result["ttft"] = time_to_first_token(llm, args.ttft_prompt, rng)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def transformers_speed(args, batches: list[int], rng) -> dict[int, float]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.config)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+    speeds = {}
+    for batch in batches:
+        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (batch, args.prompt_tokens))).cuda()
+
+        generate_seconds(model, ids, 4)  # warm-up
+        short, long = generate_seconds(model, ids, 1), generate_seconds(model, ids, args.output_tokens)
+        speeds[batch] = batch * (args.output_tokens - 1) / (long - short)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return speeds
+
+
+def generate_seconds(model, ids, new_tokens: int) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a folder with a config.json")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--ttft-prompt", type=int, default=2048, help="prompt tokens of the time-to-first-token run")
+    parser.add_argument("--kv-cache-mb", type=float, default=16384)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-int4", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write every number here")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/cuda_decode.py needs a CUDA device; torch sees none")
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth(torch)
+    bf16 = candelabra_run(args, None, args.batches, rng)
+    int4 = None if args.skip_int4 else candelabra_run(args, "Q4_K", [1], rng)
+    reference = {} if args.skip_transformers else transformers_speed(args, args.batches, rng)
+
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name} "
+          f"in bfloat16 reads {bf16['weight_bytes'] / 1e9:.2f} GB of weights a step; "
+          f"{args.prompt_tokens} tokens in, {args.output_tokens} out")
+    rows = []
+    for batch in args.batches:
+        roofline = batch * bandwidth / bf16["weight_bytes"]
+        ours = bf16["decode"][batch]
+        theirs = reference.get(batch)
+        rows.append((batch, f"{ours:.1f}", f"{roofline:.1f}", f"{ours / roofline:.0%}",
+                     f"{theirs:.1f}" if theirs else "-", f"{ours / theirs:.1f}x" if theirs else "-"))
+    print(format_table(("batch", "candelabra tok/s", "roofline tok/s", "of roofline", "transformers tok/s",
+                        "candelabra/transformers"), rows))
+    print(f"time to first token, {args.ttft_prompt}-token prompt: {bf16['ttft'] * 1e3:.0f} ms")
+    if int4:
+        ratio = int4["decode"][1] / bf16["decode"][1]
+        print(f"int4 (Q4_K) batch 1: {int4['decode'][1]:.1f} tok/s, {int4['weight_bytes'] / 1e9:.2f} GB a step; "
+              f"{ratio:.2f}x bfloat16 (goal 1.6x)")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
+                                         "bfloat16": bf16, "int4": int4, "transformers": reference}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
