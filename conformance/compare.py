@@ -31,6 +31,19 @@ OP_NMSE_THRESHOLDS: dict[str, dict[str, float]] = {
 }
 
 
+# At float16 and bfloat16 an output also passes when it meets the limit with the elements that are one
+# unit in the last place off counted as exact, as long as they are at most this share of its elements.
+# That is what a float32 intermediate lying within its own rounding error of a halfway point does: in a
+# few elements it rounds the other way, and in a small output one such element at a large value alone
+# can exceed the limit. From a correct torch backend over hundreds of seeds, gelu_and_mul at one token
+# measured up to 9.6e-7 in bfloat16 against its 1e-7, and 1.3e-8 in float16 against 1e-9, with up to
+# 2.6% of its elements flipped (torch's float32 erf loses bits where gelu is tiny). Rounding twice or
+# accumulating in low precision changes far more: 22% to 73% of the elements in the broken backends of
+# the project's tests.
+ROUNDING_FLIP_SHARE = 0.05
+LOW_PRECISION = ("float16", "bfloat16")
+
+
 def op_threshold(op: str | None, dtype: str) -> float:
     """The NMSE an op's output at `dtype` may show against the exact result rounded once."""
     return OP_NMSE_THRESHOLDS.get(op or "", {}).get(dtype, NMSE_THRESHOLDS[dtype])
@@ -73,6 +86,39 @@ def nmse(output: np.ndarray, reference: np.ndarray) -> float:
     if scale == 0:
         return 0.0 if error == 0 else float("inf")
     return float(error / scale)
+
+
+def ulps_apart(output: np.ndarray, reference: np.ndarray, dtype: str) -> np.ndarray:
+    """How many `dtype` values (float16 or bfloat16) lie between each element of `output` and
+    `reference`, both holding values of that dtype: 0 where equal, 1 for neighbours."""
+    return np.abs(_ordered_bits(output, dtype) - _ordered_bits(reference, dtype))
+
+
+def _ordered_bits(array: np.ndarray, dtype: str) -> np.ndarray:
+    """The dtype's 16-bit patterns as integers in the order of the values they stand for."""
+    array = np.asarray(array, dtype=np.float32)
+    if dtype == "float16":
+        bits = array.astype(np.float16).view(np.int16).astype(np.int64)
+    elif dtype == "bfloat16":
+        bits = array.view(np.int32).astype(np.int64) >> 16
+    else:
+        raise ValueError(f"ulps_apart takes float16 or bfloat16, not {dtype!r}")
+    return np.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def nmse_beside_rounding_flips(output: np.ndarray, reference: np.ndarray, dtype: str) -> float:
+    """NMSE(output, reference), `reference` the exact result rounded once to `dtype`, counting the
+    elements one unit in the last place off as exact while they are at most ROUNDING_FLIP_SHARE of
+    the finite elements; inf when more are."""
+    output, reference = np.asarray(output), np.asarray(reference)
+    if output.shape != reference.shape or not np.array_equal(np.isfinite(output), np.isfinite(reference)):
+        return float("inf")
+    finite = np.isfinite(reference)
+    flipped = np.zeros(reference.shape, dtype=bool)
+    flipped[finite] = ulps_apart(output[finite], reference[finite], dtype) == 1
+    if np.count_nonzero(flipped) > ROUNDING_FLIP_SHARE * np.count_nonzero(finite):
+        return float("inf")
+    return nmse(np.where(flipped, reference, output), reference)
 
 
 def round_to(array: np.ndarray, dtype: str) -> np.ndarray:

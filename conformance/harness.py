@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from candelabra.conformance.compare import nmse, op_threshold, round_to
+from candelabra.conformance.compare import LOW_PRECISION, nmse, nmse_beside_rounding_flips, op_threshold, round_to
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.dtypes import FLOAT_DTYPES
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported
@@ -131,7 +131,10 @@ class Harness:
     def close(self, name: str, output: Any, reference: np.ndarray, threshold: float | None = None) -> None:
         """Require NMSE(output, reference) <= the op's threshold at this dtype (or `threshold`). A
         backend tensor is compared with the reference rounded once to its dtype, which is the exact
-        result a low-precision op can give: what remains is the backend's own arithmetic."""
+        result a low-precision op can give: what remains is the backend's own arithmetic. At float16
+        and bfloat16 an output that is that result but for a few one-ulp rounding flips passes too
+        (`nmse_beside_rounding_flips`)."""
+        dtype = None
         if not isinstance(output, np.ndarray):
             dtype = self._float_dtype(output)
             output = self.host(output)
@@ -140,8 +143,9 @@ class Harness:
         error = nmse(output, reference)
         self.worst_nmse = error if self.worst_nmse is None else max(self.worst_nmse, error)
         limit = self.threshold if threshold is None else threshold
-        if not error <= limit:
-            self.failures.append(f"{name}: NMSE {error:.3g} > {limit:.0e}")
+        if error <= limit or (dtype in LOW_PRECISION and nmse_beside_rounding_flips(output, reference, dtype) <= limit):
+            return
+        self.failures.append(f"{name}: NMSE {error:.3g} > {limit:.0e}")
 
     def equal(self, name: str, output: Any, reference: np.ndarray) -> None:
         output = output if isinstance(output, np.ndarray) else self.host(output)

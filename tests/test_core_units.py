@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from candelabra.backends.cpu import CpuBackend
-from candelabra.conformance.compare import nmse, round_to
+from candelabra.conformance.compare import ROUNDING_FLIP_SHARE, nmse, nmse_beside_rounding_flips, round_to, ulps_apart
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES, OpNotSupported, Ops
 from candelabra.core.models.rope import RopeScaling, cos_sin_table, rope_frequencies
@@ -68,6 +68,39 @@ def test_round_to_bfloat16_rounds_to_nearest_even():
     assert rounded[3] == pytest.approx(3.140625)
     assert np.all(np.abs(rounded - values) <= np.abs(values) * 2**-8)
     assert round_to(values, "float16").dtype == np.float32
+
+
+def _one_ulp_larger(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Each value's neighbour in `dtype` one step away from zero."""
+    if dtype == "float16":
+        halves = values.astype(np.float16)
+        return np.nextafter(halves, np.copysign(np.float16(np.inf), halves)).astype(np.float32)
+    return (values.astype(np.float32).view(np.uint32) + np.uint32(1 << 16)).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_few_one_ulp_rounding_flips_are_forgiven_and_more_are_not(dtype):
+    rng = np.random.default_rng(3)
+    reference = round_to(rng.standard_normal(2000) * 4, dtype)
+    neighbour = _one_ulp_larger(reference, dtype)
+    assert np.all(ulps_apart(neighbour, reference, dtype) == 1)
+    assert np.all(ulps_apart(_one_ulp_larger(neighbour, dtype), reference, dtype) == 2)
+    assert ulps_apart(np.array([0.0, -0.0]), np.array([-0.0, 0.0]), dtype).tolist() == [0, 0]
+
+    largest_first = np.argsort(-np.abs(reference))
+    few = largest_first[: int(ROUNDING_FLIP_SHARE * reference.size)]  # where a flip weighs most
+    flipped = reference.copy()
+    flipped[few] = neighbour[few]
+    assert nmse(flipped, reference) > 1e-7 and nmse_beside_rounding_flips(flipped, reference, dtype) == 0
+
+    many = largest_first[: int(ROUNDING_FLIP_SHARE * reference.size) + 1]
+    flipped[many] = neighbour[many]
+    assert nmse_beside_rounding_flips(flipped, reference, dtype) == math.inf
+
+    two_ulps = reference.copy()
+    two_ulps[few[0]] = _one_ulp_larger(neighbour[few[:1]], dtype)[0]
+    assert nmse_beside_rounding_flips(two_ulps, reference, dtype) == nmse(two_ulps, reference) > 0
+    assert nmse_beside_rounding_flips(reference[:-1], reference, dtype) == math.inf
 
 
 def test_cpu_backend_memory_calls():
