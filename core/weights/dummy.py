@@ -15,7 +15,6 @@ The tokenizer is the folder's own when it has tokenizer files; otherwise a byte-
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 from candelabra.core.weights import Checkpoint, CheckpointError
 from candelabra.core.weights.model_tensors import TensorSpec, model_tensors
+from candelabra.core.weights.safetensors import read_json_object
 
 log = logging.getLogger("candelabra")
 
@@ -56,7 +56,7 @@ class DummyCheckpoint(Checkpoint):
             raise ValueError(f"the dummy weights' seed must be a non-negative integer, not {seed!r}")
         self.seed = seed
         self.quantization = check_dummy_quantization(quantization)
-        self._config = _read_config(config_file)
+        self._config = read_json_object(config_file, "--load-format dummy reads the model's shapes from it")
         self._model_config, self._family = _model_config_and_family(self._config, config_file)
         self._tensors = model_tensors(self._model_config, self._family)
 
@@ -129,18 +129,6 @@ def check_dummy_quantization(quantization: str | None) -> str | None:
         raise ValueError(f"--dummy-quantization {quantization} is not a quantized GGUF format; "
                          f"choose one of {', '.join(GGUF_QUANTIZED_FORMATS)}")
     return quantization.upper()
-
-
-def _read_config(config_file: Path) -> dict:
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CheckpointError(config_file, f"cannot be read: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(config_file, f"is not valid JSON ({' '.join(str(exc).split())})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(config_file, f"holds a JSON {type(config).__name__}, expected an object")
-    return config
 
 
 def _model_config_and_family(config: dict, config_file: Path):
