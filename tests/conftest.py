@@ -22,6 +22,15 @@ def fresh_plugin_discovery():
     installed_plugins.cache_clear()
 
 
+# The cuda kernel tests run their kernels on CPU tensors, which only Triton's interpreter can; each of
+# their modules sets TRITON_INTERPRET=1 unless the environment already says otherwise, so the condition
+# is a string, read when the tests run rather than when this file is imported.
+triton_interpreter_only = pytest.mark.skipif(
+    'os.environ.get("TRITON_INTERPRET") != "1"',
+    reason="the cuda kernel tests run CPU tensors through Triton's interpreter, and TRITON_INTERPRET is not 1 here; "
+           "on a GPU, `candelabra conformance --backend cuda` checks the same kernels")
+
+
 def available_backends() -> list[str]:
     """Every installed backend that can run here, by name, from the plugin registry: tests over
     backends then cover one installed tomorrow too. A backend available only for testing its

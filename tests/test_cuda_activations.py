@@ -10,10 +10,12 @@ import torch  # noqa: E402
 
 from candelabra.backends.cuda.kernels.activations import gelu, gelu_and_mul, silu_and_mul  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
+from conftest import triton_interpreter_only  # noqa: E402
 
 # exp(-x) and exp(2z) overflow to inf for large |x| by design (the formulas take the right limit);
 # the interpreter's numpy says so.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+pytestmark = [triton_interpreter_only,
+              pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # rtol, and atol as a fraction of the reference's largest magnitude (gelu's tail, 1 + tanh(z) for

@@ -14,8 +14,9 @@ from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul
 from candelabra.backends.cuda.quantized import Int4CudaWeight  # noqa: E402
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to  # noqa: E402
 from candelabra.conformance.quantized_weights import random_quantized  # noqa: E402
+from conftest import triton_interpreter_only  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs on CPU tensors, interpreted")
+pytestmark = triton_interpreter_only
 
 FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}

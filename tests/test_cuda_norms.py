@@ -10,6 +10,9 @@ import torch  # noqa: E402
 
 from candelabra.backends.cuda.kernels.norms import add_rms_norm, rms_norm  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
+from conftest import triton_interpreter_only  # noqa: E402
+
+pytestmark = triton_interpreter_only
 
 DTYPES = {"float32": (torch.float32, np.float32), "float16": (torch.float16, np.float16)}
 # rtol, and atol as a fraction of the reference's largest magnitude.

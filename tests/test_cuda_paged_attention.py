@@ -19,6 +19,9 @@ from candelabra.backends.cuda.kernels.paged_attention import (  # noqa: E402
 from candelabra.backends.cuda.step import CudaStep  # noqa: E402
 from candelabra.conformance.oracle import paged_attention as oracle_attention  # noqa: E402
 from candelabra.core.contract.step_metadata import StepMetadata  # noqa: E402
+from conftest import triton_interpreter_only  # noqa: E402
+
+pytestmark = triton_interpreter_only
 
 # Largest error allowed, relative to the largest reference value: float32 is computed exactly
 # (ieee dots); float16 rounds the softmax weights and the output to float16.

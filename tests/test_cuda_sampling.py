@@ -17,6 +17,9 @@ from candelabra.conformance import oracle  # noqa: E402
 from candelabra.conformance.compare import nmse  # noqa: E402
 from candelabra.conformance.op_cases import CDF_TOLERANCE  # noqa: E402
 from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists  # noqa: E402
+from conftest import triton_interpreter_only  # noqa: E402
+
+pytestmark = triton_interpreter_only
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "bias")
