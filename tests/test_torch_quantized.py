@@ -65,17 +65,13 @@ def test_int8_rows_round_to_the_nearest_step():
     assert np.all(error <= scales[:, None] * (0.5 + 1e-5))
 
 
-# 1 to 17 rows go through the weight-only kernels; 40 and 70 through dense slices, in one slice, or in
-# several when the scratch buffer is made smaller than the weight.
-ROWS_AND_SCRATCH = [(1, None), (3, None), (17, None), (20, 512 * 7), (40, None), (70, 512 * 7)]
-
-
+# An int4 weight: 1 to 17 rows through the weight-only kernel, 130 through a dense rebuild, in one
+# slice or (a smaller slice size) in several.
 @pytest.mark.parametrize("format", sorted(INT4_FORMATS))
-@pytest.mark.parametrize("rows, scratch", ROWS_AND_SCRATCH)
-def test_int4_matmul_matches_the_float64_oracle(format, rows, scratch, monkeypatch):
-    if scratch:
-        monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
-        monkeypatch.setattr(quantized, "SLICE_ELEMENTS", scratch)
+@pytest.mark.parametrize("rows, slice_elements", [(1, None), (3, None), (17, None), (130, None), (130, 512 * 7)])
+def test_int4_matmul_matches_the_float64_oracle(format, rows, slice_elements, monkeypatch):
+    if slice_elements:
+        monkeypatch.setattr(quantized, "INT4_SLICE_ELEMENTS", slice_elements)
     rng = np.random.default_rng(4)
     weight = random_quantized(rng, format, 40, 512)  # 40 output rows: not whole tiles of 16
     kept = Int4Weight.from_groups(*int4_groupwise(weight), torch.bfloat16)
@@ -85,11 +81,17 @@ def test_int4_matmul_matches_the_float64_oracle(format, rows, scratch, monkeypat
     assert nmse(out, oracle(x, weight.dequantize())) < MATMUL_NMSE
 
 
-@pytest.mark.parametrize("rows, scratch", ROWS_AND_SCRATCH)
-def test_int8_matmul_matches_the_float64_oracle(rows, scratch, monkeypatch):
-    if scratch:
-        monkeypatch.setattr(quantized, "SCRATCH_ELEMENTS", scratch)
-        monkeypatch.setattr(quantized, "SLICE_ELEMENTS", scratch)
+# An int8 weight: 1 and 3 rows through the weight-only kernel; 8, 17 and 40 through x split into int8
+# parts, its products in one slice of columns or (a smaller slice size) in several; 70 through dense
+# slices, in one or, with a scratch buffer smaller than the weight, in several.
+INT8_PATHS = [(1, {}), (3, {}), (8, {}), (17, {}), (40, {"PRODUCT_SLICE_ELEMENTS": 40 * 16}),
+              (70, {}), (70, {"SCRATCH_ELEMENTS": 512 * 7, "SLICE_ELEMENTS": 512 * 7})]
+
+
+@pytest.mark.parametrize("rows, settings", INT8_PATHS)
+def test_int8_matmul_matches_the_float64_oracle(rows, settings, monkeypatch):
+    for name, value in settings.items():
+        monkeypatch.setattr(quantized, name, value)
     rng = np.random.default_rng(5)
     weight = random_quantized(rng, "Q8_0", 40, 512).dequantize()
     kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)
@@ -97,6 +99,25 @@ def test_int8_matmul_matches_the_float64_oracle(rows, scratch, monkeypatch):
     out = kept.matmul(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
     assert nmse(out, oracle(x, weight)) < MATMUL_NMSE
+
+
+def test_int8_activations_keep_small_values_beside_outliers():
+    """Qwen's activations have a few channels 100 times the rest: one int8 step per row would round
+    most values to nothing; the second part keeps them, to about bfloat16's own precision."""
+    rng = np.random.default_rng(13)
+    weight = rng.standard_normal((48, 512)).astype(np.float32)
+    kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)
+    x = rng.standard_normal((quantized.INT8_ACTIVATIONS_FROM_ROWS, 512))
+    x[:, [3, 200]] *= 300
+    x = torch.from_numpy(x).to(torch.bfloat16)
+    as_kept = (kept.values.double() * kept.scales.double()[:, None]).numpy()
+    reference = oracle(x, as_kept)
+    split = nmse(kept.matmul(x), reference)
+    bfloat16_rounding = nmse(torch.from_numpy(reference).to(torch.bfloat16), reference)
+    assert split < 2 * bfloat16_rounding
+    step = x.double().abs().amax(1, keepdim=True) / 127
+    first_part_only = torch.round(x.double() / step) * step
+    assert nmse(first_part_only @ torch.from_numpy(as_kept).T, reference) > 100 * split
 
 
 @pytest.mark.parametrize("format", ["Q4_K", "Q6_K"])

@@ -36,15 +36,27 @@ INT8_NMSE_BUDGET = 3e-4
 # times slower than a dense matmul of the same dtype (torch 2.13, AVX-512 BF16 CPU, 1 and 16 rows).
 QUANTIZED_COMPUTE_DTYPES = frozenset({torch.bfloat16})
 # The weight-only kernels multiply row by row: their time grows with every row of x, while a dense
-# bfloat16 GEMM's barely does. From this many rows on, rebuilding the weight densely, a slice at a
-# time, and multiplying by that is faster (torch 2.13, 2 cores, AVX-512 BF16, medians): int8 against
-# rebuilt at 32 rows, 9728 x 896 5.4 / 4.0 ms, 896 x 4864 2.3 / 1.7; at 16 rows 2.8 / 2.7 and
-# 1.1 / 1.3. An int4 weight's rebuild costs more (three float32 passes), and pays from 32 rows too.
-DENSE_FROM_ROWS = 32
-# A weight larger than the scratch buffer (an LM head) no longer stays in the cache between the int8
-# kernel's rows, so rebuilding pays much earlier: 151936 x 896 at 12 rows 47 / 37 ms, 16 rows 65 / 41,
-# 64 rows 260 / 79; at 8 rows 34 / 35.
-LARGE_DENSE_FROM_ROWS = 12
+# bfloat16 GEMM's barely does. From this many rows on an int4 weight is rebuilt densely and multiplied by
+# that, INT4_SLICE_ELEMENTS at a time: the rebuild makes float32 temporaries that must stay in the cache.
+# Medians on 2 cores with AMX, ms, int4 kernel / rebuilt in slices of 1 Mi elements (whole):
+#   896 x 4864   64 rows 3.03 / - (7.1), 128 rows 6.04 / 5.88 (7.1), 512 rows - / 8.2
+#   9728 x 896  128 rows 12.4 / 11.0 (35), 512 rows - / 14.7
+INT4_DENSE_FROM_ROWS = 128
+INT4_SLICE_ELEMENTS = 2**20
+# An int8 weight multiplies x split into two int8 parts (`_int8_activation_matmul`) from
+# INT8_ACTIVATIONS_FROM_ROWS rows, and a dense rebuild from INT8_DENSE_FROM_ROWS. torch._int_mm runs on the
+# int8 dot-product units (AMX or VNNI) and reads the weight once for all rows, where the int8 kernel reads
+# it again for each; from 64 rows bfloat16 GEMMs on a rebuilt weight win. Medians on 2 cores with AMX, ms,
+# int8 kernel / split x / rebuilt:
+#   9728 x 896 (gate and up)  4 rows 0.42 / 0.55 / -, 8 rows 0.84 / 0.74 / 1.76, 16 rows 1.71 / 0.82 / 1.46,
+#                             32 rows - / 1.15 / 1.68, 64 rows 6.7 / 1.82 / 1.95, 128 rows - / 4.05 / 2.72
+#   896 x 4864 (down)         8 rows 0.38 / 0.43 / 0.67, 32 rows - / 0.68 / 0.75, 64 rows 2.96 / 1.19 / 0.99
+#   151936 x 896 (LM head)    8 rows 21 / 13.8 / 29, 32 rows - / 26 / 34, 64 rows 170 / 39 / 41
+INT8_ACTIVATIONS_FROM_ROWS = 8
+INT8_DENSE_FROM_ROWS = 64
+# The int32 products of a wide weight are made and scaled a slice of output columns at a time, so that
+# each slice is still in the cache when it is scaled (an LM head's products for 64 rows are 78 MB).
+PRODUCT_SLICE_ELEMENTS = 2**19
 # With a dense copy kept beside the quantized weight (keep_quantized's dense_copy), batches of this
 # many rows or more multiply by it: at 16 rows 0.6 ms against int8's 0.9 for a 4864 x 896 weight.
 DENSE_COPY_FROM_ROWS = 8
@@ -143,7 +155,7 @@ class Int4Weight:
     """A [N, K] weight as int4 groups of 32 with a scale and a zero each, for x @ W.T on a CPU.
 
     Besides torch's packed layout it keeps the nibbles two to a byte in row order, from which a dense
-    copy is rebuilt for a batch of DENSE_FROM_ROWS rows or more.
+    copy is rebuilt for a batch of INT4_DENSE_FROM_ROWS rows or more.
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int],
@@ -190,8 +202,8 @@ class Int4Weight:
         rows = _rows(x)
         if self.dense_copy is not None and rows >= DENSE_COPY_FROM_ROWS:
             return torch.nn.functional.linear(x, self.dense_copy)
-        if rows >= DENSE_FROM_ROWS:
-            return _dense_matmul(x, self.shape, lambda start, stop, _out: self.dense(start, stop))
+        if rows >= INT4_DENSE_FROM_ROWS:
+            return _dense_matmul(x, self.shape, lambda start, stop, _out: self.dense(start, stop), INT4_SLICE_ELEMENTS)
         out = _rows_at_once(x, lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros))
         rows = self.shape[0]
@@ -234,19 +246,59 @@ class Int8Weight:
         rows = _rows(x)
         if self.dense_copy is not None and rows >= DENSE_COPY_FROM_ROWS:
             return torch.nn.functional.linear(x, self.dense_copy)
-        if rows >= (DENSE_FROM_ROWS if self.values.numel() <= SCRATCH_ELEMENTS else LARGE_DENSE_FROM_ROWS):
+        if rows >= INT8_DENSE_FROM_ROWS:
             # int8 values are exact in bfloat16, so the slices are the values alone, and the row
             # scales are applied to the product, as the int8 kernel applies them
             product = _dense_matmul(x, self.shape, lambda start, stop, out: out.copy_(self.values[start:stop]))
             return product.mul_(self.scales)
+        if rows >= INT8_ACTIVATIONS_FROM_ROWS:
+            return _rows_at_once(x, lambda rows: _int8_activation_matmul(rows, self.values, self.scales))
         return _rows_at_once(x, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, self.values, self.scales))
 
 
-def _dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild) -> torch.Tensor:
+def _int8_activation_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (values * scales[:, None]).T in x's dtype, on int8 dot products.
+
+    Each row of x is split into two int8 parts, x = a * s_a + b * s_b: a rounds x to 127 steps of its
+    largest |value|, b rounds what a left over, so x is carried to within 1/64516 of that largest value,
+    finer than bfloat16 rounds any value above 1/128 of it. Both parts multiply the weight in int32,
+    exactly, in one torch._int_mm of 2M rows."""
+    rows = x.shape[0]
+    parts, part_scales = _split_into_int8_parts(x.float())
+    out = torch.empty(rows, values.shape[0], dtype=x.dtype)
+    step = max(INT8_COLUMN_STEP, PRODUCT_SLICE_ELEMENTS // (2 * rows) // INT8_COLUMN_STEP * INT8_COLUMN_STEP)
+    for start in range(0, values.shape[0], step):
+        stop = min(values.shape[0], start + step)
+        product = torch._int_mm(parts, values[start:stop].T).float().mul_(part_scales)
+        torch.add(product[:rows], product[rows:], out=product[:rows])
+        out[:, start:stop] = product[:rows].mul_(scales[start:stop].float())
+    return out
+
+
+def _split_into_int8_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x [M, K] to int8 parts [2M, K] (the rounded rows, then what they left over) and their
+    scales float32 [2M, 1]."""
+    first, first_scale = _int8_rows(x)
+    remainder = x.sub_(first * first_scale)
+    second, second_scale = _int8_rows(remainder)
+    return torch.cat([first, second]).to(torch.int8), torch.cat([first_scale, second_scale])
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded per row to integers in [-127, 127] (as float32) and the row scales [M, 1]."""
+    scale = x.abs().amax(dim=1, keepdim=True).div_(127)
+    scale = torch.where(scale > 0, scale, 1.0)
+    return torch.round(x / scale), scale
+
+
+def _dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild, slice_elements: int | None = None) -> torch.Tensor:
     """x @ W.T through dense slices of W: `rebuild(start, stop, out)` gives rows start:stop of W,
-    written into `out` (a slice of this thread's scratch buffer) where it can."""
+    written into `out` (a slice of this thread's scratch buffer) where it can. Slices of
+    `slice_elements`, else the whole weight where it fits the scratch buffer."""
     rows, columns = shape
-    step = rows if rows * columns <= SCRATCH_ELEMENTS else max(1, SLICE_ELEMENTS // columns)
+    if slice_elements is None:
+        slice_elements = rows * columns if rows * columns <= SCRATCH_ELEMENTS else SLICE_ELEMENTS
+    step = max(1, slice_elements // columns)
     scratch = _scratch(x.dtype)
 
     def dense(start: int, stop: int) -> torch.Tensor:
