@@ -1,6 +1,7 @@
 """Streaming through the async engine: concurrent consumers, deltas, and aborts on disconnect."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -81,3 +82,42 @@ def test_a_bad_request_fails_its_caller_only(llm):
         assert asyncio.run(main()).finished
     finally:
         engine.shutdown()
+
+
+def test_an_engine_given_as_a_builder_is_built_and_stepped_on_the_engine_thread(tmp_path):
+    write_tiny_checkpoint(tmp_path, seed=9)
+    threads = {}
+    llms = []
+
+    def build():
+        threads["built"] = threading.get_ident()
+        llms.append(LLM(tmp_path, backend="cpu", kvcache_mem_gpu=4, kvcache_mem_cpu=0))
+        step = llms[0].engine.core.step
+
+        def recorded_step():
+            threads.setdefault("stepped", threading.get_ident())
+            return step()
+
+        llms[0].engine.core.step = recorded_step
+        return llms[0].engine
+
+    engine = AsyncEngine(build)
+
+    async def generate():
+        return [output async for output in engine.generate("built", PROMPTS[0], GREEDY)]
+
+    try:
+        outputs = asyncio.run(generate())
+    finally:
+        engine.shutdown()
+    expected = llms[0].generate([PROMPTS[0]], GREEDY, progress=False)[0].outputs[0].token_ids
+    assert sum((o.outputs[0].delta_token_ids for o in outputs), []) == expected
+    assert threads["built"] == threads["stepped"] == engine._thread.ident != threading.get_ident()
+
+
+def test_a_builder_that_fails_raises_its_error_in_the_constructor():
+    def build():
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        AsyncEngine(build)

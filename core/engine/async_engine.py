@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from candelabra.core.engine.engine import LLMEngine, RequestOutput
 from candelabra.core.engine.output_processor import OutputProcessor
@@ -67,8 +67,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine, self.core = engine, engine.core
+    """Steps an LLMEngine on a thread of its own. Given a function that builds the engine instead,
+    the thread builds it first (the constructor waits, and raises what building raised), so that
+    loading the model and stepping it happen on one thread: a CPU backend's OpenMP runtime keeps a
+    team of worker threads for each thread that runs parallel work, and with two teams on a machine
+    with as many cores as one team has threads, libgomp stops spinning between ops and parks its
+    workers instead (the default model's decode step took 64 ms instead of 46 on 2 cores)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         self._commands: collections.deque = collections.deque()
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -76,8 +82,31 @@ class AsyncEngine:
         self._adds_handed, self._adds_taken = 0, 0
         self._counts = (0, 0)  # running and waiting requests, published by the engine thread
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
+        if isinstance(engine, LLMEngine):
+            self.engine, self.core = engine, engine.core
+            self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
+            self._thread.start()
+            return
+        built = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._build_then_loop, args=(engine, built, failure),
+                                        name="candelabra-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
+
+    def _build_then_loop(self, build: Callable[[], LLMEngine], built: threading.Event,
+                         failure: list[BaseException]) -> None:
+        try:
+            engine = build()
+            self.engine, self.core = engine, engine.core
+        except BaseException as exc:  # noqa: BLE001 - raised again on the constructing thread
+            failure.append(exc)
+            return
+        finally:
+            built.set()
+        self._loop()
 
     @property
     def alive(self) -> bool:

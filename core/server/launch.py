@@ -222,13 +222,20 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                       "prefill_chunk_size": args.prefill_chunk_size,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
                       "max_gen_tokens": args.max_gen_tokens, "seed": args.seed}
-    llm = LLM(checkpoint, backend=backend, device=Device.parse_ids(args.device_ids),
-              dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
-              kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
-              kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction, kvcache_mem_cpu=args.kvcache_mem_cpu,
-              model_type=args.model_type, eager_steps=args.disable_cuda_graph, **engine_options)
+    loaded: list[LLM] = []
+
+    def load_model():
+        loaded.append(LLM(checkpoint, backend=backend, device=Device.parse_ids(args.device_ids),
+                          dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
+                          kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
+                          kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction,
+                          kvcache_mem_cpu=args.kvcache_mem_cpu, model_type=args.model_type,
+                          eager_steps=args.disable_cuda_graph, **engine_options))
+        return loaded[0].engine
+
+    engine = AsyncEngine(load_model)  # loaded on the thread that will step it
+    llm = loaded[0]
     name = args.served_model_name or _model_name(args, llm.checkpoint)
-    engine = AsyncEngine(llm.engine)
     recommended = recommended_sampling(llm.checkpoint) if args.generation_config == "auto" else {}
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
              "repetition_penalty": args.penalty}
