@@ -92,6 +92,7 @@ class LLM:
         self.backend = backend_cls() if device is None else backend_cls(device)
         self.backend.eager_steps = eager_steps
         self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
+        checkpoint.release_pages()
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)
         config = EngineConfig(**engine_options)

@@ -96,6 +96,23 @@ def peak_allocation(limit: int):
     assert peak < limit, f"allocated {peak} bytes at peak, limit {limit}"
 
 
+needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+
+
+def mapped_resident_kib(path) -> int:
+    """KiB of the file `path`'s mapped pages resident in this process, from /proc/self/smaps."""
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields[0].endswith(":"):
+                if inside and fields[0] == "Rss:":
+                    resident += int(fields[1])
+            else:  # a mapping's first line: address range, permissions, offset, device, inode, path
+                inside = len(fields) >= 6 and fields[5] == str(path)
+    return resident
+
+
 def make_distribution(root: Path, name: str, modules: dict[str, str], entry_points: dict[str, str]) -> Path:
     """A minimal installed distribution under `root` (a dist-info folder next to its modules),
     found by importlib.metadata once `root` is on sys.path."""

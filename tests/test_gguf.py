@@ -39,7 +39,7 @@ from candelabra.core.weights import CheckpointError, default_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.weights.gguf_config import ARCHITECTURES
 from candelabra.core.weights.gguf_tensors import LAYOUTS
-from conftest import hang_guard, peak_allocation
+from conftest import hang_guard, mapped_resident_kib, needs_smaps, peak_allocation
 
 # ---------------------------------------------------------------------------------------------
 # Writing GGUF files
@@ -731,3 +731,16 @@ def test_gemma3_270m_norms_come_back_as_the_bfloat16_weights_they_were(gemma3_27
             total += loaded.size
     assert exact == total
     assert stored_exact < 0.8 * total
+
+
+
+@needs_smaps
+def test_released_pages_leave_resident_memory_and_load_again(converted):
+    model, path, _ = converted("qwen2")
+    with GGUFCheckpoint(path) as checkpoint:
+        first = {name: checkpoint.load(name) for name in checkpoint.tensor_names()}
+        assert mapped_resident_kib(path.resolve()) > 0
+        checkpoint.release_pages()
+        assert mapped_resident_kib(path.resolve()) == 0
+        for name, values in first.items():
+            np.testing.assert_array_equal(checkpoint.load(name), values, err_msg=name)

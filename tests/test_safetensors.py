@@ -10,7 +10,7 @@ import pytest
 
 from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from conftest import peak_allocation
+from conftest import mapped_resident_kib, needs_smaps, peak_allocation
 
 CONFIG = {"model_type": "llama", "hidden_size": 4}
 
@@ -60,6 +60,20 @@ def test_tiny_model_loads_as_saved(tiny_models, kind):
             assert loaded.dtype == np.float32
             np.testing.assert_array_equal(loaded, tensor.float().numpy(), err_msg=name)
         assert checkpoint.tokenizer_files() == {"pretrained_model_name_or_path": str(folder)}
+
+
+@needs_smaps
+def test_released_pages_leave_resident_memory_and_load_again(tiny_models):
+    folder, state_dict = tiny_models["sharded"]
+    shards = sorted(folder.resolve().glob("*.safetensors"))
+    with SafetensorsCheckpoint(folder) as checkpoint:
+        for name in state_dict:
+            checkpoint.load(name)
+        assert all(mapped_resident_kib(shard) > 0 for shard in shards)
+        checkpoint.release_pages()
+        assert sum(mapped_resident_kib(shard) for shard in shards) == 0
+        for name, tensor in state_dict.items():
+            np.testing.assert_array_equal(checkpoint.load(name), tensor.float().numpy(), err_msg=name)
 
 
 def test_sharded_model_really_has_an_index_and_shards(tiny_models):

@@ -185,3 +185,19 @@ def test_a_dense_copies_value_that_says_neither_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(DENSE_COPIES_VARIABLE, "maybe")
     with pytest.raises(ValueError, match=f"{DENSE_COPIES_VARIABLE}='maybe'"):
         TorchBackend()
+
+
+def test_memory_freed_while_loading_goes_back_to_the_os_at_warm_up():
+    import psutil
+
+    from candelabra.backends.torch.host_memory import keep_freed_memory_for_reuse
+
+    backend = TorchBackend()
+    if not keep_freed_memory_for_reuse():
+        pytest.skip("the C library is not glibc: no mallopt, no malloc_trim")
+    # 24 MiB blocks sit under the raised mmap threshold: freed, they stay in the heap
+    blocks = [torch.ones(6 * 2**20, dtype=torch.float32) for _ in range(8)]
+    del blocks
+    kept = psutil.Process().memory_info().rss
+    backend.step_executor(model=None).warm_up([], max_num_seqs=1)
+    assert psutil.Process().memory_info().rss < kept - 100 * 2**20

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
-from candelabra.backends.torch.host_memory import keep_freed_memory_for_reuse
+from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.executor import StepExecutor, StepInputs
@@ -258,6 +258,12 @@ class TorchStepExecutor(StepExecutor):
     def __init__(self, backend: Any, model: Any) -> None:
         super().__init__(backend, model)
         self._configured = threading.local()
+
+    def warm_up(self, caches: list[KVCache], max_num_seqs: int) -> None:
+        """The model is loaded and the caches allocated: what loading freed goes back to the OS
+        (freed memory is otherwise kept for the steps' temporaries, on a CPU)."""
+        if self.backend.torch_device.type == "cpu":
+            give_freed_memory_back()
 
     def run(self, inputs: StepInputs, caches: list[KVCache]):
         if not getattr(self._configured, "threads", False):

@@ -21,6 +21,20 @@ TOP_PAD = 64 * 2**20
 TRIM_THRESHOLD = 2**31 - 1  # never give the top of the heap back
 
 
+def give_freed_memory_back() -> bool:
+    """Return the heap's free memory to the OS now (glibc's malloc_trim); False where there is no
+    malloc_trim. Loading a model frees far more than a step needs again: 440 MB for the default model."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    if trim is None:
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
+
+
 def keep_freed_memory_for_reuse() -> bool:
     """Tune glibc's malloc as above; False where the C library is not glibc (macOS, musl)."""
     name = ctypes.util.find_library("c")

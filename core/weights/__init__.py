@@ -67,6 +67,12 @@ class Checkpoint(abc.ABC):
     def close(self) -> None:
         """Release open files and memory maps."""
 
+    def release_pages(self) -> None:
+        """Drop the pages of mapped files that reading tensors brought into this process's memory
+        (they stay in the OS's page cache); a later read maps them in again. Called once the model
+        is loaded: the backend holds its own copies, and a mapped GGUF file otherwise stays in the
+        server's resident memory, 480 MB of it for the default model."""
+
     def __enter__(self):
         return self
 

@@ -96,5 +96,8 @@ class GGUFCheckpoint(Checkpoint):
     def tokenizer_files(self) -> dict:
         return {"pretrained_model_name_or_path": str(self.path.parent), "gguf_file": self.path.name}
 
+    def release_pages(self) -> None:
+        self._file.release_pages()
+
     def close(self) -> None:
         self._file.close()

@@ -148,6 +148,10 @@ class GGUFFile:
         raw = np.frombuffer(self._mapped.map, dtype=np.uint8, count=count, offset=begin)
         return raw.reshape(stop - start, info.row_bytes)
 
+    def release_pages(self) -> None:
+        if self._mapped is not None:
+            self._mapped.release_pages()
+
     def close(self) -> None:
         if self._mapped is not None:
             self._mapped.close()

@@ -24,6 +24,11 @@ class MappedFile:
     def holds(self, end: int) -> bool:
         return self.map is not None and end <= min(len(self.map), os.fstat(self._file.fileno()).st_size)
 
+    def release_pages(self) -> None:
+        """Unmap the pages read so far from this process's memory; the map stays usable."""
+        if self.map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         if self.map is not None:
             self.map.close()

@@ -87,6 +87,10 @@ class SafetensorsFile:
                 raise CheckpointError(self.path, f"cannot be memory-mapped: {one_line(error)}") from None
         return self._mapped
 
+    def release_pages(self) -> None:
+        if self._mapped is not None:
+            self._mapped.release_pages()
+
     def close(self) -> None:
         if self._mapped is not None:
             self._mapped.close()
@@ -264,6 +268,10 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def tokenizer_files(self) -> dict:
         return {"pretrained_model_name_or_path": str(self.folder)}
+
+    def release_pages(self) -> None:
+        for file in self._files:
+            file.release_pages()
 
     def close(self) -> None:
         for file in self._files:
