@@ -11,8 +11,9 @@ server one warm-up request. Then, for each number of clients and each server in 
 --prompts-per-client, 8) streaming completions arrive at once with at most `clients` in flight, each of
 --input-words random common words in and exactly --output-len tokens out; both servers get the same prompts.
 It prints, per number of clients, output tokens per second and the median time to first token of both servers
-and their ratio (candelabra/peer), then the resident memory (RSS) after the load of our server and, with
---peer-pid, of the peer, each with its child processes. The server it started is stopped in every case.
+and their ratio (candelabra/peer), then the resident memory (RSS) of our server and, with --peer-pid, of the
+peer, each with its child processes: after the last load, and the highest seen during any load (sampled every
+0.1 s). The server it started is stopped in every case.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ from candelabra.core.clients.connection import (
 from candelabra.core.clients.sse_client import ServerError
 from candelabra.core.text_table import format_table
 
+PEAK_SAMPLE_SECONDS = 0.1
 MIN_PROMPTS = 8  # so that a median at one client is not taken over two requests
 STOP_TIMEOUT = 30.0
 LOG_TAIL_LINES = 20
@@ -138,7 +141,7 @@ def main() -> int:
     print(f"load: completions of {args.input_words} words in and {args.output_len} tokens out, all arriving at "
           "once, at most `clients` in flight")
     print(format_table(table_headers(args.peer_name, peer is not None), [table_row(level) for level in levels]))
-    memory = memory_comparison(levels[-1])
+    memory = memory_comparison(levels)
     print(memory_line(memory, args.peer_name))
     if args.json:
         write_json(args.json, args, ours, peer, backend, levels, memory)
@@ -234,10 +237,14 @@ def measure_levels(ours: Server, peer: Server | None, server_pid: int, args: arg
     levels, first = [], 1
     for clients, count in zip(args.clients, counts, strict=True):
         level_prompts, first = prompts[first:first + count], first + count
-        level = {"clients": clients, "num_prompts": count, "peer": None, "peer_rss_bytes": None}
+        level = {"clients": clients, "num_prompts": count, "peer": None, "peer_rss_bytes": None,
+                 "peer_peak_rss_bytes": None}
+        pids = {"candelabra": server_pid, "peer": args.peer_pid}
         for key, server in servers.items():
             print(f"{server.label}: {count} requests, at most {clients} in flight", file=sys.stderr)
-            level[key] = run_load(server, level_prompts, clients, args.output_len)
+            with PeakMemory(pids[key]) as peak:
+                level[key] = run_load(server, level_prompts, clients, args.output_len)
+            level[f"{key}_peak_rss_bytes"] = peak.bytes
         level["candelabra_rss_bytes"] = resident_memory(server_pid)
         if args.peer_pid is not None:
             level["peer_rss_bytes"] = resident_memory(args.peer_pid)
@@ -265,6 +272,34 @@ def run_load(server: Server, prompts: list[str], clients: int, output_len: int) 
     results, duration = asyncio.run(benchmark(server.completions_url, server.headers, bodies, arrivals, 0, clients,
                                               sys.stderr.isatty()))
     return summarize(results, duration)
+
+
+class PeakMemory:
+    """The most resident memory of process `pid` (with its descendants) seen while the block runs,
+    sampled every PEAK_SAMPLE_SECONDS; None for no pid."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.bytes = pid, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        if self.pid is not None:
+            self.bytes = resident_memory(self.pid)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pid is not None:
+            self._done.set()
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._done.wait(PEAK_SAMPLE_SECONDS):
+            try:
+                self.bytes = max(self.bytes, resident_memory(self.pid))
+            except BenchFailed:  # the process ended; the load reports why
+                return
 
 
 def resident_memory(pid: int) -> int:
@@ -310,17 +345,25 @@ def number(value: float | None, decimals: int = 1) -> str:
     return "-" if value is None else f"{value:.{decimals}f}"
 
 
-def memory_comparison(last_level: dict) -> dict:
-    ours, theirs = last_level["candelabra_rss_bytes"], last_level["peer_rss_bytes"]
-    return {"candelabra_rss_bytes": ours, "peer_rss_bytes": theirs, "ratio": ratio(ours, theirs)}
+def memory_comparison(levels: list[dict]) -> dict:
+    ours, theirs = levels[-1]["candelabra_rss_bytes"], levels[-1]["peer_rss_bytes"]
+    our_peak = max(level["candelabra_peak_rss_bytes"] for level in levels)
+    peer_peaks = [level["peer_peak_rss_bytes"] for level in levels if level["peer_peak_rss_bytes"] is not None]
+    their_peak = max(peer_peaks) if peer_peaks else None
+    return {"candelabra_rss_bytes": ours, "peer_rss_bytes": theirs, "ratio": ratio(ours, theirs),
+            "candelabra_peak_rss_bytes": our_peak, "peer_peak_rss_bytes": their_peak,
+            "peak_ratio": ratio(our_peak, their_peak)}
 
 
 def memory_line(memory: dict, peer_name: str) -> str:
-    line = f"resident memory after the load: candelabra {mebibytes(memory['candelabra_rss_bytes'])}"
-    if memory["peer_rss_bytes"] is None:
-        return line
-    return (f"{line}, {peer_name} {mebibytes(memory['peer_rss_bytes'])}, "
-            f"candelabra/{peer_name} {number(memory['ratio'], 2)}")
+    after = f"candelabra {mebibytes(memory['candelabra_rss_bytes'])}"
+    peak = f"candelabra {mebibytes(memory['candelabra_peak_rss_bytes'])}"
+    if memory["peer_rss_bytes"] is not None:
+        after += (f", {peer_name} {mebibytes(memory['peer_rss_bytes'])}, "
+                  f"candelabra/{peer_name} {number(memory['ratio'], 2)}")
+        peak += (f", {peer_name} {mebibytes(memory['peer_peak_rss_bytes'])}, "
+                 f"candelabra/{peer_name} {number(memory['peak_ratio'], 2)}")
+    return f"resident memory after the load: {after}\nat its highest during the load: {peak}"
 
 
 def mebibytes(size: int) -> str:

@@ -94,6 +94,22 @@ def test_a_tied_lm_head_is_the_embedding_tensor_itself():
     assert other is not embedding and torch.equal(other, embedding)
 
 
+@pytest.mark.parametrize("format, dtype, kept", [("Q8_0", "bfloat16", Int8Weight), ("Q4_K", "bfloat16", Int4Weight),
+                                                  ("Q8_0", "float32", torch.Tensor)])
+def test_a_quantized_embedding_is_kept_as_the_linear_weights_are_and_shared_with_a_tied_lm_head(format, dtype, kept):
+    backend = TorchBackend()
+    assert WeightRole.EMBEDDING in backend.quantized_roles
+    table = random_quantized(np.random.default_rng(5), format, 48, 256)
+    embedding = backend.upload_weight("model.embed_tokens.weight", WeightRole.EMBEDDING, table, dtype)
+    assert isinstance(embedding, kept)
+    assert backend.upload_weight("model.embed_tokens.weight", WeightRole.LM_HEAD, table, dtype) is embedding
+    ids = torch.tensor([[3, 47, 0], [3, 12, 9]])
+    rows = backend.ops.embedding(ids, embedding).float().numpy()
+    dequantized = table.dequantize()[ids.numpy()]
+    assert rows.shape == (2, 3, 256)
+    assert np.sum(np.square(rows - dequantized)) / np.sum(np.square(dequantized)) < 3e-4
+
+
 def test_fetch_from_device_memory_packs_every_result_into_one_copy():
     """The packing a device with memory of its own uses, run on CPU tensors: every dtype and shape
     comes back as `to_host` gives it."""

@@ -120,6 +120,15 @@ def test_int8_activations_keep_small_values_beside_outliers():
     assert nmse(first_part_only @ torch.from_numpy(as_kept).T, reference) > 100 * split
 
 
+@pytest.mark.parametrize("format", ["Q4_1", "Q4_K", "Q5_0", "Q6_K"])
+def test_rows_are_the_dense_weights_rows(format):
+    kept = keep_quantized(random_quantized(np.random.default_rng(14), format, 40, 256), torch.bfloat16)
+    ids = torch.tensor([[39, 0, 7], [7, 7, 21]])
+    rows = kept.rows(ids)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2, 3, 256)
+    assert torch.equal(rows, kept.dense()[ids])
+
+
 @pytest.mark.parametrize("format", ["Q4_K", "Q6_K"])
 def test_matmul_keeps_leading_dims(format):
     rng = np.random.default_rng(6)

@@ -16,7 +16,7 @@ from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, t
 from candelabra.core.contract.backend import Probe
 from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.step_metadata import StepMetadata
-from candelabra.core.contract.weights import QuantizedTensor
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor
 
 log = logging.getLogger("candelabra")
 
@@ -26,6 +26,7 @@ INTERPRETER_DTYPES = ("float32", "float16")
 
 class CudaBackend(TorchBackend):
     name = "cuda"
+    quantized_roles = QUANTIZABLE_ROLES  # its embedding op reads a dense table
     device_type = "cpu" if interpreting() else "cuda"
     dtypes = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
 

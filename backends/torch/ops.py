@@ -23,7 +23,7 @@ class TorchOps(Ops):
         self.device = device
 
     def embedding(self, ids, table, scale=None):
-        rows = F.embedding(ids, table)
+        rows = table.rows(ids) if isinstance(table, QUANTIZED_WEIGHTS) else F.embedding(ids, table)
         return rows * scale if scale is not None else rows
 
     def gather_rows(self, x, rows):

@@ -190,10 +190,19 @@ class Int4Weight:
     def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop of the weight's values [stop - start, K] in the compute dtype."""
         pairs = self.nibble_pairs[start:stop]
+        return self._values(pairs, self.scales_and_zeros[:, start:start + pairs.shape[0]])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [..., K] in the compute dtype (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        values = self._values(self.nibble_pairs.index_select(0, flat), self.scales_and_zeros.index_select(1, flat))
+        return values.reshape(*ids.shape, self.shape[1])
+
+    def _values(self, pairs: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         rows, columns = pairs.shape[0], self.shape[1]
         nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(rows, -1, INT4_GROUP_SIZE)
         # in float32: a zero point cancels most of (q - 8) * scale, which bfloat16 arithmetic would blur
-        groups = self.scales_and_zeros[:, start:start + rows].transpose(0, 1).float()
+        groups = scales_and_zeros.transpose(0, 1).float()
         values = (nibbles.float() - 8) * groups[..., 0:1] + groups[..., 1:2]
         return values.reshape(rows, columns).to(self.dtype)
 
@@ -233,6 +242,12 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.values) + _nbytes(self.scales)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [..., K] in the compute dtype (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        values = self.values.index_select(0, flat).to(self.dtype) * self.scales.index_select(0, flat)[:, None]
+        return values.reshape(*ids.shape, self.shape[1])
 
     def dense(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows start:stop of the weight's values [stop - start, K] in the compute dtype (into `out`)."""

@@ -32,7 +32,7 @@ from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
-from candelabra.core.contract.weights import QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,12 @@ class Backend:
     name: ClassVar[str] = ""
     # Compute dtypes this backend runs ops in; the first is its default.
     dtypes: ClassVar[tuple[DType, ...]] = ("float32",)
-    # Quantized GGUF formats ("Q4_K", ...) whose linear and LM-head weights `upload_weight` takes
+    # Quantized GGUF formats ("Q4_K", ...) whose weights of `quantized_roles` `upload_weight` takes
     # still quantized; the core dequantizes every other weight first.
     quantized_formats: ClassVar[frozenset[str]] = frozenset()
+    # Linear and LM-head weights by default; a backend whose `Ops.embedding` reads rows of its own
+    # quantized handle adds WeightRole.EMBEDDING.
+    quantized_roles: ClassVar[frozenset[WeightRole]] = QUANTIZABLE_ROLES
     # Set by the engine before it asks for a step executor (`--disable-cuda-graph`): run every step
     # op by op, capturing and compiling nothing. A backend that never captures ignores it.
     eager_steps: bool = False
@@ -163,14 +166,17 @@ class Backend:
         """The model's weight `name` (its checkpoint name, e.g. "model.layers.0.mlp.down_proj.weight";
         a fused projection carries the fused name, "...qkv_proj.weight") for the op its `role` feeds.
 
-        `weight` is a float32 host array, or a `QuantizedTensor` when the role is linear or lm_head
-        and its format is in `quantized_formats`. What this returns is what the op receives:
-        `Ops.linear` takes whatever came back for roles linear and lm_head, so a backend may keep
-        its own layout or a packed handle there; `Ops.embedding` takes the embedding role's table
-        and the norm ops the norm role's weights, which must be tensors of `dtype`. A tied LM head
-        arrives a second time, right after the embedding and under its name, with role lm_head
-        (the very same host array when dense), so it may be kept in another layout. The backend
-        may keep `weight` itself: the caller does not change it afterwards.
+        `weight` is a float32 host array, or a `QuantizedTensor` when the role is in
+        `quantized_roles` and its format is in `quantized_formats`. What this returns is what the
+        op receives: `Ops.linear` takes whatever came back for roles linear and lm_head, so a
+        backend may keep its own layout or a packed handle there; `Ops.embedding` takes the
+        embedding role's table (a tensor of `dtype`, or the backend's own handle where embedding is
+        among its `quantized_roles`) and the norm ops the norm role's weights, which must be
+        tensors of `dtype`. A tied LM head arrives a second time, right after the embedding and
+        under its name, with role lm_head (the very same host array or QuantizedTensor when the
+        embedding's form suits the LM head too), so it may be kept in another layout, or be the
+        embedding's handle again. The backend may keep `weight` itself: the caller does not change
+        it afterwards.
         """
         if isinstance(weight, QuantizedTensor):
             raise TypeError(f"backend {self.name!r} got {name} as {weight.format} blocks, but its upload_weight "

@@ -1,9 +1,10 @@
 """Weights as the core hands them to `Backend.upload_weight`: a role, and a dense array or a
 `QuantizedTensor` still in its GGUF block format.
 
-A backend lists the formats it keeps in `Backend.quantized_formats`. Only linear and LM-head
-weights stored in one of those formats reach it quantized; the core dequantizes everything else
-to float32 first, so a backend that keeps no formats only ever sees dense arrays.
+A backend lists the formats it keeps in `Backend.quantized_formats`. Only weights of its
+`Backend.quantized_roles` (linear and LM head unless it adds the embedding) stored in one of those
+formats reach it quantized; the core dequantizes everything else to float32 first, so a backend
+that keeps no formats only ever sees dense arrays.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ class WeightRole(str, Enum):
     BIAS = "bias"  # the bias of a linear or a layer norm, [features]
 
 
-# Roles whose weights may reach a backend still quantized: those `Ops.linear` multiplies by.
+# Roles whose weights reach a backend still quantized unless it says otherwise: those `Ops.linear`
+# multiplies by.
 QUANTIZABLE_ROLES = frozenset({WeightRole.LINEAR, WeightRole.LM_HEAD})
 
 
-def stays_quantized(role: WeightRole, stored_format: str | None, kept_formats: frozenset[str]) -> bool:
+def stays_quantized(role: WeightRole, stored_format: str | None, kept_formats: frozenset[str],
+                    kept_roles: frozenset[WeightRole] = QUANTIZABLE_ROLES) -> bool:
     """Whether a weight of `role` stored in `stored_format` (None: stored dense) reaches a backend
-    that keeps `kept_formats` still quantized."""
-    return stored_format is not None and role in QUANTIZABLE_ROLES and stored_format in kept_formats
+    that keeps `kept_formats` for `kept_roles` still quantized."""
+    return stored_format is not None and role in kept_roles and stored_format in kept_formats
 
 
 @dataclass(frozen=True, eq=False)

@@ -101,7 +101,8 @@ class DecoderModel:
     def _kept_format(self, names: list[str], role: WeightRole) -> str | None:
         formats = {self._checkpoint.quantized_format(name) for name in names}
         stored = formats.pop() if len(formats) == 1 else None
-        return stored if stays_quantized(role, stored, self.backend.quantized_formats) else None
+        backend = self.backend
+        return stored if stays_quantized(role, stored, backend.quantized_formats, backend.quantized_roles) else None
 
     def _upload(self, name: str, role: WeightRole, tensor: np.ndarray | QuantizedTensor):
         return self.backend.upload_weight(name, role, tensor, self.dtype)
@@ -114,13 +115,17 @@ class DecoderModel:
 
     def _embedding_and_lm_head(self):
         """The embedding table, and the LM head: its own tensor, or else (tied) the embedding
-        uploaded again with role lm_head, right after it and as the same host array when dense."""
+        uploaded again with role lm_head, right after it and as the same host array or
+        QuantizedTensor where the LM head takes the same form."""
         name = "model.embed_tokens.weight"
         table = self._host([name], WeightRole.EMBEDDING)
         embedding = self._upload(name, WeightRole.EMBEDDING, table)
         if "lm_head.weight" in self._names and not self.config.tie_word_embeddings:
             return embedding, self._weight("lm_head.weight", WeightRole.LM_HEAD)
-        if self._kept_format([name], WeightRole.LM_HEAD) is not None:
+        quantized_head = self._kept_format([name], WeightRole.LM_HEAD) is not None
+        if isinstance(table, QuantizedTensor) and not quantized_head:
+            table = table.dequantize()
+        elif quantized_head and not isinstance(table, QuantizedTensor):
             table = self._checkpoint.load_quantized(name)
         return embedding, self._upload(name, WeightRole.LM_HEAD, table)
 
