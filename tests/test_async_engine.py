@@ -121,3 +121,27 @@ def test_a_builder_that_fails_raises_its_error_in_the_constructor():
 
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         AsyncEngine(build)
+
+
+def test_an_idle_engine_gives_its_backends_cached_memory_back_once(llm, monkeypatch):
+    from candelabra.core.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "RELEASE_AFTER_IDLE_SECONDS", 0.2)
+    released = []
+    monkeypatch.setattr(llm.engine.backend, "release_cached_memory", lambda: released.append(time.monotonic()))
+    engine = AsyncEngine(llm.engine)
+
+    async def generate():
+        async for output in engine.generate("idle", PROMPTS[0], GREEDY):
+            last = output
+        return time.monotonic(), last
+
+    try:
+        time.sleep(0.5)
+        assert released == []  # nothing ran yet: nothing to give back
+        finished, last = asyncio.run(generate())
+        assert last.finished
+        time.sleep(1.0)
+    finally:
+        engine.shutdown()
+    assert len(released) == 1 and released[0] - finished >= 0.15

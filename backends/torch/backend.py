@@ -103,6 +103,10 @@ class TorchBackend(Backend):
                  f"; dense copies of quantized weights for batches ({DENSE_COPIES_VARIABLE}=1)"
                  if self.dense_copies else "")
 
+    def release_cached_memory(self) -> None:
+        if self.torch_device.type == "cpu":
+            give_freed_memory_back()
+
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
         """Any float dtype: write_kv casts to the cache's dtype and attention reads it in the compute dtype."""
@@ -267,8 +271,7 @@ class TorchStepExecutor(StepExecutor):
     def warm_up(self, caches: list[KVCache], max_num_seqs: int) -> None:
         """The model is loaded and the caches allocated: what loading freed goes back to the OS
         (freed memory is otherwise kept for the steps' temporaries, on a CPU)."""
-        if self.backend.torch_device.type == "cpu":
-            give_freed_memory_back()
+        self.backend.release_cached_memory()
 
     def run(self, inputs: StepInputs, caches: list[KVCache]):
         if not getattr(self._configured, "threads", False):

@@ -154,6 +154,12 @@ class Backend:
         """Wait until all work handed to the device so far has finished."""
         raise NotImplementedError
 
+    def release_cached_memory(self) -> None:
+        """Give back to the system what this backend keeps for reuse between steps (freed host
+        memory, an allocator's cache). A server calls it once it has been idle for a while, so
+        that the memory its busiest steps needed is not held while nothing runs. The default
+        does nothing."""
+
     def evaluate(self, *values: Any) -> None:
         """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend
         builds a whole step as one graph and the model runner calls this once per step, on the

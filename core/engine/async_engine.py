@@ -24,6 +24,10 @@ from candelabra.core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("candelabra")
 
+# An engine idle this long gives its backend's cached memory back (Backend.release_cached_memory):
+# long enough that back-to-back requests keep it, short enough to follow the end of a burst.
+RELEASE_AFTER_IDLE_SECONDS = 2.0
+
 
 class EngineStopping(RuntimeError):
     """Delivered to the requests still running when the server stops."""
@@ -82,6 +86,7 @@ class AsyncEngine:
         self._adds_handed, self._adds_taken = 0, 0
         self._counts = (0, 0)  # running and waiting requests, published by the engine thread
         self._stopping = False
+        self._stepped_since_release = False
         if isinstance(engine, LLMEngine):
             self.engine, self.core = engine, engine.core
             self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
@@ -166,9 +171,9 @@ class AsyncEngine:
             self._run_commands()
             self._publish_counts()
             if not self.core.has_unfinished_requests():
-                self._work.wait()
-                self._work.clear()
+                self._wait_for_work()
                 continue
+            self._stepped_since_release = True
             try:
                 outputs = self.core.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
@@ -182,6 +187,18 @@ class AsyncEngine:
                 if stream is not None and not _deliver(stream, output):
                     self._streams.pop(output.request_id, None)
                     self.core.abort_request(output.request_id)
+
+    def _wait_for_work(self) -> None:
+        """Sleep until a command arrives; after RELEASE_AFTER_IDLE_SECONDS without one, first tell
+        the backend to give back the memory it keeps for its steps."""
+        if self._stepped_since_release and not self._work.wait(RELEASE_AFTER_IDLE_SECONDS):
+            self._stepped_since_release = False
+            try:
+                self.engine.backend.release_cached_memory()
+            except Exception:  # noqa: BLE001 - memory kept is no reason to stop serving
+                log.exception("the backend could not release its cached memory")
+        self._work.wait()
+        self._work.clear()
 
     def _publish_counts(self) -> None:
         scheduler = self.core.scheduler
