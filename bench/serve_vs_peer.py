@@ -12,8 +12,8 @@ server one warm-up request. Then, for each number of clients and each server in 
 --input-words random common words in and exactly --output-len tokens out; both servers get the same prompts.
 It prints, per number of clients, output tokens per second and the median time to first token of both servers
 and their ratio (candelabra/peer), then the resident memory (RSS) of our server and, with --peer-pid, of the
-peer, each with its child processes: after the last load, and the highest seen during any load (sampled every
-0.1 s). The server it started is stopped in every case.
+peer, each with its child processes: 3 s after the last load (idle), and the highest seen during any load
+(sampled every 0.1 s). The server it started is stopped in every case.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ from candelabra.core.clients.sse_client import ServerError
 from candelabra.core.text_table import format_table
 
 PEAK_SAMPLE_SECONDS = 0.1
+# Resident memory "after the load" is read this long after it, once a server that gives memory back
+# when idle (candelabra after 2 s) has done so; the highest during the load is reported beside it.
+IDLE_SECONDS = 3.0
 MIN_PROMPTS = 8  # so that a median at one client is not taken over two requests
 STOP_TIMEOUT = 30.0
 LOG_TAIL_LINES = 20
@@ -245,6 +248,7 @@ def measure_levels(ours: Server, peer: Server | None, server_pid: int, args: arg
             with PeakMemory(pids[key]) as peak:
                 level[key] = run_load(server, level_prompts, clients, args.output_len)
             level[f"{key}_peak_rss_bytes"] = peak.bytes
+        time.sleep(IDLE_SECONDS)
         level["candelabra_rss_bytes"] = resident_memory(server_pid)
         if args.peer_pid is not None:
             level["peer_rss_bytes"] = resident_memory(args.peer_pid)
@@ -363,7 +367,7 @@ def memory_line(memory: dict, peer_name: str) -> str:
                   f"candelabra/{peer_name} {number(memory['ratio'], 2)}")
         peak += (f", {peer_name} {mebibytes(memory['peer_peak_rss_bytes'])}, "
                  f"candelabra/{peer_name} {number(memory['peak_ratio'], 2)}")
-    return f"resident memory after the load: {after}\nat its highest during the load: {peak}"
+    return f"resident memory 3 s after the load: {after}\nat its highest during the load: {peak}"
 
 
 def mebibytes(size: int) -> str:

@@ -8,6 +8,7 @@ import torch
 
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, parse_cpu_flags
+from candelabra.backends.torch.packed_int8 import PackedInt8Weight
 from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
@@ -74,7 +75,7 @@ def test_probe_explains_a_missing_torch():
     assert second.startswith("refused: torch is not installed")
 
 
-@pytest.mark.parametrize("format, kept", [("Q4_K", Int4Weight), ("Q4_0", Int4Weight), ("Q5_0", Int8Weight)])
+@pytest.mark.parametrize("format, kept", [("Q4_K", Int4Weight), ("Q4_0", Int4Weight), ("Q5_0", PackedInt8Weight)])
 def test_quantized_weights_stay_quantized_in_bfloat16_and_are_dequantized_in_float32(format, kept):
     rng = np.random.default_rng(3)
     weight = random_quantized(rng, format, 64, 256)

@@ -74,7 +74,7 @@ class CudaBackend(TorchBackend):
 
     # weights
 
-    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str):
+    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role=None):
         """Q4_0, Q4_1 and Q4_K stay int4 groups for the Triton GEMM; other formats are dequantized."""
         from candelabra.backends.cuda.quantized import INT4_FORMATS, Int4CudaWeight
 

@@ -172,20 +172,25 @@ class TorchBackend(Backend):
         if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
             return last[2]
         if isinstance(weight, QuantizedTensor):
-            tensor = self.upload_quantized(name, weight, dtype)
+            tensor = self.upload_quantized(name, weight, dtype, role)
         else:
             tensor = self.to_device(weight, dtype)
         if role is WeightRole.EMBEDDING:
             self._last_embedding = (weight, dtype, tensor)
         return tensor
 
-    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str):
-        """A linear weight still in a GGUF format: kept in a weight-only quantized form the device
-        multiplies by where there is one for this format and dtype, else dequantized."""
+    def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
+        """A weight still in a GGUF format: kept in a weight-only quantized form the device
+        multiplies by where there is one for this format and dtype, else dequantized. An embedding
+        table's int8 rows stay readable (not packed), and a tied LM head shares them."""
+        from candelabra.backends.torch.packed_int8 import onednn_int8_available
         from candelabra.backends.torch.quantized import keep_quantized
 
-        kept = (keep_quantized(weight, torch_dtype(dtype), self.dense_copies) if self.torch_device.type == "cpu"
-                else None)
+        if self.torch_device.type != "cpu":
+            kept = None
+        else:
+            packed = role is not WeightRole.EMBEDDING and onednn_int8_available()
+            kept = keep_quantized(weight, torch_dtype(dtype), self.dense_copies, packed)
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, sampling
+from candelabra.backends.torch.packed_int8 import PackedInt8Weight
 from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
 from candelabra.core.contract.ops import KVCache, Ops, SampleResult
 
-QUANTIZED_WEIGHTS = (Int4Weight, Int8Weight)
+QUANTIZED_WEIGHTS = (Int4Weight, Int8Weight, PackedInt8Weight)
 
 
 class TorchOps(Ops):
@@ -23,7 +24,7 @@ class TorchOps(Ops):
         self.device = device
 
     def embedding(self, ids, table, scale=None):
-        rows = table.rows(ids) if isinstance(table, QUANTIZED_WEIGHTS) else F.embedding(ids, table)
+        rows = table.rows(ids) if isinstance(table, (Int4Weight, Int8Weight)) else F.embedding(ids, table)
         return rows * scale if scale is not None else rows
 
     def gather_rows(self, x, rows):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from candelabra.backends.torch.packed_int8 import PackedInt8Weight, split_into_int8_parts
 from candelabra.core.contract.weights import QuantizedTensor
 
 INT4_GROUP_SIZE = 32
@@ -272,14 +273,11 @@ class Int8Weight:
 
 
 def _int8_activation_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (values * scales[:, None]).T in x's dtype, on int8 dot products.
-
-    Each row of x is split into two int8 parts, x = a * s_a + b * s_b: a rounds x to 127 steps of its
-    largest |value|, b rounds what a left over, so x is carried to within 1/64516 of that largest value,
-    finer than bfloat16 rounds any value above 1/128 of it. Both parts multiply the weight in int32,
-    exactly, in one torch._int_mm of 2M rows."""
+    """x [M, K] @ (values * scales[:, None]).T in x's dtype, on int8 dot products: x split into two
+    int8 parts (`split_into_int8_parts`), both multiplying the weight in int32, exactly, in one
+    torch._int_mm of 2M rows."""
     rows = x.shape[0]
-    parts, part_scales = _split_into_int8_parts(x.float())
+    parts, part_scales = split_into_int8_parts(x.float())
     out = torch.empty(rows, values.shape[0], dtype=x.dtype)
     step = max(INT8_COLUMN_STEP, PRODUCT_SLICE_ELEMENTS // (2 * rows) // INT8_COLUMN_STEP * INT8_COLUMN_STEP)
     for start in range(0, values.shape[0], step):
@@ -288,22 +286,6 @@ def _int8_activation_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch
         torch.add(product[:rows], product[rows:], out=product[:rows])
         out[:, start:stop] = product[:rows].mul_(scales[start:stop].float())
     return out
-
-
-def _split_into_int8_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 x [M, K] to int8 parts [2M, K] (the rounded rows, then what they left over) and their
-    scales float32 [2M, 1]."""
-    first, first_scale = _int8_rows(x)
-    remainder = x.sub_(first * first_scale)
-    second, second_scale = _int8_rows(remainder)
-    return torch.cat([first, second]).to(torch.int8), torch.cat([first_scale, second_scale])
-
-
-def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded per row to integers in [-127, 127] (as float32) and the row scales [M, 1]."""
-    scale = x.abs().amax(dim=1, keepdim=True).div_(127)
-    scale = torch.where(scale > 0, scale, 1.0)
-    return torch.round(x / scale), scale
 
 
 def _dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild, slice_elements: int | None = None) -> torch.Tensor:
@@ -356,13 +338,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 # choosing what to keep
 
 
-def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype,
-                   dense_copy: bool = False) -> Int4Weight | Int8Weight | None:
+def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, dense_copy: bool = False,
+                   packed: bool = False) -> Int4Weight | Int8Weight | PackedInt8Weight | None:
     """The form the CPU kernels multiply `weight` in for compute dtype `dtype`, or None where the caller
     should keep a dense copy (`dequantized`): a format in neither table, a dtype the kernels are slow in,
-    or a weight whose outlying values per-row int8 would blur beyond INT8_NMSE_BUDGET. With
-    `dense_copy`, the kept form also holds its values densely, for batches of DENSE_COPY_FROM_ROWS
-    rows or more: the same values, so a row's result does not depend on the batch it is in."""
+    or a weight whose outlying values per-row int8 would blur beyond INT8_NMSE_BUDGET. With `packed`,
+    int8 rows are packed for oneDNN (faster at every batch size, but their rows can no longer be read
+    back, as an embedding lookup does). With `dense_copy`, the kept form also holds its values densely,
+    for batches of DENSE_COPY_FROM_ROWS rows or more: the same values, so a row's result does not
+    depend on the batch it is in; such weights are not packed."""
     if dtype not in QUANTIZED_COMPUTE_DTYPES:
         return None
     kept = None
@@ -371,8 +355,11 @@ def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype,
     elif weight.format in INT8_FORMATS:
         dense = weight.dequantize()
         values, scales = int8_rowwise(dense)
-        if int8_error(dense, values, scales) <= INT8_NMSE_BUDGET:
-            kept = Int8Weight.from_rows(values, scales, dtype)
+        if int8_error(dense, values, scales) > INT8_NMSE_BUDGET:
+            return None
+        if packed and not dense_copy:
+            return PackedInt8Weight(torch.from_numpy(values), torch.from_numpy(scales).to(dtype), dtype)
+        kept = Int8Weight.from_rows(values, scales, dtype)
     if kept is not None and dense_copy:
         kept.dense_copy = kept.dense()
     return kept
