@@ -40,6 +40,7 @@ class TorchSampling:
     all_random: bool
     needs_sort: bool
     has_min_p: bool
+    unit_temperature: bool  # every random row at temperature 1: its weights are exp(x - max) as they are
 
     @classmethod
     def prepare(cls, meta: SamplingMetadata, device: torch.device) -> TorchSampling:
@@ -69,6 +70,7 @@ class TorchSampling:
             all_random=random_rows.size == meta.num_rows,
             needs_sort=bool(np.any(meta.top_k[random_rows] > 0) or np.any(meta.top_p[random_rows] < 1)),
             has_min_p=bool(np.any(meta.min_p[random_rows] > 0)),
+            unit_temperature=bool(np.all(meta.temperature[random_rows] == 1)),
         )
 
 
@@ -100,14 +102,20 @@ def _rows(meta: SamplingMetadata, start: int) -> SamplingMetadata:
 def _sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
     x = _penalised_logits(logits, params)
     # log-probabilities as logits minus their log-sum-exp: only the chosen and top ones are needed
-    normaliser = torch.logsumexp(x, dim=1, keepdim=True)
     rows = params.random_rows
     if rows is None:
+        normaliser = torch.logsumexp(x, dim=1, keepdim=True)
         chosen = torch.argmax(x, dim=1)
-    elif params.all_random:
-        chosen = _draw(x, params, rows)
     else:
-        chosen = torch.argmax(x, dim=1).index_copy(0, rows, _draw(x.index_select(0, rows), params, rows))
+        # exp(x - max) gives the log-sum-exp and, at temperature 1, the draw's weights: one pass for both
+        shifted = x - x.amax(dim=1, keepdim=True)
+        exps = torch.exp(shifted)
+        normaliser = x.amax(dim=1, keepdim=True) + torch.log(exps.sum(dim=1, keepdim=True))
+        if params.all_random:
+            chosen = _draw(shifted, exps, params, rows)
+        else:
+            drawn = _draw(shifted.index_select(0, rows), exps.index_select(0, rows), params, rows)
+            chosen = torch.argmax(x, dim=1).index_copy(0, rows, drawn)
     top_ids, top_logprobs = _top_logprobs(x, normaliser, params.num_top_logprobs)
     return SampleResult(
         token_ids=chosen.to(torch.int32),
@@ -147,9 +155,13 @@ def _token_counts(tokens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def _draw(x: torch.Tensor, p: TorchSampling, rows: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws in increasing id order over each row's surviving candidates."""
-    probs = torch.softmax(x / p.temperature.index_select(0, rows)[:, None], dim=1)
+def _draw(shifted: torch.Tensor, exps: torch.Tensor, p: TorchSampling, rows: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws in increasing id order over each row's surviving candidates. `shifted` is
+    the rows' logits less their largest, `exps` their exponentials; the weights need not sum to one."""
+    if p.unit_temperature:
+        probs = exps
+    else:
+        probs = torch.exp(shifted / p.temperature.index_select(0, rows)[:, None])
     keep = None
     if p.needs_sort:
         keep = _top_k_top_p(probs, p.top_k.index_select(0, rows), p.top_p.index_select(0, rows))
@@ -167,15 +179,24 @@ def _draw(x: torch.Tensor, p: TorchSampling, rows: torch.Tensor) -> torch.Tensor
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first id whose cumulative weight (summed in float64, in id order) exceeds
-    uniform times the row's total; the vocabulary's size when rounding leaves none."""
+    uniform times the row's total; at least the vocabulary's size when rounding leaves none."""
+    weights = weights.contiguous()
     rows, vocab = weights.shape
-    blocks = -(-vocab // DRAW_BLOCK)
-    padded = torch.nn.functional.pad(weights, (0, blocks * DRAW_BLOCK - vocab)).view(rows, blocks, DRAW_BLOCK)
-    before_block = torch.cumsum(padded.sum(dim=2, dtype=torch.float64), dim=1)
+    whole = vocab // DRAW_BLOCK
+    # the whole blocks as a view of each row, and the rest of the row as one more block
+    block_sums = weights.as_strided((rows, whole, DRAW_BLOCK), (weights.stride(0), DRAW_BLOCK, 1)).sum(
+        dim=2, dtype=torch.float64)
+    if vocab > whole * DRAW_BLOCK:
+        rest = weights[:, whole * DRAW_BLOCK:].sum(dim=1, keepdim=True, dtype=torch.float64)
+        block_sums = torch.cat([block_sums, rest], dim=1)
+    blocks = block_sums.shape[1]
+    before_block = torch.cumsum(block_sums, dim=1)
     targets = uniform * before_block[:, -1]
     block = torch.clamp((before_block <= targets[:, None]).sum(dim=1), max=blocks - 1)
     offset = torch.where(block > 0, before_block.gather(1, torch.clamp(block - 1, min=0)[:, None])[:, 0], 0)
-    within = torch.cumsum(padded[torch.arange(rows, device=weights.device), block].double(), dim=1) + offset[:, None]
+    ids = block[:, None] * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
+    in_block = weights.gather(1, torch.clamp(ids, max=vocab - 1)).masked_fill(ids >= vocab, 0)
+    within = torch.cumsum(in_block.double(), dim=1) + offset[:, None]
     return block * DRAW_BLOCK + (within <= targets[:, None]).sum(dim=1)
 
 
