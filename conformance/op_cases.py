@@ -278,6 +278,17 @@ def _sampling_metadata(h: Harness, rows: int, vocab: int, mode: str, logprobs: i
     )
 
 
+def _top_p_boundary_row(logits: np.ndarray, meta: SamplingMetadata, dtype: str) -> None:
+    """Row 0 becomes three tokens of probability 0.5, 0.3 and 0.2 in increasing id order, top_p 0.6
+    and a draw of 0.99: the first two are the candidates (the third starts past 0.6) and the draw
+    takes the second. Random rows catch a filter that keeps the token crossing top_p only when a draw
+    happens to land where it shifts the others; this row catches it every time."""
+    vocab = logits.shape[1]
+    logits[0] = -30.0
+    logits[0, [1, vocab // 2, vocab - 2]] = round_to(np.log([0.5, 0.3, 0.2]), dtype)
+    meta.temperature[0], meta.top_p[0], meta.uniform[0] = 1.0, 0.6, 0.99
+
+
 def _pad_values(lists: list[list[float]]) -> np.ndarray:
     """Float counterpart of pad_token_lists: same shape, zero padded."""
     out = np.zeros(pad_token_lists(lists).shape, dtype=np.float32)
@@ -292,6 +303,8 @@ def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int, ti
     if tied:
         logits = np.round(logits * 2) / 2
     meta = _sampling_metadata(h, rows, vocab, mode, logprobs)
+    if mode == "top_p":
+        _top_p_boundary_row(logits, meta, h.dtype)
     result = h.call(h.backend.ops.sample, h.upload(logits), h.backend.prepare_sampling(meta))
     ref = oracle.sample(logits, meta)
     tokens = h.host(result.token_ids).astype(np.int64)
