@@ -86,6 +86,14 @@ def test_quantized_weights_stay_quantized_in_bfloat16_and_are_dequantized_in_flo
     assert np.array_equal(dense.numpy(), weight.dequantize())
 
 
+def test_without_onednn_int8_rows_stay_unpacked(monkeypatch):
+    from candelabra.backends.torch import packed_int8
+
+    monkeypatch.setattr(packed_int8, "onednn_int8_available", lambda: False)
+    weight = random_quantized(np.random.default_rng(3), "Q5_0", 64, 256)
+    assert isinstance(TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "bfloat16"), Int8Weight)
+
+
 def test_a_tied_lm_head_is_the_embedding_tensor_itself():
     backend = TorchBackend()
     table = np.random.default_rng(4).standard_normal((32, 16), dtype=np.float32)
