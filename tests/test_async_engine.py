@@ -141,7 +141,10 @@ def test_an_idle_engine_gives_its_backends_cached_memory_back_once(llm, monkeypa
         assert released == []  # nothing ran yet: nothing to give back
         finished, last = asyncio.run(generate())
         assert last.finished
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # and no second release while it stays idle
     finally:
         engine.shutdown()
     assert len(released) == 1 and released[0] - finished >= 0.15
