@@ -24,11 +24,7 @@ TRIM_THRESHOLD = 2**31 - 1  # never give the top of the heap back
 def give_freed_memory_back() -> bool:
     """Return the heap's free memory to the OS now (glibc's malloc_trim); False where there is no
     malloc_trim. Loading a model frees far more than a step needs again: 440 MB for the default model."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return False
+    trim = _glibc_function("malloc_trim")
     if trim is None:
         return False
     trim(ctypes.c_size_t(0))
@@ -37,11 +33,7 @@ def give_freed_memory_back() -> bool:
 
 def keep_freed_memory_for_reuse() -> bool:
     """Tune glibc's malloc as above; False where the C library is not glibc (macOS, musl)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _glibc_function("mallopt")
     if mallopt is None:
         return False
     settings = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
@@ -49,3 +41,12 @@ def keep_freed_memory_for_reuse() -> bool:
     if not done:
         log.info("torch backend: glibc's mallopt refused a setting; large temporaries are allocated afresh")
     return done
+
+
+def _glibc_function(name: str):
+    """The C library's function `name`, or None where the C library lacks it (not glibc)."""
+    library = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(library), name) if library else None
+    except (OSError, AttributeError):
+        return None

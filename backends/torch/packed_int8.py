@@ -14,6 +14,8 @@ ms: int8 weight-only kernel / packed:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Each call's float32 products (2M x N) stay below this many elements (16 MiB), and so below glibc's
@@ -27,24 +29,17 @@ PRODUCT_ELEMENTS = 2**22
 SLICE_ROWS = 32768
 
 
+@functools.cache
 def onednn_int8_available() -> bool:
-    """Whether this torch has oneDNN's quantized linear and the CPU it runs on can use it."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-            and _prepack_works())
-
-
-_PREPACK_WORKS: list[bool] = []
-
-
-def _prepack_works() -> bool:
-    if not _PREPACK_WORKS:
-        try:
-            weight = PackedInt8Weight(torch.ones(16, 32, dtype=torch.int8), torch.ones(16), torch.bfloat16)
-            x = torch.ones(1, 32, dtype=torch.bfloat16)
-            _PREPACK_WORKS.append(bool(torch.all(weight.matmul(x) == 32)))
-        except Exception:  # noqa: BLE001 - any failure of a builtin op means: not on this build or CPU
-            _PREPACK_WORKS.append(False)
-    return _PREPACK_WORKS[0]
+    """Whether this torch has oneDNN's quantized linear and the CPU it runs on can use it: a tiny
+    weight packed and multiplied once, the first time it is asked."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    try:
+        weight = PackedInt8Weight(torch.ones(16, 32, dtype=torch.int8), torch.ones(16), torch.bfloat16)
+        return bool(torch.all(weight.matmul(torch.ones(1, 32, dtype=torch.bfloat16)) == 32))
+    except Exception:  # noqa: BLE001 - any failure of a builtin op means: not on this build or CPU
+        return False
 
 
 class PackedInt8Weight:
@@ -78,9 +73,7 @@ class PackedInt8Weight:
                                                                   self._zero_points):
                 products = torch.ops.onednn.qlinear_pointwise(parts, 1.0, 0, packed, scales, zero_points, None,
                                                               1.0, 0, torch.float32, "none", [], "")
-                products.mul_(part_scales)
-                torch.add(products[:rows.shape[0]], products[rows.shape[0]:],
-                          out=out[first:first + rows.shape[0], start:stop])
+                add_scaled_parts(products, part_scales, out[first:first + rows.shape[0], start:stop])
         return out.reshape(*x.shape[:-1], self.shape[0])
 
 
@@ -93,6 +86,14 @@ def split_into_int8_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     remainder = x.sub_(first * first_scale)
     second, second_scale = _int8_rows(remainder)
     return torch.cat([first, second]).to(torch.int8), torch.cat([first_scale, second_scale])
+
+
+def add_scaled_parts(products: torch.Tensor, part_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The float32 products [2M, N] of `split_into_int8_parts`'s parts, scaled by their part scales
+    (in place) and the two halves added into `out` [M, N]."""
+    products.mul_(part_scales)
+    rows = products.shape[0] // 2
+    return torch.add(products[:rows], products[rows:], out=out)
 
 
 def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

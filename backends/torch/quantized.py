@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from candelabra.backends.torch.packed_int8 import PackedInt8Weight, split_into_int8_parts
+from candelabra.backends.torch.packed_int8 import PackedInt8Weight, add_scaled_parts, split_into_int8_parts
 from candelabra.core.contract.weights import QuantizedTensor
 
 INT4_GROUP_SIZE = 32
@@ -282,9 +282,8 @@ def _int8_activation_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch
     step = max(INT8_COLUMN_STEP, PRODUCT_SLICE_ELEMENTS // (2 * rows) // INT8_COLUMN_STEP * INT8_COLUMN_STEP)
     for start in range(0, values.shape[0], step):
         stop = min(values.shape[0], start + step)
-        product = torch._int_mm(parts, values[start:stop].T).float().mul_(part_scales)
-        torch.add(product[:rows], product[rows:], out=product[:rows])
-        out[:, start:stop] = product[:rows].mul_(scales[start:stop].float())
+        product = torch._int_mm(parts, values[start:stop].T).float()
+        out[:, start:stop] = add_scaled_parts(product, part_scales, product[:rows]).mul_(scales[start:stop].float())
     return out
 
 
