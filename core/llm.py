@@ -95,7 +95,7 @@ class LLM:
         checkpoint.release_pages()
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)
-        config = EngineConfig(**engine_options)
+        config = EngineConfig(**self._engine_defaults(engine_options))
         block = one_block(self.model, config.block_size, kv_dtype)
         size = device_cache_size(self.backend, block, kvcache_mem_gpu, kv_fraction, config.max_num_seqs,
                                  config.max_model_len or self.model.config.max_position_embeddings)
@@ -113,6 +113,14 @@ class LLM:
                         "give it more memory (kvcache_mem_gpu or kv_fraction; --kvcache-mem-gpu, --kv-fraction)",
                         capacity, self.engine.max_model_len)
         self._ids = 0
+
+    def _engine_defaults(self, engine_options: dict) -> dict:
+        """`engine_options` with what the user left unset (absent or None) chosen by the backend."""
+        options = {name: value for name, value in engine_options.items() if value is not None}
+        options.setdefault("reuse_written_blocks_first", self.backend.kv_cache_committed_on_write())
+        if options.get("prefill_chunk_size", EngineConfig.prefill_chunk_size):
+            options.setdefault("max_num_batched_tokens", self.backend.max_num_batched_tokens())
+        return options
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list | None = None,
                  progress: bool = True) -> list[RequestOutput]:

@@ -26,7 +26,7 @@ def assert_consistent(bm: BlockManager) -> None:
             assert len(set(seq.block_table)) == len(seq.block_table)
             device_refs.update(seq.block_table)
     assert bm._ref_counts == [device_refs[block] for block in range(bm.num_blocks)]
-    assert sorted([*bm._free, *bm._evictable, *device_refs]) == list(range(bm.num_blocks))
+    assert sorted([*bm._free, *bm._never_written, *bm._evictable, *device_refs]) == list(range(bm.num_blocks))
     assert bm._hash_by_block == {block: h for h, block in bm._block_by_hash.items()}
     assert set(bm._evictable) <= set(bm._hash_by_block)
     assert bm.num_free_blocks == bm.num_blocks - len(device_refs)
@@ -157,8 +157,8 @@ def new_manager():
     """Makes managers, and at the end frees whatever the test left and checks nothing leaked."""
     made = []
 
-    def make(num_blocks, block_size=4, num_host_blocks=0, enable_prefix_caching=True):
-        made.append(BlockManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching))
+    def make(num_blocks, block_size=4, num_host_blocks=0, enable_prefix_caching=True, reuse_written_first=False):
+        made.append(BlockManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching, reuse_written_first))
         return made[-1]
 
     yield make
@@ -344,6 +344,38 @@ def test_eviction_takes_free_blocks_first_then_least_recently_used(new_sim):
     assert cached_tokens(sim, [2, 2, 9]) == 0
     assert cached_tokens(sim, [3, 3, 9]) == 0
     assert cached_tokens(sim, [1, 1, 9]) == 2
+    sim.free_all()
+
+
+def test_a_freed_block_is_taken_again_before_a_never_written_one(new_manager):
+    bm = new_manager(num_blocks=8, block_size=2)
+    bm.allocate(1, [1, 2, 3])
+    first = bm.block_table(1)
+    bm.allocate(2, [4])
+    bm.free(1)
+    bm.allocate(3, [5, 6, 7])
+    assert sorted(bm.block_table(3)) == sorted(first), "the freed blocks, not the five never written"
+
+
+@pytest.mark.parametrize("reuse_written_first", [False, True])
+def test_reusing_written_blocks_first_evicts_before_writing_a_fresh_block(new_sim, reuse_written_first):
+    sim = new_sim(num_blocks=6, block_size=2, reuse_written_first=reuse_written_first)
+    for seq_id, prompt in enumerate(([1, 1, 0], [2, 2, 0])):
+        sim.allocate(seq_id, prompt)
+        sim.compute(seq_id)
+    sim.free(0)
+    sim.free(1)
+    assert (sim.bm.num_cached_blocks, sim.bm.num_free_blocks, len(sim.bm._never_written)) == (2, 6, 2)
+
+    sim.allocate(10, [7] * 6)  # three blocks: the two partly filled ones freed above, then a third
+    if reuse_written_first:
+        assert (sim.bm.num_cached_blocks, len(sim.bm._never_written)) == (1, 2)
+        assert cached_tokens(sim, [2, 2, 9]) == 2
+        assert cached_tokens(sim, [1, 1, 9]) == 0, "the least recently used cached block went first"
+    else:
+        assert (sim.bm.num_cached_blocks, len(sim.bm._never_written)) == (2, 1)
+        assert cached_tokens(sim, [1, 1, 9]) == 2 and cached_tokens(sim, [2, 2, 9]) == 2
+    assert sim.bm.can_allocate([8] * 6), "never written blocks are still taken once nothing else is left"
     sim.free_all()
 
 
@@ -583,7 +615,8 @@ def test_random_operations_keep_the_books_straight(seed):
     rng = np.random.default_rng(seed)
     block_size = int(rng.integers(1, 5))
     bm = BlockManager(num_blocks=int(rng.integers(3, 24)), block_size=block_size,
-                      num_host_blocks=int(rng.integers(0, 16)), enable_prefix_caching=seed % 4 != 3)
+                      num_host_blocks=int(rng.integers(0, 16)), enable_prefix_caching=seed % 4 != 3,
+                      reuse_written_first=seed % 3 == 1)
     sim = CacheSim(bm)
     # few distinct tokens and common stems, so prompts share prefixes often
     stems = [[int(t) for t in rng.integers(0, 3, size=int(rng.integers(1, 13)))] for _ in range(3)]

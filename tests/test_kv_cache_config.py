@@ -150,3 +150,33 @@ def test_serve_says_how_it_sized_the_kv_cache(tmp_path):
     assert "KV cache  128 tokens (8 blocks of 16, 0 MiB in float32)" in startup
     assert "sized by 0.5 of the " in startup
     assert " free on cpu (kv_fraction), capped at what 2 sequences of 64 tokens can fill" in startup
+
+
+# what the backend chooses
+
+class SmallStepsFixedMemory(CpuBackend):
+    """The numpy backend as a device whose cache memory is its own from the start, preferring small steps."""
+
+    name = "cpu-small-steps"
+
+    def kv_cache_committed_on_write(self) -> bool:
+        return False
+
+    def max_num_batched_tokens(self) -> int:
+        return 96
+
+
+def test_the_backend_chooses_the_step_budget_and_block_order_the_user_leaves_unset(checkpoint):
+    chosen = LLM(checkpoint, backend=SmallStepsFixedMemory, kvcache_mem_gpu=1, kvcache_mem_cpu=0,
+                 max_num_batched_tokens=None)
+    assert chosen.engine.config.max_num_batched_tokens == 96
+    assert chosen.engine.core.blocks.reuse_written_first is False
+    assert LLM(checkpoint, backend="cpu", kvcache_mem_gpu=1).engine.core.blocks.reuse_written_first is True
+
+    given = LLM(checkpoint, backend=SmallStepsFixedMemory, kvcache_mem_gpu=1, kvcache_mem_cpu=0,
+                max_num_batched_tokens=300, reuse_written_blocks_first=True)
+    assert given.engine.config.max_num_batched_tokens == 300 and given.engine.core.blocks.reuse_written_first
+    # Without chunked prefill a step must hold a whole prompt, so the backend's budget does not apply.
+    whole = LLM(checkpoint, backend=SmallStepsFixedMemory, kvcache_mem_gpu=1, kvcache_mem_cpu=0, prefill_chunk_size=0,
+                max_model_len=512)
+    assert whole.engine.config.max_num_batched_tokens == 2048

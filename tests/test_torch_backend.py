@@ -28,6 +28,18 @@ def test_torch_is_installed_available_and_implements_every_op():
     assert backend.quantized_formats == frozenset(GGUF_QUANTIZED_FORMATS)
 
 
+def test_on_a_cpu_the_cache_is_committed_as_written_and_steps_are_small():
+    backend = TorchBackend()
+    assert backend.kv_cache_committed_on_write() and backend.max_num_batched_tokens() == 512
+    spec = KVCacheSpec(num_layers=1, num_blocks=16384, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    import psutil
+
+    before = psutil.Process().memory_info().rss
+    caches = backend.allocate_kv_cache(spec)  # 2 x 64 MiB, untouched
+    assert psutil.Process().memory_info().rss - before < 8 * 2**20
+    del caches
+
+
 @pytest.mark.slow
 def test_torch_passes_every_op_case_at_every_dtype(tmp_path):
     results = tmp_path / "torch.json"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +80,13 @@ def test_keep_quantized_packs_int8_formats_when_asked_unless_a_dense_copy_is_kep
     assert isinstance(keep_quantized(weight, torch.bfloat16, packed=True), PackedInt8Weight)
     assert not isinstance(keep_quantized(weight, torch.bfloat16, dense_copy=True, packed=True), PackedInt8Weight)
     assert keep_quantized(weight, torch.float32, packed=True) is None
+
+
+def test_the_primitive_cache_is_capped_unless_the_user_sized_it(monkeypatch):
+    variable = packed_int8.PRIMITIVE_CACHE_VARIABLE
+    monkeypatch.delenv(variable, raising=False)
+    packed_int8.limit_primitive_cache()
+    assert os.environ[variable] == str(packed_int8.PRIMITIVE_CACHE_CAPACITY)
+    monkeypatch.setenv(variable, "300")
+    packed_int8.limit_primitive_cache()
+    assert os.environ[variable] == "300"

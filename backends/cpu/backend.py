@@ -61,6 +61,9 @@ class CpuBackend(Backend):
         """The host's RAM is shared with every other program."""
         return 0.25
 
+    def kv_cache_committed_on_write(self) -> bool:
+        return True  # np.zeros maps a large array's pages only when written
+
     def synchronize(self) -> None:
         """numpy computes eagerly: by the time a call returns its work is done."""
 

@@ -94,10 +94,13 @@ class TorchBackend(Backend):
         which dtype is the default and why. A device backend configures its own device."""
         if self.torch_device.type != "cpu":
             return
+        from candelabra.backends.torch.packed_int8 import limit_primitive_cache
+
         cores = usable_cores()
         if torch.get_num_threads() != cores:
             torch.set_num_threads(cores)
         keep_freed_memory_for_reuse()
+        limit_primitive_cache()
         log.info("torch backend on cpu: %d threads, default dtype %s (%s)%s", cores, self.dtypes[0],
                  "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware",
                  f"; dense copies of quantized weights for batches ({DENSE_COPIES_VARIABLE}=1)"
@@ -158,6 +161,14 @@ class TorchBackend(Backend):
     def kv_cache_fraction(self) -> float:
         """A device of its own gives half its free memory; the host's RAM, shared with everything, a quarter."""
         return 0.25 if self.torch_device.type == "cpu" else 0.5
+
+    def kv_cache_committed_on_write(self) -> bool:
+        return self.torch_device.type == "cpu"  # allocated untouched: see allocate_kv_cache
+
+    def max_num_batched_tokens(self) -> int:
+        """512 on a CPU: 128 requests of the default model, 64 at a time, 64 words in and 64 tokens out,
+        peaked 165 MiB lower than at 2048, at 198 against 181 tokens/s."""
+        return 512 if self.torch_device.type == "cpu" else super().max_num_batched_tokens()
 
     def synchronize(self) -> None:
         if self.torch_device.type != "cpu":

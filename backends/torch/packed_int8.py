@@ -15,6 +15,7 @@ ms: int8 weight-only kernel / packed:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,6 +28,18 @@ PRODUCT_ELEMENTS = 2**22
 # ms: slices of 32768 rows 4.4, 7.3, 18.2; of 8192 rows 6.5, 8.9, 19.8; whole, x in calls of 13 rows,
 # 3.9, 10.7, 35.0 (torch's int8 weight-only kernel: 9 to 10 ms at one row).
 SLICE_ROWS = 32768
+
+
+# oneDNN keeps every primitive it builds, one per weight shape and number of rows, up to 1024 by
+# default: serving 64 clients of the default model left 40 MiB of them. 64 still hold each weight
+# shape at a dozen batch sizes; building one again costs about 0.6 ms.
+PRIMITIVE_CACHE_VARIABLE, PRIMITIVE_CACHE_CAPACITY = "ONEDNN_PRIMITIVE_CACHE_CAPACITY", 64
+
+
+def limit_primitive_cache() -> None:
+    """Cap oneDNN's primitive cache unless the user set its size. oneDNN reads the variable once,
+    when it builds its first primitive, so this is called before the probe below does."""
+    os.environ.setdefault(PRIMITIVE_CACHE_VARIABLE, str(PRIMITIVE_CACHE_CAPACITY))
 
 
 @functools.cache

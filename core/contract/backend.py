@@ -150,6 +150,21 @@ class Backend:
         else, less."""
         return 0.5
 
+    def kv_cache_committed_on_write(self) -> bool:
+        """Whether the KV cache's memory is taken from the system only where a block is first
+        written (host RAM, allocated untouched). The engine then reuses written blocks, the prefix
+        cache's included, before it writes a fresh one, so that resident memory follows the load
+        served instead of growing with the prefix cache to the whole cache. Default: False (the
+        cache is the device's from the start)."""
+        return False
+
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens one step takes (with chunked prefill) where the user sets no limit. Where a
+        step's time grows with its tokens (a CPU), a smaller step needs less memory for its
+        temporaries and delays the sequences decoding beside a prefill less, at the same
+        throughput."""
+        return 2048
+
     def synchronize(self) -> None:
         """Wait until all work handed to the device so far has finished."""
         raise NotImplementedError

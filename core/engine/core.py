@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512  # 0: a prompt is prefilled in one step
     enable_prefix_caching: bool = True
+    reuse_written_blocks_first: bool = False  # see BlockManager; the backend's kv_cache_committed_on_write
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_gen_tokens: int | None = None  # default max_tokens; None: a fifth of the context
     preemption: str = "auto"
@@ -82,7 +83,7 @@ class EngineCore:
         if config.block_size != runner.kv_spec.block_size or config.num_blocks != runner.kv_spec.num_blocks:
             raise ValueError("the engine's block size and count must be the model runner's")
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.num_host_blocks,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, config.reuse_written_blocks_first)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size, config.preemption)
         self.requests: dict[str, _Request] = {}

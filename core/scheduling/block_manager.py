@@ -16,6 +16,11 @@ blocks whose hashes are registered. A registered block that no sequence holds an
 content and is taken for new data only when no truly free block is left, least recently used
 first.
 
+Where the cache's memory is committed only when first written (host RAM), `reuse_written_first`
+changes that order: a new block is a free one written before, else the least recently used cached
+one, and a never written block only when neither is left. The prefix cache then lives in the
+memory the busiest moment needed instead of growing, block by block, to the whole cache.
+
 Swapping: `swap_out` moves a group of sequences to host blocks and `swap_in` brings them back to
 new device blocks; blocks shared inside the group stay shared.
 """
@@ -66,7 +71,7 @@ class _Sequence:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, reuse_written_first: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 0 or num_host_blocks < 0:
@@ -76,9 +81,12 @@ class BlockManager:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.reuse_written_first = reuse_written_first
 
         self._ref_counts = [0] * num_blocks
-        self._free = deque(range(num_blocks))
+        # Free blocks written before, the last freed on top: its memory is the likeliest still warm.
+        self._free: list[int] = []
+        self._never_written = deque(range(num_blocks))
         # Registered blocks no sequence holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._block_by_hash: dict[bytes, int] = {}
@@ -93,7 +101,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._never_written) + len(self._evictable)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -368,7 +376,9 @@ class BlockManager:
 
     def _take_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = self._free.pop()
+        elif self._never_written and not (self.reuse_written_first and self._evictable):
+            block = self._never_written.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._block_by_hash[self._hash_by_block.pop(block)]

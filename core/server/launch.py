@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     engine.add_argument("--prefill-chunk-size", type=int, default=512,
                         help="prefill long prompts in chunks of this many tokens (0: whole; default 512)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
+    engine.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens in one step at most (default: the backend's; 512 on a CPU with torch, else 2048)")
     engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, help="seed for requests that name none (default: random)")
 
