@@ -47,6 +47,8 @@ class CaseResult:
     seed: int
     message: str = ""
     weight_format: str | None = None
+    # For a backend with vendor kernel overrides: "override", "fell back" or both, as it recorded.
+    kernel: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -166,9 +168,11 @@ def case_seed(base_seed: int, case_name: str) -> int:
 
 def run_case(backend: Backend, case: Case, seed: int) -> CaseResult:
     harness = Harness(backend, case.dtype, seed, case.op)
+    backend.kernel_record()  # forget what ran before this case
 
     def result(status: str, message: str = "") -> CaseResult:
-        return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message, case.weight_format)
+        return CaseResult(case.id, case.op, case.dtype, status, harness.worst_nmse, seed, message, case.weight_format,
+                          backend.kernel_record().get(case.op))
 
     if case.op in OP_NAMES and not backend.ops.supports(case.op):
         return result(NOT_SUPPORTED, f"backend {backend.name!r} does not implement {case.op}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from candelabra.conformance.harness import FAILED, NOT_SUPPORTED, PASSED
 from candelabra.core.text_table import format_table
 
-HEADERS = ("op", "dtype", "cases", "passed", "failed", "not supported", "worst NMSE")
+HEADERS = ("op", "dtype", "cases", "passed", "failed", "not supported", "worst NMSE", "kernel")
 
 
 def summarize(results: list[dict], by=("op",)) -> dict:
@@ -20,9 +20,12 @@ def summarize(results: list[dict], by=("op",)) -> dict:
     for result in results:
         values = [op_label(result) if k == "op" else result[k] for k in by]
         key = values[0] if len(by) == 1 else tuple(values)
-        entry = summary.setdefault(key, {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None})
+        entry = summary.setdefault(key, {"cases": 0, PASSED: 0, FAILED: 0, NOT_SUPPORTED: 0, "worst_nmse": None,
+                                         "kernels": {}})
         entry["cases"] += 1
         entry[result["status"]] += 1
+        if result.get("kernel"):
+            entry["kernels"][result["kernel"]] = entry["kernels"].get(result["kernel"], 0) + 1
         if result["worst_nmse"] is not None:
             entry["worst_nmse"] = max(entry["worst_nmse"] or 0.0, result["worst_nmse"])
     return summary
@@ -36,10 +39,18 @@ def op_label(result: dict) -> str:
 def table(results: list[dict]) -> str:
     rows = [
         (op, dtype, s["cases"], s[PASSED], s[FAILED], s[NOT_SUPPORTED],
-         "" if s["worst_nmse"] is None else f"{s['worst_nmse']:.2e}")
+         "" if s["worst_nmse"] is None else f"{s['worst_nmse']:.2e}", kernel_cell(s["kernels"], s["cases"]))
         for (op, dtype), s in summarize(results, by=("op", "dtype")).items()
     ]
     return format_table(HEADERS, rows)
+
+
+def kernel_cell(kernels: dict[str, int], cases: int) -> str:
+    """Which kernel the op's cases ran on a backend with overrides: "override" or "fell back" when
+    every case that ran one ran the same, else each with its count; empty without overrides."""
+    if len(kernels) == 1 and sum(kernels.values()) == cases:
+        return next(iter(kernels))
+    return ", ".join(f"{kernel} {count}" for kernel, count in kernels.items())
 
 
 MODEL_HEADERS = ("model case", "architecture", "status", "logits NMSE", "greedy tokens")

@@ -21,12 +21,6 @@ from candelabra.plugins.registry import PluginSource, Registration, Registry, Re
 
 ENTRY_POINT_GROUP = "candelabra"
 
-# Backends the design names that this release does not ship yet: asking for one says so, instead of
-# suggesting it is merely missing from this environment.
-PLANNED_BACKENDS = {
-    "gcu": "Enflame GCU, and the template for other accelerators",
-}
-
 
 @dataclass(frozen=True)
 class BrokenPlugin:
@@ -76,12 +70,7 @@ def backend_class(spec: str, plugins: Plugins | None = None) -> type:
     """The backend class for `spec`: a registered backend name, or "package.module:ClassName"
     for a backend not installed as a plugin (handy while writing one)."""
     if ":" not in spec:
-        registry = (plugins or installed_plugins()).backends
-        if spec in PLANNED_BACKENDS and spec not in registry:
-            raise RegistryError(
-                f"the {spec} backend ({PLANNED_BACKENDS[spec]}) is planned but not part of candelabra yet; use "
-                f"--backend auto or an installed backend: {', '.join(registry.names()) or 'none'}")
-        return registry.get(spec)
+        return (plugins or installed_plugins()).backends.get(spec)
     from candelabra.core.contract.backend import Backend
 
     module_name, _, class_name = spec.partition(":")

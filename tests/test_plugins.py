@@ -123,7 +123,7 @@ def test_model_architecture_and_quantization_format_hooks(tmp_path, monkeypatch)
 
 
 def test_unknown_backend_name_lists_the_installed_ones():
-    installed = r"\(installed: cpu, cuda, metal, torch\)"
+    installed = r"\(installed: cpu, cuda, gcu, metal, torch\)"
     with pytest.raises(RegistryError, match=r"no backend named 'tpu' is installed " + installed):
         backend_class("tpu")
 

@@ -68,12 +68,17 @@ class TorchBackend(Backend):
         if torch is None:
             raise RuntimeError(self.probe().reason)
         super().__init__(device)
-        self.torch_device = torch.device(self.device_type, self.device.index) if self.device_type != "cpu" \
-            else torch.device("cpu")
+        runs_on = self.runs_on()
+        self.torch_device = torch.device(runs_on, self.device.index) if runs_on != "cpu" else torch.device("cpu")
         self.ops = self.ops_class()(self.torch_device)
         self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
         self.dense_copies = dense_copies_wanted()
         self._configure_device()
+
+    @classmethod
+    def runs_on(cls) -> str:
+        """The torch device type the tensors live on: `device_type`, unless a subclass stands in for it."""
+        return cls.device_type
 
     @classmethod
     def ops_class(cls) -> type:

@@ -175,6 +175,13 @@ class Backend:
         that the memory its busiest steps needed is not held while nothing runs. The default
         does nothing."""
 
+    def kernel_record(self) -> dict[str, str]:
+        """For a backend that replaces some ops with vendor kernels (an override table): which ran
+        since the last call, as op name -> "override", "fell back" (the backend's base op ran, the
+        kernel missing or declining the call) or "override, fell back" (both); then forget it.
+        Conformance reports it per case. Default: nothing is overridden, {}."""
+        return {}
+
     def evaluate(self, *values: Any) -> None:
         """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend
         builds a whole step as one graph and the model runner calls this once per step, on the
