@@ -165,3 +165,16 @@ def test_conformance_on_the_stand_in_reports_which_kernel_ran(tmp_path):
     kernels = {case["op"]: case["kernel"] for case in document["cases"] if case["dtype"] == "float32"}
     assert kernels["silu_and_mul"] == "override" and kernels["gelu"] is None
     assert document["summary"]["rms_norm"]["kernels"] == {"override": 9, "fell back": 9}
+
+
+def test_every_conformance_level_is_green_on_the_stand_in(tmp_path):
+    report = tmp_path / "gcu.json"
+    result = run_candelabra("conformance", "--backend", "gcu", "--json", str(report),
+                            env_extra={STAND_IN_VARIABLE: "gcu"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    document = json.loads(report.read_text())
+    assert document["cases"] and all(case["status"] == "passed" for case in document["cases"])
+    assert document["models"] and all(model["status"] == "passed" for model in document["models"])
+    assert document["engine"] and all(case["status"] == "passed" for case in document["engine"])
+    overridden = {op for op, counts in document["summary"].items() if counts["kernels"].get("override")}
+    assert overridden == {"silu_and_mul", "rms_norm", "add_rms_norm"}

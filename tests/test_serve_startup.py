@@ -95,6 +95,14 @@ def test_good_values_pass_the_checks():
                                "--kv-fraction", "1", "--device-ids", "0"))
 
 
+def test_candle_vllm_gcu_short_flags_are_the_long_ones():
+    short = serve_args("--w", "/models/qwq", "--f", "qwq.gguf", "--m", "org/name", "--p", "2001", "--d", "0",
+                       "--mem", "8192")
+    long = serve_args("--weight-path", "/models/qwq", "--weight-file", "qwq.gguf", "--model-id", "org/name",
+                      "--port", "2001", "--device-ids", "0", "--kvcache-mem-gpu", "8192")
+    assert vars(short) == vars(long)
+
+
 def test_a_refused_value_exits_2_in_one_line_before_anything_loads(checkpoint, capsys):
     assert cli.main(["serve", "--weight-path", str(checkpoint / "missing"), "--max-model-len", "1"]) == 2
     error = capsys.readouterr().err

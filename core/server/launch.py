@@ -1,7 +1,8 @@
 """`candelabra serve`: load the model, start the engine, and serve the OpenAI API on uvicorn.
 
-Flags keep candle-vllm's names; its model-type word (llama3, qwen2, ...) may follow them and is
-checked against the checkpoint's own architecture.
+Flags keep candle-vllm's names, and candle-vllm-gcu's short ones (--w, --f, --m, --p, --d, --mem); its
+model-type word (llama3, qwen2, ...) may follow them and is checked against the checkpoint's own
+architecture.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="candle-vllm's model-type word (llama3, qwen2, gemma3, ...), checked against the "
                              "checkpoint; optional, the checkpoint's config names its architecture")
     where = parser.add_argument_group("model (none given: the default model, Qwen2.5-Coder-0.5B-Instruct)")
-    where.add_argument("--weight-path", help="checkpoint folder (safetensors, or one .gguf) or a .gguf file")
-    where.add_argument("--weight-file", help="a file in --weight-path (or on its own), e.g. a .gguf")
-    where.add_argument("--model-id", help="ORG/NAME of a model in the local Hugging Face cache")
+    where.add_argument("--weight-path", "--w", help="checkpoint folder (safetensors, or one .gguf) or a .gguf file")
+    where.add_argument("--weight-file", "--f", help="a file in --weight-path (or on its own), e.g. a .gguf")
+    where.add_argument("--model-id", "--m", help="ORG/NAME of a model in the local Hugging Face cache")
     where.add_argument("--revision", help="revision of --model-id")
     where.add_argument("--served-model-name", help="the name clients use (default: from the checkpoint)")
     where.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), help="compute dtype (default: the backend's first)")
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to expose; default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=2000, help="port (0 picks a free one; default 2000)")
+    net.add_argument("--port", "--p", type=int, default=2000, help="port (0 picks a free one; default 2000)")
     net.add_argument("--api-key", default=os.environ.get("CANDELABRA_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CANDELABRA_API_KEY)")
     net.add_argument("--max-waiting", type=int, default=1024,
@@ -64,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--backend", default="auto",
                         help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
                              "the best available here (default: auto)")
-    engine.add_argument("--device-ids", help="the device to run on, by its index (default 0); one device so far")
-    engine.add_argument("--kvcache-mem-gpu", type=float, metavar="MB",
+    engine.add_argument("--device-ids", "--d", help="the device to run on, by its index (default 0); one device so far")
+    engine.add_argument("--kvcache-mem-gpu", "--mem", type=float, metavar="MB",
                         help="KV cache memory on the device in MB; wins over --kv-fraction (default: sized by "
                              "--kv-fraction)")
     engine.add_argument("--kv-fraction", type=float, metavar="F",
