@@ -46,6 +46,25 @@ def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
     conformance.add_argument("pytest_args", nargs="*", help="passed on to pytest after --, e.g. -- -x -v")
     conformance.set_defaults(run=_conformance)
 
+    new_backend = commands.add_parser(
+        "new-backend", help="write a pip-installable backend package for a PyTorch device extension, "
+                            "which passes conformance on the CPU stand-in as written")
+    new_backend.add_argument("name", metavar="NAME",
+                             help="the backend's name, a lowercase Python identifier (e.g. acme); the package is "
+                                  "candelabra-NAME")
+    new_backend.add_argument("--torch-device", required=True, metavar="TYPE",
+                             help="the device type the extension registers with torch (e.g. npu)")
+    new_backend.add_argument("--extension", metavar="MODULE",
+                             help="the module whose import registers it (default: torch_TYPE)")
+    new_backend.add_argument("--visible-devices-variable", metavar="VARIABLE",
+                             help="the environment variable that selects the visible devices "
+                                  "(default: TYPE_VISIBLE_DEVICES, in upper case)")
+    new_backend.add_argument("--distributed-backend", default="gloo", metavar="NAME",
+                             help="the torch.distributed name of the collective library (default: gloo)")
+    new_backend.add_argument("--dir", default=".",
+                             help="the folder to write candelabra-NAME/ in (default: the current directory)")
+    new_backend.set_defaults(run=_new_backend)
+
     for name, (module, help_text) in MODULE_COMMANDS.items():
         command = commands.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
@@ -112,6 +131,24 @@ def _conformance(args: argparse.Namespace) -> int:
 
     return run(args.backend, levels=args.level or LEVELS, ops=args.op, json_path=args.json, seed=args.seed,
                dtype=args.dtype, pytest_args=args.pytest_args)
+
+
+def _new_backend(args: argparse.Namespace) -> int:
+    from candelabra.core.new_backend import BackendSpec, NewBackendError, write_package
+
+    spec = BackendSpec.with_defaults(args.name, args.torch_device, args.extension, args.visible_devices_variable,
+                                     args.distributed_backend)
+    try:
+        folder = write_package(spec, args.dir)
+    except NewBackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {folder}: the {spec.name} backend on {spec.device_type} through {spec.extension}. Next:\n"
+          f"    cd {folder}\n"
+          f"    pip install -e .\n"
+          f"    CANDELABRA_STAND_IN={spec.device_type} candelabra conformance --backend {spec.name}\n"
+          f"README.md says more.")
+    return 0
 
 
 if __name__ == "__main__":

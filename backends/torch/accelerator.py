@@ -205,7 +205,11 @@ class AcceleratorBackend(TorchBackend):
                     raise KernelLookupError(f"{self.name}: the {op} kernel {kernel.target} was asked for explicitly "
                                             f"and cannot be used: {exc}") from exc
                 self.fallback_reasons[op] = str(exc)
-                log.info("%s: %s falls back to torch: %s", self.name, op, exc)
+                if self.stand_in():  # on the stand-in every kernel should be found: a mapping is missing
+                    log.warning("%s: %s falls back to torch on the stand-in: %s; map its module in "
+                                "stand_in_modules", self.name, op, exc)
+                else:
+                    log.info("%s: %s falls back to torch: %s", self.name, op, exc)
                 setattr(self.ops, op, self._recorded(op, base))
                 continue
             setattr(self.ops, op, self._dispatching(op, implementation, base))
