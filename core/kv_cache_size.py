@@ -15,9 +15,9 @@ class KVCacheSize:
 
 
 def one_block(model, block_size: int, kv_dtype: str) -> KVCacheSpec:
-    """The cache of one block, all layers, for `model`."""
+    """The cache of one block, all layers, for `model` (its own KV heads, under tensor parallelism)."""
     c = model.config
-    return KVCacheSpec(c.num_layers, 1, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+    return KVCacheSpec(c.num_layers, 1, block_size, model.num_local_kv_heads, c.head_dim, kv_dtype)
 
 
 def blocks_in(memory_mb: float, block: KVCacheSpec, what: str) -> int:

@@ -15,6 +15,13 @@ from candelabra.core.kv_cache_size import blocks_in, device_cache_size, one_bloc
 from candelabra.core.models import load_model
 from candelabra.core.weights import Checkpoint
 from candelabra.core.worker.model_runner import ModelRunner
+from candelabra.core.worker.tensor_parallel import (
+    COLLECTIVE_TIMEOUT_SECONDS,
+    ParallelModelRunner,
+    WorkerProcesses,
+    WorkerSpec,
+)
+from candelabra.core.worker.topology import Topology
 
 log = logging.getLogger("candelabra")
 
@@ -73,25 +80,44 @@ class LLM:
     `load_format` "dummy" loads no weights: random ones in the shapes `model`'s config.json gives
     (a folder holding it, or the file), still quantized in `dummy_quantization` (a GGUF format such
     as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `eager_steps` runs
-    every step op by op, where the backend would capture it (CUDA graphs) or compile it."""
+    every step op by op, where the backend would capture it (CUDA graphs) or compile it.
+
+    `topology` with more than one device serves the model tensor-parallel: this process is rank 0, on
+    node 0's first device (`device` is then ignored), and starts node 0's other ranks as processes of
+    their own; other nodes start theirs with `candelabra serve --node-rank N`. `close()` stops them."""
 
     def __init__(self, model: str | Path | Checkpoint | None = None, backend: str | type = "auto",
                  device: Device | int | None = None, dtype: str | None = None, kv_cache_dtype: str | None = None,
                  kvcache_mem_gpu: float | None = None, kv_fraction: float | None = None, kvcache_mem_cpu: float = 128,
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
-                 eager_steps: bool = False, **engine_options) -> None:
+                 eager_steps: bool = False, topology: Topology | None = None, **engine_options) -> None:
         if isinstance(model, Checkpoint):
             checkpoint = model
         else:
             checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
         self.checkpoint = checkpoint
         backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
+        self.workers, self.communicator = None, None
+        if topology is not None and topology.world_size > 1:
+            if topology.node_rank != 0:
+                raise ValueError(f"the engine runs on node 0; node {topology.node_rank} only runs ranks "
+                                 "(candelabra serve --node-rank N)")
+            source = dict(backend=backend_cls.name, model=str(checkpoint.path), model_id=None, weight_file=None,
+                          revision=None, load_format=load_format, dummy_quantization=dummy_quantization, dtype=dtype,
+                          model_type=model_type, topology=topology)
+            self.workers = WorkerProcesses([WorkerSpec(**source, local=local)
+                                            for local in range(1, len(topology.device_ids))])
+            device = topology.device(0)
         if isinstance(device, int):
             device = Device(device)
         self.backend = backend_cls() if device is None else backend_cls(device)
         self.backend.eager_steps = eager_steps
-        self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True)
+        if self.workers is not None:
+            self.communicator = self.backend.communicator(topology.master_addr, topology.master_port,
+                                                          COLLECTIVE_TIMEOUT_SECONDS)
+        self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True,
+                                communicator=self.communicator)
         checkpoint.release_pages()
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
         kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)
@@ -101,7 +127,11 @@ class LLM:
                                  config.max_model_len or self.model.config.max_position_embeddings)
         config.num_blocks = size.num_blocks
         config.num_host_blocks = blocks_in(kvcache_mem_cpu, block, "kvcache_mem_cpu") if kvcache_mem_cpu else 0
-        runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_dtype)
+        if self.communicator is not None:
+            runner = ParallelModelRunner(self.model, self.communicator, config.num_blocks, config.block_size, kv_dtype,
+                                         find_dead_rank=self.workers.find_dead)
+        else:
+            runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_dtype)
         self.engine = LLMEngine(runner, self.tokenizer, config)
         self.kv_cache_chosen_by = size.chosen_by
         capacity = config.num_blocks * config.block_size
@@ -113,6 +143,25 @@ class LLM:
                         "give it more memory (kvcache_mem_gpu or kv_fraction; --kvcache-mem-gpu, --kv-fraction)",
                         capacity, self.engine.max_model_len)
         self._ids = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they are told to exit, then waited for). The
+        engine cannot step afterwards. Safe to call more than once."""
+        if self.workers is None:
+            return
+        workers, self.workers = self.workers, None
+        try:
+            self.engine.runner.stop()
+        except Exception as exc:  # noqa: BLE001 - ranks that cannot be told are ended below
+            log.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
+        finally:
+            workers.stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _engine_defaults(self, engine_options: dict) -> dict:
         """`engine_options` with what the user left unset (absent or None) chosen by the backend."""

@@ -42,17 +42,18 @@ def test_a_backend_with_several_devices_accepts_each_and_refuses_the_next():
         FourCpus(Device(4))
 
 
-@pytest.mark.parametrize("ids, expected", [(None, None), ("", None), ("0", Device(0)), (" 2 ", Device(2))])
-def test_device_ids_name_one_device(ids, expected):
+@pytest.mark.parametrize("ids, expected", [(None, ()), ("", ()), ("0", (0,)), (" 2 ", (2,)), ("0,1", (0, 1)),
+                                           ("3, 1", (3, 1))])
+def test_device_ids_name_devices_by_index(ids, expected):
     assert Device.parse_ids(ids) == expected
 
 
 @pytest.mark.parametrize("ids, problem", [
-    ("0,1", "--device-ids 0,1: serving on several devices (tensor parallelism) is not supported yet"),
     ("cuda:0", "--device-ids cuda:0: a device is a number, 0 or more"),
     ("-1", "--device-ids -1: a device is a number, 0 or more"),
+    ("0,0", "--device-ids 0,0: a device is named twice"),
 ])
-def test_device_ids_that_name_no_single_device_are_refused(ids, problem):
+def test_device_ids_that_name_no_device_are_refused(ids, problem):
     with pytest.raises(ValueError) as caught:
         Device.parse_ids(ids)
     assert str(caught.value).startswith(problem)

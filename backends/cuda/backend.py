@@ -29,6 +29,7 @@ class CudaBackend(TorchBackend):
     quantized_roles = QUANTIZABLE_ROLES  # its embedding op reads a dense table
     device_type = "cpu" if interpreting() else "cuda"
     dtypes = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
+    distributed_backend = "gloo" if interpreting() else "nccl"  # the interpreter's tensors are CPU tensors
 
     @classmethod
     def probe(cls) -> Probe:

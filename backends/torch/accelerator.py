@@ -167,8 +167,10 @@ class AcceleratorBackend(TorchBackend):
 
     @classmethod
     def device_count(cls) -> int:
-        if cls.stand_in() or torch is None:
+        if torch is None:
             return 1
+        if cls.stand_in():
+            return super().device_count()  # the CPU's: shares of its cores
         module = getattr(torch, cls.device_type, None)
         if module is None:
             try:

@@ -16,7 +16,12 @@ from typing import Any, ClassVar
 import numpy as np
 import psutil
 
-from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
+from candelabra.backends.torch.cpu_features import (
+    default_dtypes,
+    has_native_bfloat16,
+    take_share_of_cores,
+    usable_cores,
+)
 from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
@@ -63,6 +68,8 @@ class TorchBackend(Backend):
     # On a CPU the embedding table stays quantized too, shared with a tied LM head: the default
     # model's table is 136 MB as int8 rows against 272 as bfloat16, on top of its LM head's 136.
     quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EMBEDDING}
+    # The torch.distributed process-group backend its communicator uses: Gloo sums CPU tensors.
+    distributed_backend: ClassVar[str] = "gloo"
 
     def __init__(self, device: Device | None = None) -> None:
         if torch is None:
@@ -101,6 +108,8 @@ class TorchBackend(Backend):
             return
         from candelabra.backends.torch.packed_int8 import limit_primitive_cache
 
+        if self.device.world_size > 1:
+            take_share_of_cores(self.device.index, self.device.world_size)
         cores = usable_cores()
         if torch.get_num_threads() != cores:
             torch.set_num_threads(cores)
@@ -110,6 +119,12 @@ class TorchBackend(Backend):
                  "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware",
                  f"; dense copies of quantized weights for batches ({DENSE_COPIES_VARIABLE}=1)"
                  if self.dense_copies else "")
+
+    @classmethod
+    def device_count(cls) -> int:
+        """On a CPU, tensor-parallel ranks share the cores: device i is the i-th share of them, so there are
+        as many devices as cores (one core each at most)."""
+        return usable_cores() if cls.runs_on() == "cpu" else super().device_count()
 
     def release_cached_memory(self) -> None:
         if self.torch_device.type == "cpu":
@@ -210,6 +225,16 @@ class TorchBackend(Backend):
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
+
+    # communication
+
+    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0):
+        """torch.distributed's default process group over `distributed_backend`, joined over TCP."""
+        from candelabra.backends.torch.communicator import TorchDistributedCommunicator
+
+        library = "gloo" if self.torch_device.type == "cpu" else self.distributed_backend  # a stand-in's CPU tensors
+        return TorchDistributedCommunicator(library, master_addr, master_port, self.device.rank,
+                                            self.device.world_size, timeout_s, self.torch_device)
 
     # KV cache
 

@@ -49,3 +49,15 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def take_share_of_cores(index: int, shares: int) -> None:
+    """Run the calling thread, and the threads it starts (torch's OpenMP team), on share `index` of
+    `shares` equal shares of the cores it may use: tensor-parallel ranks on one CPU then each keep
+    cores of their own instead of all of them contending for all. No-op where the OS has no affinity."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    per_share = max(1, len(cores) // shares)
+    start = (index * per_share) % len(cores)
+    os.sched_setaffinity(0, cores[start:start + per_share])

@@ -1,11 +1,12 @@
 """The backend contract: everything a backend implements and everything the core hands it.
 
 `Backend` (memory, weights, KV cache, step metadata), `Ops` (the op interface, each op's exact
-semantics in its docstring), the step and sampling metadata, the KV cache spec, the dtypes, and
-weight roles and quantized weights.
+semantics in its docstring), `Communicator` (the collectives of tensor parallelism), the step and
+sampling metadata, the KV cache spec, the dtypes, and weight roles and quantized weights.
 """
 
 from candelabra.core.contract.backend import Backend, Probe
+from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import FLOAT_DTYPES, DType
 from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
@@ -15,7 +16,7 @@ from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMe
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 __all__ = [
-    "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "DType", "KVCache", "KVCacheSpec", "OpNotSupported",
-    "Device", "Ops", "Probe", "QuantizedTensor", "SampleResult", "SamplingMetadata", "StepExecutor", "StepInputs",
-    "StepMetadata", "Tensor", "WeightRole", "pad_step_inputs",
+    "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "Communicator", "DType", "KVCache", "KVCacheSpec",
+    "OpNotSupported", "Device", "Ops", "Probe", "QuantizedTensor", "SampleResult", "SamplingMetadata", "StepExecutor",
+    "StepInputs", "StepMetadata", "Tensor", "WeightRole", "pad_step_inputs",
 ]

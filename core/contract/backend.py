@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import DType, check_dtype
 from candelabra.core.contract.executor import StepExecutor
@@ -235,6 +236,17 @@ class Backend:
         """Copy host blocks to device blocks: `mapping` [N, 2] holds (host, device) pairs.
         Returns the updated caches."""
         raise NotImplementedError
+
+    # communication
+
+    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0) -> Communicator:
+        """Join the group of `self.device.world_size` processes (one per device, tensor parallelism) as
+        rank `self.device.rank`, meeting at `master_addr`:`master_port`, where rank 0 listens. Blocks
+        until every rank has joined; fails when that, or any later collective call, takes longer than
+        `timeout_s` seconds. Call it once per process."""
+        raise NotImplementedError(f"backend {self.name!r} offers no communicator, which tensor parallelism needs "
+                                  "(several devices serving one model); serve on one device, or implement "
+                                  "Backend.communicator on an existing distributed engine such as torch.distributed")
 
     # step execution
 

@@ -7,7 +7,8 @@ RequestStream, an async iterator of RequestOutputs (each with the text and token
 previous one); closing it early (a client that disconnected, a cancelled task) aborts the request,
 which frees its blocks. The engine thread only steps the core; detokenizing and stop strings run
 in the stream, on the consumer's event loop, which tells the core when a stop string ends a sample.
-A step that fails fails the requests in it, and the loop goes on serving.
+A step that fails fails the requests in it, and the loop goes on serving, unless it raised an
+EngineFailure (or `fail()` was called): then every request fails, the loop ends, and `failure` says why.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from candelabra.core.engine.engine import LLMEngine, RequestOutput
+from candelabra.core.engine.failure import EngineFailure
 from candelabra.core.engine.output_processor import OutputProcessor
 from candelabra.core.engine.sampling_params import SamplingParams
 
@@ -87,6 +89,7 @@ class AsyncEngine:
         self._counts = (0, 0)  # running and waiting requests, published by the engine thread
         self._stopping = False
         self._stepped_since_release = False
+        self.failure: str | None = None  # why the engine stopped serving, when it failed
         if isinstance(engine, LLMEngine):
             self.engine, self.core = engine, engine.core
             self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
@@ -130,6 +133,8 @@ class AsyncEngine:
                     params: SamplingParams | None = None) -> RequestStream:
         """Check and queue a request; ValueError at once for a bad one. Call from the event loop
         that will consume the stream."""
+        if self.failure is not None:
+            raise EngineStopping(f"the engine has stopped: {self.failure}")
         checked = self.engine.check_request(prompt, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._adds_handed += 1
@@ -161,21 +166,32 @@ class AsyncEngine:
         self._commands.append(("stop_all", message))
         self._work.set()
 
+    def fail(self, reason: str) -> None:
+        """From any thread: the engine cannot go on (`reason`); fail every request and stop the loop."""
+        self._commands.append(("fail", reason))
+        self._work.set()
+
     def shutdown(self) -> None:
         self._stopping = True
         self._work.set()
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while not self._stopping:
+        while not self._stopping and self.failure is None:
             self._run_commands()
             self._publish_counts()
+            if self.failure is not None:
+                break
             if not self.core.has_unfinished_requests():
                 self._wait_for_work()
                 continue
             self._stepped_since_release = True
             try:
                 outputs = self.core.step()
+            except EngineFailure as exc:
+                log.error("the engine cannot go on: %s", exc)
+                self._stop_failed(str(exc))
+                break
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -222,6 +238,10 @@ class AsyncEngine:
             if command[0] == "stop_all":
                 self._fail_all(EngineStopping(command[1]))
                 continue
+            if command[0] == "fail":
+                log.error("the engine cannot go on: %s", command[1])
+                self._stop_failed(command[1])
+                return
             _, request_id, checked, stream = command
             log.debug("add %s: %d prompt tokens, up to %d new", request_id, len(checked.prompt_token_ids),
                       checked.max_tokens)
@@ -233,8 +253,13 @@ class AsyncEngine:
                 continue
             self._streams[request_id] = stream
 
+    def _stop_failed(self, reason: str) -> None:
+        self.failure = reason
+        self._fail_all(EngineFailure(reason))
+        self._commands.clear()
+
     def _fail_all(self, exc: Exception) -> None:
-        error = exc if isinstance(exc, EngineStopping) else RuntimeError(f"generation failed: {exc}")
+        error = exc if isinstance(exc, (EngineStopping, EngineFailure)) else RuntimeError(f"generation failed: {exc}")
         for request_id, stream in list(self._streams.items()):
             self.core.abort_request(request_id)
             _deliver(stream, error)

@@ -26,6 +26,8 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if served.engine.failure is not None:
+            return JSONResponse({"status": "engine failed", "reason": served.engine.failure}, status_code=503)
         if not served.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -19,6 +19,7 @@ import sys
 import uvicorn
 
 from candelabra.core.contract.dtypes import FLOAT_DTYPES
+from candelabra.core.worker.topology import DEFAULT_MASTER_PORT
 
 log = logging.getLogger("candelabra")
 
@@ -65,7 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--backend", default="auto",
                         help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
                              "the best available here (default: auto)")
-    engine.add_argument("--device-ids", "--d", help="the device to run on, by its index (default 0); one device so far")
+    engine.add_argument("--device-ids", "--d",
+                        help="the devices to run on, by index: one (default 0), or several, comma-separated, for "
+                             "tensor parallelism, one process each (on a CPU with torch, ranks sharing the cores)")
+    engine.add_argument("--num-nodes", type=int, default=1,
+                        help="machines the ranks run on, each with the same --device-ids (default 1)")
+    engine.add_argument("--node-rank", type=int, default=0,
+                        help="this machine's place among --num-nodes; node 0 serves, the others only run ranks "
+                             "(default 0)")
+    engine.add_argument("--master-addr", default="127.0.0.1",
+                        help="the address of node 0, where the ranks meet (default 127.0.0.1)")
+    engine.add_argument("--master-port", type=int,
+                        help=f"the port on node 0 where the ranks meet (default: a free one on one node, "
+                             f"{DEFAULT_MASTER_PORT} across nodes)")
     engine.add_argument("--kvcache-mem-gpu", "--mem", type=float, metavar="MB",
                         help="KV cache memory on the device in MB; wins over --kv-fraction (default: sized by "
                              "--kv-fraction)")
@@ -117,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.node_rank > 0:
+        return _run_ranks(args)
     try:
         backend, checkpoint = _backend_and_checkpoint(args)
         listener = _listen(args.host, args.port)
@@ -137,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
-    from candelabra.core.contract.device import Device
     from candelabra.core.engine.sampling_params import SamplingParams
     from candelabra.core.kv_cache_size import check_kv_fraction
     from candelabra.core.weights.open import check_load_format
@@ -146,7 +160,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
                          "K-quants, F16), which is dequantized at load")
     check_load_format(args.load_format, args.dummy_quantization)
-    Device.parse_ids(args.device_ids)
+    topology_of(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
     minimums = {"max_num_seqs": 1, "block_size": 1, "max_waiting": 1, "max_num_batched_tokens": 1,
@@ -175,6 +189,55 @@ def check_arguments(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
 
 
+def _run_ranks(args: argparse.Namespace) -> int:
+    """A node other than 0: run its ranks (the first here, the others as processes of their own)
+    until node 0 tells them to stop or goes away. It serves nothing itself."""
+    from candelabra.core.worker.tensor_parallel import WorkerProcesses, WorkerSpec, run_worker
+
+    topology = topology_of(args)
+    try:
+        backend, _ = _backend_and_checkpoint(args)
+    except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    source = dict(backend=backend.name, model=args.weight_path, model_id=args.model_id, weight_file=args.weight_file,
+                  revision=args.revision, load_format=args.load_format, dummy_quantization=args.dummy_quantization,
+                  dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None, model_type=args.model_type,
+                  topology=topology)
+    others = WorkerProcesses([WorkerSpec(**source, local=local) for local in range(1, len(topology.device_ids))])
+    first = topology.device(0).rank
+    print(f"node {topology.node_rank}: ranks {first} to {first + len(topology.device_ids) - 1} of "
+          f"{topology.world_size}, meeting at {topology.master_addr}:{topology.master_port}", flush=True)
+    try:
+        run_worker(WorkerSpec(**source, local=0))
+    except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback
+        print(f"error: rank {first}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        others.stop()
+    print(f"node {topology.node_rank}: stopped", flush=True)
+    return 0
+
+
+def topology_of(args: argparse.Namespace):
+    """Where the ranks run, from --device-ids, --num-nodes, --node-rank, --master-addr and --master-port;
+    ValueError naming the flag for values that cannot be."""
+    from candelabra.core.contract.device import Device
+    from candelabra.core.worker.topology import Topology
+
+    ids = Device.parse_ids(args.device_ids) or (0,)
+    port = args.master_port
+    if port is None:
+        port = _free_port() if args.num_nodes == 1 and len(ids) > 1 else DEFAULT_MASTER_PORT
+        args.master_port = port  # chosen once: every later call must give the same topology
+    return Topology(ids, args.num_nodes, args.node_rank, args.master_addr, port)
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
 def _backend_and_checkpoint(args: argparse.Namespace):
     """The backend class and the opened checkpoint, whose config must name a known architecture
     (and match MODEL_TYPE): all that can be checked before the weights load."""
@@ -183,7 +246,8 @@ def _backend_and_checkpoint(args: argparse.Namespace):
     from candelabra.core.models.config import ModelConfig
 
     backend = choose_backend(args.backend)
-    backend.check_device(Device.parse_ids(args.device_ids) or Device())
+    for index in Device.parse_ids(args.device_ids) or (0,):
+        backend.check_device(Device(index))
     if args.kv_cache_dtype:
         compute = DTYPE_ALIASES[args.dtype] if args.dtype else backend.dtypes[0]
         backend.check_kv_cache_dtype(DTYPE_ALIASES[args.kv_cache_dtype], compute)
@@ -213,7 +277,6 @@ def _listen_failure(host: str, port: int, exc: OSError) -> str:
 
 
 def _load(args: argparse.Namespace, backend: type, checkpoint):
-    from candelabra.core.contract.device import Device
     from candelabra.core.engine.async_engine import AsyncEngine
     from candelabra.core.llm import LLM
     from candelabra.core.server.generation_config import recommended_sampling
@@ -227,7 +290,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
     loaded: list[LLM] = []
 
     def load_model():
-        loaded.append(LLM(checkpoint, backend=backend, device=Device.parse_ids(args.device_ids),
+        loaded.append(LLM(checkpoint, backend=backend, topology=topology_of(args),
                           dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None,
                           kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
                           kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction,
@@ -237,6 +300,8 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
 
     engine = AsyncEngine(load_model)  # loaded on the thread that will step it
     llm = loaded[0]
+    if llm.workers is not None:
+        llm.workers.watch(engine.fail)
     name = args.served_model_name or _model_name(args, llm.checkpoint)
     recommended = recommended_sampling(llm.checkpoint) if args.generation_config == "auto" else {}
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -272,6 +337,11 @@ def _serve(served, args: argparse.Namespace, listener: socket.socket) -> int:
         pass
     finally:
         served.engine.shutdown()
+        if served.llm is not None:
+            served.llm.close()
+    if served.engine.failure is not None:
+        print(f"error: the engine failed, so the server stopped: {served.engine.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -284,6 +354,10 @@ class _StoppingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, served, grace: float) -> None:
         super().__init__(config)
         self.served, self.grace = served, grace
+
+    async def on_tick(self, counter: int) -> bool:
+        """Stop serving once the engine has failed: /health has said why meanwhile."""
+        return await super().on_tick(counter) or self.served.engine.failure is not None
 
     async def shutdown(self, sockets=None) -> None:
         aborted_before = self.served.metrics.finished_by_reason["abort"]

@@ -3,7 +3,7 @@ backend's step executor, and the sampled tokens back on the host in one transfer
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,6 +16,17 @@ from candelabra.core.models.base import DecoderModel
 from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput
 
 
+@dataclass(frozen=True)
+class StepOrder:
+    """All a step needs, on the host: the block moves to make first, then the inputs to run (None for
+    a step that only moves blocks). Tensor-parallel ranks receive it from rank 0 and run the same."""
+
+    swap_out: tuple[tuple[int, int], ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    inputs: StepInputs | None = None
+
+
 class ModelRunner:
     """Owns one model's per-layer KV caches and the host swap space for them."""
 
@@ -24,7 +35,7 @@ class ModelRunner:
         """`kv_cache_dtype`: the caches' dtype (default: the model's compute dtype)."""
         c = model.config
         self.model, self.backend = model, model.backend
-        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+        self.kv_spec = KVCacheSpec(c.num_layers, num_blocks, block_size, model.num_local_kv_heads, c.head_dim,
                                    kv_cache_dtype or model.dtype)
         self.caches = self.backend.allocate_kv_cache(self.kv_spec)
         self.swap_space, self.num_host_blocks = None, 0
@@ -41,15 +52,9 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
         """Run one scheduled step; the token drawn for each of `plan.sampled`, in order."""
-        self._move_blocks(plan)
-        if not plan.scheduled:
-            return []
-        inputs = self._inputs(plan)
-        sampled, self.caches = self.executor.run(inputs, self.caches)
+        sampled = self.run(self.order(plan))
         if sampled is None:
-            self.backend.evaluate(self.caches)
             return []
-        self.backend.evaluate(sampled, self.caches)
         token_ids, logprobs, top_ids, top_logprobs = self.backend.fetch(*sampled)
         tokens = []
         for row, (_, seq) in enumerate(plan.sampled):
@@ -57,6 +62,24 @@ class ModelRunner:
             top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
             tokens.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top))
         return tokens
+
+    def order(self, plan: SchedulerOutput) -> StepOrder:
+        """What running `plan` takes, on the host."""
+        return StepOrder(_pairs(plan.swap_out), _pairs(plan.block_copies), _pairs(plan.swap_in),
+                         self._inputs(plan) if plan.scheduled else None)
+
+    def run(self, order: StepOrder):
+        """Make the order's block moves and run its step: the sampled tensors (backend tensors, as
+        the executor returns them), or None when the step samples nothing."""
+        self._move_blocks(order)
+        if order.inputs is None:
+            return None
+        sampled, self.caches = self.executor.run(order.inputs, self.caches)
+        if sampled is None:
+            self.backend.evaluate(self.caches)
+            return None
+        self.backend.evaluate(sampled, self.caches)
+        return sampled
 
     def logits(self, token_ids: np.ndarray, meta: StepMetadata):
         """The logits [N, vocab] of `meta.logits_rows` as a backend tensor, the step's keys and
@@ -71,14 +94,14 @@ class ModelRunner:
         backend.evaluate(logits, self.caches)
         return logits
 
-    def _move_blocks(self, plan: SchedulerOutput) -> None:
+    def _move_blocks(self, order: StepOrder) -> None:
         backend = self.backend
-        if plan.swap_out:
-            self.swap_space = _swap("swap_out", backend.swap_out, self.caches, self.swap_space, plan.swap_out)
-        if plan.block_copies:
-            self.caches = backend.copy_blocks(self.caches, np.array(plan.block_copies))
-        if plan.swap_in:
-            self.caches = _swap("swap_in", backend.swap_in, self.caches, self.swap_space, plan.swap_in)
+        if order.swap_out:
+            self.swap_space = _swap("swap_out", backend.swap_out, self.caches, self.swap_space, order.swap_out)
+        if order.block_copies:
+            self.caches = backend.copy_blocks(self.caches, np.array(order.block_copies))
+        if order.swap_in:
+            self.caches = _swap("swap_in", backend.swap_in, self.caches, self.swap_space, order.swap_in)
 
     def _inputs(self, plan: SchedulerOutput) -> StepInputs:
         token_ids, query_lens, seq_lens, tables, last_token = [], [], [], [], []
@@ -93,6 +116,10 @@ class ModelRunner:
         meta = StepMetadata.build(query_lens, seq_lens, tables, self.kv_spec.block_size, logits_rows=rows)
         return StepInputs(np.array(token_ids, dtype=np.int32), self.model.with_rope_positions(meta),
                           sampling_metadata([seq for _, seq in plan.sampled]))
+
+
+def _pairs(pairs) -> tuple[tuple[int, int], ...]:
+    return tuple((int(source), int(destination)) for source, destination in pairs)
 
 
 def _swap(direction: str, swap, caches, space, mapping):

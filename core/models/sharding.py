@@ -1,0 +1,185 @@
+"""Tensor parallelism's sharding rules: which part of each weight rank r of W keeps.
+
+Weights are [out_features, in_features]. A column-parallel projection keeps some of its output
+features (rows): each rank computes its part of the output, and nothing is exchanged. A row-parallel
+projection keeps the input features (columns) matching the column-parallel output before it: each
+rank computes a partial sum of the whole output, summed over ranks by one all-reduce, and its bias
+is added on rank 0 only, so that the sum holds it once.
+
+- Attention: q, k and v column-parallel by heads (`shard_heads`), kept fused per rank as
+  [q_local; k_local; v_local] (`HeadShard.qkv_rows`); the output projection row-parallel over the
+  same query heads (`HeadShard.output_columns`).
+- MLP: gate and up (or fc1) column-parallel over a range of the intermediate features, kept fused per
+  rank as [gate_local; up_local]; down (or fc2) row-parallel over the same range
+  (`intermediate_columns`).
+- LM head: replicated, or vocabulary-parallel (`vocab_rows`): each rank computes the logits of its
+  tokens, and an all-gather joins them.
+- Everything else (embedding, norms, q/k norms, rotary tables) is replicated.
+
+Slicing rows is exact for dense and quantized weights alike; slicing columns of a quantized weight
+is exact only on its block boundaries (`take_columns`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from candelabra.core.contract.weights import QuantizedTensor
+
+HostWeight = np.ndarray | QuantizedTensor
+
+# How the LM head is split over the ranks: each rank holding the whole head, or the rows of its share
+# of the vocabulary.
+REPLICATED, VOCAB_PARALLEL = "replicated", "vocab_parallel"
+LM_HEAD_LAYOUTS = (REPLICATED, VOCAB_PARALLEL)
+# Vocabulary-parallel was never slower. Measured on the default model (Qwen2.5-Coder-0.5B Q4_K_M, an
+# untied Q8_0 head of 151936 rows), torch backend in bfloat16, TP=2 over Gloo on a 2-core Intel CPU with
+# AMX, one core per rank: both layouts loaded in the same two processes, their decode steps
+# (ModelRunner.logits after 32-token prompts) timed alternately, median of 100 steps, three runs on a
+# machine shared with other work (load average 2 to 6); ms per step, replicated / vocabulary-parallel:
+#   batch 1:  110.2 / 108.3,  97.0 / 91.8,  137.2 / 136.2
+#   batch 16: 141.4 / 141.7, 125.6 / 124.3, 149.9 / 147.4
+# The head alone (compute_logits), best of 60: batch 1 11.0 / 5.7 ms, batch 16 18.0 / 11.9 ms, of which
+# the all-gather 0.4 and 2.4 ms (more, in medians, whenever the other rank waits for its core). Each rank
+# holds half the head too: 826 against 1049 MB resident per rank. A tied head costs memory instead, since
+# the embedding's whole table stays beside the head's shard.
+DEFAULT_LM_HEAD_LAYOUT = VOCAB_PARALLEL
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank keeps: the query heads it computes and the KV heads they read,
+    as ranges of the model's head indices."""
+
+    query_heads: range
+    kv_heads: range
+
+    def qkv_rows(self, num_heads: int, num_kv_heads: int, head_dim: int) -> list[range]:
+        """The rows of the fused [q; k; v] projection (num_heads, num_kv_heads and num_kv_heads heads
+        of head_dim rows) this rank keeps, in order: its q, k and v heads."""
+        k_offset, v_offset = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        return [_times(self.query_heads, head_dim), _times(self.kv_heads, head_dim, k_offset),
+                _times(self.kv_heads, head_dim, v_offset)]
+
+    def output_columns(self, head_dim: int) -> range:
+        """The input features of the attention output projection this rank keeps: its query heads'."""
+        return _times(self.query_heads, head_dim)
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> HeadShard:
+    """The heads rank `rank` of `world_size` keeps: query heads [r*H/W, (r+1)*H/W), and KV heads
+    [r*K/W, (r+1)*K/W) when there are at least as many KV heads K as ranks, else the one KV head its
+    query heads read (grouped-query attention: query head h reads KV head h // (H/K)), which
+    W/K ranks then each keep a copy of.
+
+    ValueError when W does not divide H, when K >= W and W does not divide K, or when K < W and K
+    does not divide W (a rank's query heads would then read two KV heads)."""
+    if num_heads % world_size:
+        raise ValueError(f"tensor parallelism over {world_size} ranks splits the model's {num_heads} query heads "
+                         f"evenly, but {world_size} does not divide {num_heads}: use a world size that does")
+    per_rank = num_heads // world_size
+    query_heads = range(rank * per_rank, (rank + 1) * per_rank)
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"tensor parallelism over {world_size} ranks splits the model's {num_kv_heads} KV heads "
+                             f"evenly, but {world_size} does not divide {num_kv_heads}: use a world size that does")
+        kv_per_rank = num_kv_heads // world_size
+        return HeadShard(query_heads, range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
+    if world_size % num_kv_heads:
+        raise ValueError(f"with {num_kv_heads} KV heads, {world_size} ranks would give some rank query heads that read "
+                         f"two KV heads: use a world size that is a multiple of {num_kv_heads}")
+    kv_head = query_heads.start // (num_heads // num_kv_heads)
+    return HeadShard(query_heads, range(kv_head, kv_head + 1))
+
+
+def intermediate_columns(size: int, rank: int, world_size: int, block: int = 1) -> range:
+    """The MLP's intermediate features rank `rank` of `world_size` keeps, out of `size`: contiguous,
+    shares differing by at most one `block`, every boundary a multiple of `block` (the row-parallel
+    weight's quantization block, so that its column shard stays quantized). Where `size` is not made
+    of at least `world_size` whole blocks, shares of single features. ValueError when `size` <
+    `world_size`."""
+    if size < world_size:
+        raise ValueError(f"tensor parallelism over {world_size} ranks splits the MLP's {size} intermediate features, "
+                         f"fewer than the ranks: use at most {size} ranks")
+    if size % block or size // block < world_size:
+        block = 1
+    return _share(size // block, rank, world_size, block)
+
+
+def vocab_rows(vocab_size: int, rank: int, world_size: int) -> tuple[range, int]:
+    """The vocabulary-parallel LM head's rows (token ids) rank `rank` of `world_size` keeps, and
+    the rows every rank's shard is padded to with zero rows, ceil(vocab_size / world_size), so
+    that the ranks' logits are alike in shape and joined in rank order give the vocabulary in order
+    (followed by padding to cut off)."""
+    padded = -(-vocab_size // world_size)
+    start = min(rank * padded, vocab_size)
+    return range(start, min(start + padded, vocab_size)), padded
+
+
+def quantization_block(format: str | None) -> int:
+    """How many consecutive values of a row one block of GGUF `format` holds; 1 for None (dense)."""
+    return 1 if format is None else GGML_QUANT_SIZES[GGMLQuantizationType[format]][0]
+
+
+def take_rows(weight: HostWeight, ranges: Sequence[range]) -> HostWeight:
+    """The rows of `weight` (2-D, or a 1-D bias) in `ranges`, one range after another; exact for
+    quantized weights, whose rows are independent."""
+    if isinstance(weight, QuantizedTensor):
+        blocks = _rows(weight.blocks, ranges)
+        return QuantizedTensor(weight.format, blocks, (blocks.shape[0], weight.shape[1]))
+    return _rows(weight, ranges)
+
+
+def take_columns(weight: HostWeight, columns: range) -> HostWeight:
+    """The columns (input features) of 2-D `weight` in `columns`. A quantized weight stays quantized
+    where both ends of `columns` lie on its block boundaries; otherwise the blocks covering them are
+    dequantized and the result is a float32 array of exactly those columns' values."""
+    start, stop = columns.start, columns.stop
+    if not isinstance(weight, QuantizedTensor):
+        return np.ascontiguousarray(weight[:, start:stop])
+    values, size = weight.values_per_block, weight.bytes_per_block
+    first, last = start // values, -(-stop // values)
+    covering = QuantizedTensor(weight.format, np.ascontiguousarray(weight.blocks[:, first * size : last * size]),
+                               (weight.shape[0], (last - first) * values))
+    if start % values == 0 and stop % values == 0:
+        return covering
+    offset = first * values
+    return np.ascontiguousarray(covering.dequantize()[:, start - offset : stop - offset])
+
+
+def pad_rows(weight: HostWeight, rows: int) -> HostWeight:
+    """`weight` (2-D, or a 1-D bias) with zero rows appended up to `rows` rows. A quantized weight
+    gains rows of zero bytes, which every GGUF format decodes to zeros (their scales are zero)."""
+    missing = rows - weight.shape[0]
+    if missing <= 0:
+        return weight
+    if isinstance(weight, QuantizedTensor):
+        zeros = np.zeros((missing, weight.blocks.shape[1]), dtype=np.uint8)
+        return QuantizedTensor(weight.format, np.concatenate([weight.blocks, zeros]), (rows, weight.shape[1]))
+    return np.concatenate([weight, np.zeros((missing, *weight.shape[1:]), dtype=weight.dtype)])
+
+
+def check_lm_head_layout(layout: str) -> str:
+    """`layout` if it is one of LM_HEAD_LAYOUTS, else a ValueError naming them."""
+    if layout not in LM_HEAD_LAYOUTS:
+        raise ValueError(f"unknown LM head layout {layout!r}; expected one of {', '.join(LM_HEAD_LAYOUTS)}")
+    return layout
+
+
+def _share(units: int, rank: int, world_size: int, unit: int) -> range:
+    """Rank's contiguous share of `units` units of `unit` indices each, shares differing by at most one unit."""
+    return range(rank * units // world_size * unit, (rank + 1) * units // world_size * unit)
+
+
+def _times(heads: range, head_dim: int, offset: int = 0) -> range:
+    """The rows of `heads`, `head_dim` rows each, starting at row `offset`."""
+    return range(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+
+
+def _rows(array: np.ndarray, ranges: Sequence[range]) -> np.ndarray:
+    parts = [array[r.start : r.stop] for r in ranges]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
