@@ -131,6 +131,9 @@ class _Harness:
     def alone(self, prompts, params, **options) -> list:
         return [self.run(self.engine(**options), [p], params)[0] for p in prompts]
 
+    def close(self) -> None:
+        """Nothing to release for one process's engines."""
+
 
 def _all_blocks_free(engine) -> str:
     blocks = engine.blocks
@@ -144,14 +147,23 @@ def _tokens(outputs) -> list[list[int]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def run_engine_case(backend: Backend, case: EngineCase, seed: int, dtype: str = "float32") -> EngineResult:
+def run_engine_case(backend, case: EngineCase, seed: int, dtype: str = "float32", make_harness=None) -> EngineResult:
+    """`case` on `backend` (an instance); `make_harness(backend, folder, dtype)` may build the engines
+    another way (the parallel level passes a backend class and a tensor-parallel harness)."""
+    with tempfile.TemporaryDirectory() as folder:
+        write_tiny_checkpoint(Path(folder), seed)
+        h = (make_harness or _Harness)(backend, Path(folder), dtype)
+    try:
+        return _run_case(h, case, seed)
+    finally:
+        h.close()
+
+
+def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
     from candelabra.core.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with tempfile.TemporaryDirectory() as folder:
-        write_tiny_checkpoint(Path(folder), seed)
-        h = _Harness(backend, Path(folder), dtype)
     prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 60, 6)]
     problems, detail = [], ""
 

@@ -76,6 +76,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "engine_case" in metafunc.fixturenames:
         _run(metafunc.config)
         metafunc.parametrize("engine_case", ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
+    if "parallel_model_case" in metafunc.fixturenames:
+        _run(metafunc.config)
+        _require_reference_stack()
+        cases = MODEL_CASES + GGUF_MODEL_CASES
+        metafunc.parametrize("parallel_model_case", cases, ids=[c.name for c in cases])
+    if "parallel_engine_case" in metafunc.fixturenames:
+        _run(metafunc.config)
+        metafunc.parametrize("parallel_engine_case", ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
 
 
 def _require_reference_stack() -> None:
@@ -104,6 +112,7 @@ class ConformanceRun:
         self.results: list[dict] = []
         self.model_results: list[dict] = []
         self.engine_results: list[dict] = []
+        self.parallel_results: list[dict] = []
         self._backend = None
 
     @property
@@ -129,13 +138,15 @@ class ConformanceRun:
                     self.model_results.append(value)
                 elif name == "candelabra-conformance-engine":
                     self.engine_results.append(value)
+                elif name == "candelabra-conformance-parallel":
+                    self.parallel_results.append(value)
 
     def pytest_report_header(self) -> str:
         return (f"candelabra conformance: backend {self.backend_class.name} ({self.device}), seed {self.seed}, "
                 f"models and engine in {self.dtype}")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not (self.results or self.model_results or self.engine_results):
+        if not (self.results or self.model_results or self.engine_results or self.parallel_results):
             return
         terminalreporter.write_sep("=", f"conformance of backend {self.backend_class.name!r} ({self.device})")
         if self.results:
@@ -144,14 +155,18 @@ class ConformanceRun:
             terminalreporter.write_line(reporting.model_table(self.model_results))
         if self.engine_results:
             terminalreporter.write_line(reporting.engine_table(self.engine_results))
+        if self.parallel_results:
+            terminalreporter.write_line(reporting.parallel_table(self.parallel_results))
         terminalreporter.write_line(f"seed {self.seed}: rerun with --seed {self.seed} for the same inputs")
         path = self.config.getoption("--conformance-json")
         if path:
-            reporting.write_json(path, self.header(), self.results, self.model_results, self.engine_results)
+            reporting.write_json(path, self.header(), self.results, self.model_results, self.engine_results,
+                                 self.parallel_results)
             terminalreporter.write_line(f"results written to {path}")
 
     def header(self) -> dict:
         levels = [level for level, results in
-                  (("ops", self.results), ("models", self.model_results), ("engine", self.engine_results)) if results]
+                  (("ops", self.results), ("models", self.model_results), ("engine", self.engine_results),
+                   ("parallel", self.parallel_results)) if results]
         return {"backend": self.backend_class.name, "device": self.device, "levels": levels, "seed": self.seed,
                 "dtype": self.dtype}

@@ -74,13 +74,21 @@ def engine_table(results: list[dict]) -> str:
     return format_table(ENGINE_HEADERS, [(r["case"], r["status"], r["detail"]) for r in results])
 
 
+PARALLEL_HEADERS = ("parallel case (2 ranks)", "status", "detail")
+
+
+def parallel_table(results: list[dict]) -> str:
+    return format_table(PARALLEL_HEADERS, [(r["case"], r["status"], r["detail"]) for r in results])
+
+
 def write_json(path: str | os.PathLike, header: dict, results: list[dict], model_results: list[dict] = (),
-               engine_results: list[dict] = ()) -> None:
+               engine_results: list[dict] = (), parallel_results: list[dict] = ()) -> None:
     by_dtype: dict[str, dict] = {}
     for (op, dtype), counts in summarize(results, by=("op", "dtype")).items():
         by_dtype.setdefault(op, {})[dtype] = counts
     document = _strict({**header, "summary": summarize(results), "summary_by_dtype": by_dtype, "cases": results,
-                        "models": list(model_results), "engine": list(engine_results)})
+                        "models": list(model_results), "engine": list(engine_results),
+                        "parallel": list(parallel_results)})
     target = Path(path)
     temporary = target.with_name(target.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=2, allow_nan=False))

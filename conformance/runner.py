@@ -10,7 +10,7 @@ import pytest
 from candelabra.conformance import LEVELS
 
 _SUITES = {level: Path(__file__).with_name(f"test_{name}.py")
-           for level, name in (("ops", "ops"), ("models", "models"), ("engine", "engine"))}
+           for level, name in (("ops", "ops"), ("models", "models"), ("engine", "engine"), ("parallel", "parallel"))}
 
 
 def run(

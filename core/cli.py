@@ -32,11 +32,13 @@ def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
     backends.set_defaults(run=_backends)
 
-    from candelabra.conformance import LEVELS
+    from candelabra.conformance import LEVELS, OPT_IN_LEVELS
 
     conformance = commands.add_parser("conformance", help="run the shared conformance suite on a backend")
     conformance.add_argument("--backend", required=True, help="a registered backend name, or package.module:Class")
-    conformance.add_argument("--level", action="append", choices=LEVELS, help="suite level (default: all)")
+    conformance.add_argument("--level", action="append", choices=LEVELS + OPT_IN_LEVELS,
+                             help="suite level (default: ops, models and engine; parallel, which starts a process "
+                                  "per rank, only when named)")
     conformance.add_argument("--op", action="append", default=[], help="only this op's cases (repeatable)")
     conformance.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     conformance.add_argument("--seed", type=int, help="base seed of the random inputs, to repeat a run")

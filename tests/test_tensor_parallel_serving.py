@@ -115,3 +115,19 @@ def _free_port() -> int:
 
     with socket.create_server(("127.0.0.1", 0)) as probe:
         return probe.getsockname()[1]
+
+
+def test_the_parallel_conformance_level_is_green_on_torch_and_skipped_without_a_communicator(tmp_path):
+    from conftest import run_candelabra
+
+    report = tmp_path / "parallel.json"
+    torch_run = run_candelabra("conformance", "--backend", "torch", "--level", "parallel", "--json", str(report))
+    assert torch_run.returncode == 0, torch_run.stdout[-3000:] + torch_run.stderr[-3000:]
+    import json
+
+    parallel = json.loads(report.read_text())["parallel"]
+    kinds = {entry["case"].split()[0] for entry in parallel}
+    assert kinds == {"collective", "model", "engine"} and all(entry["status"] == "passed" for entry in parallel)
+    cpu_run = run_candelabra("conformance", "--backend", "cpu", "--level", "parallel", "--", "-rs")
+    assert cpu_run.returncode == 5 or "skipped" in cpu_run.stdout, cpu_run.stdout[-2000:]
+    assert "offers no communicator" in cpu_run.stdout
