@@ -6,13 +6,14 @@ make together: the KV cache's size, warm-up, swap space, stopping) through the b
 communicator before running it itself; `serve_orders` is the other ranks' loop. A node starts its
 own ranks: the first in the calling process, the rest as child processes (`WorkerProcesses`), each
 `python -m candelabra.core.worker.tensor_parallel` with its `WorkerSpec` as JSON. A child exits when
-told to stop, when rank 0's process goes away (its communicator fails, and on Linux the kernel sends
-it SIGTERM when its parent dies), and never outlives a stopped server.
+told to stop, or when rank 0's process goes away (its next collective fails on the closed
+connection), and never outlives a stopped server. (The kernel's parent-death signal would not do:
+it follows the thread that started the child, and rank 0 starts its ranks on the engine's thread,
+which ends before the server tells them to stop.)
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -165,8 +166,7 @@ class WorkerProcesses:
         for spec in specs:
             rank = spec.topology.device(spec.local).rank
             self.processes[rank] = subprocess.Popen(
-                [sys.executable, "-m", "candelabra.core.worker.tensor_parallel", spec.to_json()],
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                [sys.executable, "-m", "candelabra.core.worker.tensor_parallel", spec.to_json()])
         self._watching = threading.Event()
 
     def find_dead(self, wait: float = 2.0) -> str | None:
@@ -213,12 +213,6 @@ class WorkerProcesses:
 def _death(rank: int, process: subprocess.Popen, code: int) -> str:
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     return f"tensor-parallel rank {rank} (process {process.pid}) {how}"
-
-
-def _die_with_parent() -> None:
-    """In the child, before it runs: the kernel sends SIGTERM when the parent dies (Linux prctl)."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
