@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from candelabra.core.server.chat_page import add_chat_page
 from candelabra.core.server.errors import ERROR_TYPES, APIError, error_body
 from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest
 from candelabra.core.server.serving import Served, chat_completion, completion
@@ -18,8 +19,9 @@ from candelabra.core.server.serving import Served, chat_completion, completion
 log = logging.getLogger("candelabra")
 
 
-def build_app(served: Served, api_key: str | None = None) -> FastAPI:
-    """The server for `served`; with `api_key`, every /v1 route wants `Authorization: Bearer KEY`."""
+def build_app(served: Served, api_key: str | None = None, chat_page: bool = False) -> FastAPI:
+    """The server for `served`; with `api_key`, every /v1 route wants `Authorization: Bearer KEY`;
+    with `chat_page`, the web chat page is at `/`."""
     app = FastAPI(title="candelabra", summary="OpenAI-compatible LLM server")
     _install_error_handlers(app)
     authorized = Depends(_key_check(api_key))
@@ -55,6 +57,8 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await completion(served, body, request)
 
+    if chat_page:
+        add_chat_page(app)
     return app
 
 

@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="on stopping, requests in flight get this long to finish before they are aborted "
                           "(default 5)")
     net.add_argument("--log", action="store_true", help="log every request (uvicorn access log) and engine detail")
+    net.add_argument("--no-ui", action="store_true", help="do not serve the web chat page at / (served by default)")
+    net.add_argument("--ui-server", action="store_true",
+                     help="candle-vllm's flag for its chat page, accepted and ignored: the page is on by default "
+                          "(see --no-ui)")
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--backend", default="auto",
@@ -328,7 +332,8 @@ def _serve(served, args: argparse.Namespace, listener: socket.socket) -> int:
     host, port = listener.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     _print_start_up(served, url, args)
-    config = uvicorn.Config(build_app(served, args.api_key), log_level="info" if args.log else "warning",
+    app = build_app(served, args.api_key, chat_page=not args.no_ui)
+    config = uvicorn.Config(app, log_level="info" if args.log else "warning",
                             access_log=args.log, timeout_graceful_shutdown=args.shutdown_grace + 5)
     server = _StoppingServer(config, served, args.shutdown_grace)
     try:
@@ -391,6 +396,8 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
         f"API key   {'required' if args.api_key else 'not required'}",
         f"serving   {url}  (OpenAI API at {url}/v1)",
     ]
+    if not getattr(args, "no_ui", False):
+        lines.append(f"chat page {url}/")
     print("\n".join(lines), flush=True)
 
 
