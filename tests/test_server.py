@@ -390,8 +390,8 @@ def test_serve_refuses_bad_flags_with_one_line(chat_checkpoint):
 
     result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--quant", "gptq")
     assert result.returncode == 2 and "--quant gptq is not supported" in result.stderr
-    result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--device-ids", "0,1")
-    assert result.returncode == 2 and "tensor parallelism" in result.stderr
+    result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--device-ids", "0,0")
+    assert result.returncode == 2 and "--device-ids 0,0: a device is named twice" in result.stderr
     result = run_candelabra("serve", "--weight-path", str(chat_checkpoint / "missing"), "--port", "0")
     assert result.returncode == 1 and "does not exist" in result.stderr
     result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "llama3", "--port", "0",
