@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from candelabra.core.engine.engine import LLMEngine, RequestOutput
 from candelabra.core.engine.failure import EngineFailure
@@ -25,6 +26,7 @@ from candelabra.core.engine.output_processor import OutputProcessor
 from candelabra.core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("candelabra")
+Result = TypeVar("Result")
 
 # An engine idle this long gives its backend's cached memory back (Backend.release_cached_memory):
 # long enough that back-to-back requests keep it, short enough to follow the end of a burst.
@@ -161,6 +163,17 @@ class AsyncEngine:
         self._commands.append(("finish_sample", request_id, index))
         self._work.set()
 
+    async def run_between_steps(self, work: Callable[[LLMEngine], Result]) -> Result:
+        """What `work(engine)` returns (or raises), run on the engine thread between two steps, so it
+        may use the model and the KV cache (the pooling forwards of embeddings) without racing a step."""
+        if self.failure is not None or self._stopping:
+            raise EngineStopping(f"the engine has stopped: {self.failure or 'the server is shutting down'}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.append(("call", work, loop, future))
+        self._work.set()
+        return await future
+
     def stop_all(self, message: str = "the server is shutting down") -> None:
         """End every request in flight with EngineStopping(message); the engine keeps running."""
         self._commands.append(("stop_all", message))
@@ -238,6 +251,9 @@ class AsyncEngine:
             if command[0] == "stop_all":
                 self._fail_all(EngineStopping(command[1]))
                 continue
+            if command[0] == "call":
+                _settle(command, self.engine)
+                continue
             if command[0] == "fail":
                 log.error("the engine cannot go on: %s", command[1])
                 self._stop_failed(command[1])
@@ -256,6 +272,9 @@ class AsyncEngine:
     def _stop_failed(self, reason: str) -> None:
         self.failure = reason
         self._fail_all(EngineFailure(reason))
+        for command in self._commands:
+            if command[0] == "call":
+                _settle(command, None, EngineFailure(reason))
         self._commands.clear()
 
     def _fail_all(self, exc: Exception) -> None:
@@ -264,6 +283,29 @@ class AsyncEngine:
             self.core.abort_request(request_id)
             _deliver(stream, error)
         self._streams.clear()
+
+
+def _settle(command: tuple, engine: LLMEngine | None, failure: Exception | None = None) -> None:
+    """Run a "call" command's work on `engine` (unless `failure` already decides it) and resolve its
+    future, on the caller's event loop, with the result or the exception."""
+    _, work, loop, future = command
+    if failure is None and future.cancelled():  # the caller went away before its turn
+        return
+    try:
+        if failure is not None:
+            raise failure
+        outcome, failed = work(engine), False
+    except Exception as exc:  # noqa: BLE001 - the error belongs to the caller
+        outcome, failed = exc, True
+
+    def resolve() -> None:
+        if not future.done():  # the caller may have gone away
+            (future.set_exception if failed else future.set_result)(outcome)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # that loop has closed
+        pass
 
 
 def _deliver(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> bool:

@@ -12,16 +12,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from candelabra.core.server.chat_page import add_chat_page
+from candelabra.core.server.embeddings import create_embeddings
 from candelabra.core.server.errors import ERROR_TYPES, APIError, error_body
-from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest
+from candelabra.core.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from candelabra.core.server.serving import Served, chat_completion, completion
+from candelabra.core.server.tokenize_routes import detokenize, tokenize
 
 log = logging.getLogger("candelabra")
 
 
-def build_app(served: Served, api_key: str | None = None, chat_page: bool = False) -> FastAPI:
-    """The server for `served`; with `api_key`, every /v1 route wants `Authorization: Bearer KEY`;
-    with `chat_page`, the web chat page is at `/`."""
+def build_app(served: Served, api_key: str | None = None, chat_page: bool = False,
+              embedding_pooling: str = "mean") -> FastAPI:
+    """The server for `served`; with `api_key`, every /v1 route (and /tokenize, /detokenize) wants
+    `Authorization: Bearer KEY`; with `chat_page`, the web chat page is at `/`; `embedding_pooling`
+    ("mean" or "last") is how /v1/embeddings pools where a request does not say."""
     app = FastAPI(title="candelabra", summary="OpenAI-compatible LLM server")
     _install_error_handlers(app)
     authorized = Depends(_key_check(api_key))
@@ -56,6 +66,18 @@ def build_app(served: Served, api_key: str | None = None, chat_page: bool = Fals
     @app.post("/v1/completions", dependencies=[authorized])
     async def completions(body: CompletionRequest, request: Request):
         return await completion(served, body, request)
+
+    @app.post("/v1/embeddings", dependencies=[authorized])
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embeddings(served, body, embedding_pooling)
+
+    @app.post("/tokenize", dependencies=[authorized])
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        return tokenize(served, body)
+
+    @app.post("/detokenize", dependencies=[authorized])
+    async def detokenize_route(body: DetokenizeRequest) -> dict:
+        return detokenize(served, body)
 
     if chat_page:
         add_chat_page(app)

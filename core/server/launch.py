@@ -121,6 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "none: ignore it (default auto)")
     sampling.add_argument("--thinking", action="store_true",
                           help="let reasoning models think (enable_thinking in the chat template)")
+    net.add_argument("--embedding-pooling", choices=("mean", "last"), default="mean",
+                     help="how /v1/embeddings pools the hidden states where a request does not say: the mean "
+                          "over the tokens, or the last token's (default mean)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,7 +335,7 @@ def _serve(served, args: argparse.Namespace, listener: socket.socket) -> int:
     host, port = listener.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     _print_start_up(served, url, args)
-    app = build_app(served, args.api_key, chat_page=not args.no_ui)
+    app = build_app(served, args.api_key, chat_page=not args.no_ui, embedding_pooling=args.embedding_pooling)
     config = uvicorn.Config(app, log_level="info" if args.log else "warning",
                             access_log=args.log, timeout_graceful_shutdown=args.shutdown_grace + 5)
     server = _StoppingServer(config, served, args.shutdown_grace)

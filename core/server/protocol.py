@@ -192,3 +192,59 @@ class CompletionRequest(GenerationRequest):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+
+# ---- embeddings and tokenizing
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings. Extras beyond OpenAI's set: `pooling` ("mean" or "last"; default: the
+    server's --embedding-pooling) and `normalize` (L2-normalize each vector; default true)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    pooling: Literal["mean", "last"] | None = None
+    normalize: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("must not contain an empty string or an empty token id list")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input of the request: text, or token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(item, int) for item in value):
+            return [list(value)]
+        return list(value)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM names it: `prompt` text, or `messages` rendered by the chat template.
+    `add_special_tokens` defaults to true for a prompt and false for messages (the template writes
+    them), as in the chat and completion routes."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
