@@ -68,22 +68,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "op_case" in metafunc.fixturenames:
         cases = _run(metafunc.config).cases()
         metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
-    if "model_case" in metafunc.fixturenames:
-        _run(metafunc.config)
-        _require_reference_stack()
-        cases = MODEL_CASES + GGUF_MODEL_CASES
-        metafunc.parametrize("model_case", cases, ids=[c.name for c in cases])
-    if "engine_case" in metafunc.fixturenames:
-        _run(metafunc.config)
-        metafunc.parametrize("engine_case", ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
-    if "parallel_model_case" in metafunc.fixturenames:
-        _run(metafunc.config)
-        _require_reference_stack()
-        cases = MODEL_CASES + GGUF_MODEL_CASES
-        metafunc.parametrize("parallel_model_case", cases, ids=[c.name for c in cases])
-    if "parallel_engine_case" in metafunc.fixturenames:
-        _run(metafunc.config)
-        metafunc.parametrize("parallel_engine_case", ENGINE_CASES, ids=[c.name for c in ENGINE_CASES])
+    model_cases = MODEL_CASES + GGUF_MODEL_CASES
+    # fixture -> (cases, whether they compare with transformers); the parallel level reuses both lists
+    named = {"model_case": (model_cases, True), "engine_case": (ENGINE_CASES, False),
+             "parallel_model_case": (model_cases, True), "parallel_engine_case": (ENGINE_CASES, False)}
+    for fixture, (cases, needs_reference) in named.items():
+        if fixture in metafunc.fixturenames:
+            _run(metafunc.config)
+            if needs_reference:
+                _require_reference_stack()
+            metafunc.parametrize(fixture, cases, ids=[c.name for c in cases])
 
 
 def _require_reference_stack() -> None:
