@@ -4,6 +4,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# The ways generated text can be constrained (StructuredOutput's fields, one at a time).
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrains a sample's text, token by token, to one of: a JSON schema, any JSON object,
+    a regular expression, one of a list of strings, or a grammar (Lark, as llguidance reads it,
+    or GBNF as llama.cpp writes it). Exactly one is set. The engine compiles it against its
+    tokenizer when the request is added; an invalid one is refused then, with the reason."""
+
+    json_schema: dict[str, Any] | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("choice must be a non-empty list of strings")
+        named = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(named) != 1:
+            raise ValueError(f"a structured output names exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                             f"got {', '.join(named) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass
@@ -26,6 +58,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
