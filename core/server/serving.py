@@ -18,10 +18,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from candelabra.core.engine.async_engine import AsyncEngine, EngineStopping, RequestStream
 from candelabra.core.engine.engine import CompletionOutput, RequestOutput
 from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.structured_output import StructuredOutputError
 from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.server.errors import APIError, bad_request, error_body
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
-from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from candelabra.core.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ConstraintError,
+    GenerationRequest,
+)
 from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 
 log = logging.getLogger("candelabra")
@@ -95,6 +101,9 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 self.streams.append(engine.add_request(f"{self.id}-{i}", prompt, params))
+        except StructuredOutputError as exc:
+            self.close()
+            raise bad_request(str(exc), constraint_field(request)) from exc
         except ValueError as exc:
             self.close()
             code = "context_length_exceeded" if "context length" in str(exc) else None
@@ -188,6 +197,10 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
         if not 0 <= token < vocab:
             raise bad_request(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})", "logit_bias")
         logit_bias[token] = value
+    try:
+        structured_output, _ = request.structured_output()
+    except ConstraintError as exc:
+        raise bad_request(str(exc), exc.field_name) from exc
     for token in request.stop_token_ids or []:
         if token >= vocab:
             raise bad_request(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})",
@@ -212,9 +225,18 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
             logit_bias=logit_bias,
             logprobs=num_logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured_output=structured_output,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+
+
+def constraint_field(request: GenerationRequest) -> str:
+    """The request field that constrains its output (tool_choice when that does)."""
+    try:
+        return request.structured_output()[1] or "tool_choice"
+    except ConstraintError as exc:
+        return exc.field_name
 
 
 def check_model(served: Served, name: str | None) -> None:
