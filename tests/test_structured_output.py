@@ -244,3 +244,17 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, says):
     assert error["param"] == param and says in error["message"], error
     # Nothing was lost: the server still answers.
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_min_tokens_and_ignore_eos_hold_while_the_grammar_allows_more(tiny_model):
+    llm = _tiny_llm(tiny_model)
+    free_end = StructuredOutput(regex="[a-c]+")
+    held = [SamplingParams(n=4, temperature=1.5, seed=8, max_tokens=6, min_tokens=6, structured_output=free_end),
+            SamplingParams(n=4, temperature=1.5, seed=9, max_tokens=6, ignore_eos=True, structured_output=free_end)]
+    for output in llm.generate([[5, 9, 23], [5, 9, 23]], held, progress=False):
+        for o in output.outputs:
+            assert len(o.token_ids) == 6 and re.fullmatch("[a-c]{6}", o.text), (o.text, o.token_ids)
+    # Where the grammar allows nothing but its end, it ends, min_tokens or not.
+    done = llm.generate([[5, 9]], SamplingParams(min_tokens=5, max_tokens=8, ignore_eos=True,
+                                                 structured_output=StructuredOutput(choice=["ab"])), progress=False)
+    assert done[0].outputs[0].text == "ab" and done[0].outputs[0].finish_reason == "stop"

@@ -65,27 +65,29 @@ class GrammarCompiler:
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem:
             raise StructuredOutputError(f"invalid {spec.kind}: {' '.join(problem.split())}")
-        return Grammar(grammar, self.ll_tokenizer, token_mask_words(self.vocab_size))
+        return Grammar(grammar, self.ll_tokenizer, token_mask_words(self.vocab_size), self.tokenizer.eos_token_ids)
 
 
 class Grammar:
     """A compiled structured output; `matcher()` starts one sample's walk through it."""
 
-    def __init__(self, text: str, ll_tokenizer, mask_words: int) -> None:
+    def __init__(self, text: str, ll_tokenizer, mask_words: int, end_token_ids: frozenset[int]) -> None:
         self.text, self.ll_tokenizer, self.mask_words = text, ll_tokenizer, mask_words
+        self.end_token_ids = end_token_ids
 
     def matcher(self) -> GrammarMatcher:
         import llguidance
 
         return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, self.text), self.mask_words,
-                              token_mask_words(self.ll_tokenizer.vocab_size))
+                              token_mask_words(self.ll_tokenizer.vocab_size), self.end_token_ids)
 
 
 class GrammarMatcher:
     """One sample's place in its grammar: the tokens it may take next, and the tokens it took."""
 
-    def __init__(self, matcher, mask_words: int, grammar_words: int) -> None:
+    def __init__(self, matcher, mask_words: int, grammar_words: int, end_token_ids: frozenset[int]) -> None:
         self._matcher, self.mask_words, self._grammar_words = matcher, mask_words, grammar_words
+        self.end_token_ids = end_token_ids  # the tokens the grammar allows once its text may end
 
     def allowed_token_mask(self, out: np.ndarray) -> None:
         """Write the next token's allowed-token bitmask into the int32 row `out` of
@@ -115,7 +117,7 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
     def copy(self) -> GrammarMatcher:
-        return GrammarMatcher(self._matcher.deep_copy(), self.mask_words, self._grammar_words)
+        return GrammarMatcher(self._matcher.deep_copy(), self.mask_words, self._grammar_words, self.end_token_ids)
 
 
 def _build_ll_tokenizer(tokenizer, vocab_size: int):

@@ -166,14 +166,28 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
 
 
 def _allowed_token_mask(seqs: list[Sequence]) -> np.ndarray | None:
-    """The rows' allowed tokens from their structured outputs; None when no row has one."""
-    constrained = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+    """The rows' allowed tokens from their structured outputs; None when no row has one. A row
+    that may not end yet (min_tokens not reached, or its end of text ignored) loses its end tokens
+    while its grammar allows anything else."""
+    constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.grammar is not None]
     if not constrained:
         return None
-    mask = np.full((len(seqs), constrained[0][1].mask_words), -1, dtype=np.int32)
-    for row, grammar in constrained:
-        grammar.allowed_token_mask(mask[row])
+    mask = np.full((len(seqs), constrained[0][1].grammar.mask_words), -1, dtype=np.int32)
+    for row, seq in constrained:
+        seq.grammar.allowed_token_mask(mask[row])
+        if seq.params.ignore_eos or len(seq.output_token_ids) < seq.params.min_tokens:
+            _forbid_unless_alone(mask[row], seq.grammar.end_token_ids | seq.end_token_ids)
     return mask
+
+
+def _forbid_unless_alone(row: np.ndarray, token_ids) -> None:
+    bits = row.view(np.uint32)
+    kept = bits.copy()
+    for token in token_ids:
+        if token < 32 * len(kept):
+            kept[token >> 5] &= ~np.uint32(1 << (token & 31))
+    if kept.any():
+        bits[:] = kept
 
 
 def _repetition_window(seq: Sequence) -> list[int]:
