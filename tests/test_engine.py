@@ -222,10 +222,11 @@ def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
     inputs = StepInputs(np.array(first[19:] + second[12:], np.int32), meta, sampling_metadata(seqs))
     untouched = [c.key.copy() for c in runner.caches]
     executor = StepExecutor(llm.backend, llm.model)
-    plain, _ = executor.run(inputs, [c._replace(key=c.key.copy(), value=c.value.copy()) for c in runner.caches])
+    plain = executor.run(inputs, [c._replace(key=c.key.copy(), value=c.value.copy()) for c in runner.caches])[0].sampled
     padded_inputs = pad_step_inputs(inputs, 32, 15, 8)
     assert np.all(padded_inputs.step.slot_mapping[19:] == -1)
-    padded, caches = executor.run(padded_inputs, runner.caches)
+    padded_result, caches = executor.run(padded_inputs, runner.caches)
+    padded = padded_result.sampled
     np.testing.assert_array_equal(plain.token_ids, padded.token_ids[:2])
     np.testing.assert_array_equal(plain.top_token_ids, padded.top_token_ids[:2])
     # BLAS sums a batch of another size in another order: the logprobs agree to float32 rounding.
