@@ -58,10 +58,12 @@ class ModelRunner:
         result = self.run(order)
         if result is None:
             return [], {}
-        parts = [part for part in result if part is not None]
-        host = iter(self.backend.fetch(*(tensor for part in parts for tensor in part)))
-        sampled = [next(host) for _ in range(4)] if result.sampled is not None else None
-        scored = [next(host) for _ in range(4)] if result.scored is not None else None
+        host = iter(self.backend.fetch(*(tensor for part in result if part is not None for tensor in part)))
+
+        def on_host(part):  # a part's tensors as fetched, in order
+            return None if part is None else [next(host) for _ in part]
+
+        sampled, scored = on_host(result.sampled), on_host(result.scored)
         return _sampled_tokens(plan, sampled), _scored_tokens(plan, order.inputs, scored)
 
     def order(self, plan: SchedulerOutput) -> StepOrder:
