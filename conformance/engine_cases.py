@@ -35,7 +35,13 @@ ENGINE_CASES = [
     EngineCase("preempt-recompute", "a KV cache too small for all, preempting by recompute"),
     EngineCase("preempt-swap", "a KV cache too small for all, preempting by swapping to host"),
     EngineCase("parallel-samples", "n = 3 seeded samples, twice"),
+    EngineCase("prompt-logprobs", "prompts scored chunked, batched and after a cached run vs whole and alone"),
 ]
+
+# How far a prompt token's logprob may move between a batched, chunked step and the prompt alone:
+# float32 sums in another order, or a low-precision dtype's rounding of the hidden states.
+PROMPT_LOGPROB_TOLERANCE = {"float32": 1e-3}
+LOW_PRECISION_PROMPT_LOGPROB_TOLERANCE = 0.1
 
 
 @dataclass
@@ -219,12 +225,38 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         problems.append(_differ([s for samples in shared for s in samples],
                                 [s for samples in alone for s in samples for _ in range(3)]))
         detail = "3 samples per request"
+    elif case.name == "prompt-logprobs":
+        scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+        engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
+        h.run(engine, prompts[:2], greedy)  # their blocks are in the prefix cache now
+        together = h.run(engine, prompts, scored)
+        alone = h.alone(prompts, scored, prefill_chunk_size=0, max_num_batched_tokens=512)
+        tolerance = PROMPT_LOGPROB_TOLERANCE.get(h.model.dtype, LOW_PRECISION_PROMPT_LOGPROB_TOLERANCE)
+        problems += [_prompt_logprobs_differ(i, got, expected, tolerance)
+                     for i, (got, expected) in enumerate(zip(together, alone))]
+        detail = f"{sum(len(p) - 1 for p in prompts)} prompt tokens scored"
     else:
         raise ValueError(f"unknown engine case {case.name!r}")
 
     problems.append(_all_blocks_free(engine))
     problems = [p for p in problems if p]
     return EngineResult(case.name, "failed" if problems else "passed", detail, seed, "; ".join(problems))
+
+
+def _prompt_logprobs_differ(index: int, got, expected, tolerance: float) -> str:
+    """Whether request `index` has one score per prompt token past the first, each holding the token
+    and two more likely ones, at the logprobs it gets alone."""
+    prompt, entries = got.prompt_token_ids, got.prompt_logprobs
+    if entries is None or len(entries) != len(prompt) or entries[0] is not None:
+        return f"request {index}: {len(entries or [])} prompt logprobs for a prompt of {len(prompt)} tokens"
+    for position in range(1, len(prompt)):
+        token, entry, reference = prompt[position], entries[position], expected.prompt_logprobs[position]
+        if token not in entry or len(entry) not in (2, 3):
+            return f"request {index}, prompt token {position}: scores {sorted(entry)} miss it or the top 2"
+        if abs(entry[token].logprob - reference[token].logprob) > tolerance:
+            return (f"request {index}, prompt token {position}: logprob {entry[token].logprob:.5f}, "
+                    f"alone {reference[token].logprob:.5f}")
+    return ""
 
 
 def _differ(got: list, expected: list) -> str:

@@ -357,6 +357,35 @@ def check_sample(h: Harness, rows: int, vocab: int, mode: str, logprobs: int, ti
                 ref["top_logprobs"])
 
 
+def check_token_logprobs(h: Harness, rows: int, vocab: int, num_top: int, tied: bool = False) -> None:
+    """`tied` puts logits on a coarse grid, so that ranks count past ties."""
+    logits = h.rand(rows, vocab, scale=3.0)
+    if tied:
+        logits = np.round(logits * 2) / 2
+    token_ids = h.rng.integers(0, vocab, rows)
+    token_ids[0] = int(np.argmax(logits[0]))  # the most likely token has rank 1
+    result = h.call(h.backend.ops.token_logprobs, h.upload(logits), h.upload(token_ids), num_top)
+    ref = oracle.token_logprobs(logits, token_ids, num_top)
+    h.close("logprobs", result.logprobs, ref["logprobs"])
+    ranks = h.host(result.ranks).astype(np.int64)
+    h.require("ranks shape", ranks.shape == (rows,), f"got {ranks.shape}")
+    if ranks.shape == (rows,):
+        # Float32 may tell apart, or merge, logprobs that float64 finds a hair away from the token's.
+        near = ref["all_logprobs"] - ref["logprobs"][:, None]
+        lowest, highest = 1 + np.sum(near > 1e-5, axis=1), np.sum(near > -1e-5, axis=1)  # the token's own: 0
+        wrong = np.flatnonzero((ranks < lowest) | (ranks > highest))
+        h.require("ranks", not wrong.size, f"rows {wrong.tolist()}: got {ranks[wrong].tolist()}, "
+                                            f"expected {ref['ranks'][wrong].tolist()}")
+    top_ids = h.host(result.top_token_ids).astype(np.int64)
+    h.close("top logprobs", result.top_logprobs, ref["top_logprobs"])
+    h.require("top token ids shape", top_ids.shape == (rows, num_top), f"got {top_ids.shape}")
+    if top_ids.shape == (rows, num_top) and top_ids.size:
+        h.require("top token ids in range", bool(np.all((top_ids >= 0) & (top_ids < vocab))))
+        h.require("top token ids distinct", all(len(set(row)) == len(row) for row in top_ids.tolist()))
+        picked = ref["all_logprobs"][np.arange(rows)[:, None], np.clip(top_ids, 0, vocab - 1)]
+        h.close("logprobs of top token ids", picked, ref["top_logprobs"])
+
+
 def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int) -> None:
     spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype)
     caches = h.backend.allocate_kv_cache(spec)
@@ -511,6 +540,9 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("sample", check_sample, dtypes, rows=[3], vocab=[151936], mode=["greedy", "combined"], logprobs=[1]),
         *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=["greedy", "top_k", "combined"],
                logprobs=[5], tied=[True]),
+        *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[1, 9], vocab=[1000], num_top=[0, 5]),
+        *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[4], vocab=[151936], num_top=[20]),
+        *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[7], vocab=[1000], num_top=[3], tied=[True]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),
         *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),

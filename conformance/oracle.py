@@ -357,3 +357,19 @@ def sample(logits, meta: SamplingMetadata):
         result["cdf_low"][row] = cdf_low
         result["cdf_high"][row] = cdf_high
     return result
+
+
+def token_logprobs(logits, token_ids, num_top: int):
+    """Each row's log-softmax, read at its token: the logprob, its rank, and the top num_top."""
+    logits = _f64(logits)
+    result = {"logprobs": [], "ranks": [], "top_token_ids": [], "top_logprobs": [], "all_logprobs": []}
+    for row, token in zip(logits, np.asarray(token_ids, dtype=np.int64)):
+        logprobs = row - row.max() - math.log(np.sum(np.exp(row - row.max())))
+        top = np.argsort(-logprobs, kind="stable")[:num_top]
+        result["logprobs"].append(logprobs[token])
+        result["ranks"].append(1 + int(np.sum(logprobs > logprobs[token])))
+        result["top_token_ids"].append(top)
+        result["top_logprobs"].append(logprobs[top])
+        result["all_logprobs"].append(logprobs)
+    return {name: np.array(values).reshape(len(logits), -1) if name.startswith("top") else np.array(values)
+            for name, values in result.items()}

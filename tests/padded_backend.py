@@ -30,10 +30,10 @@ class PaddingExecutor(StepExecutor):
         padded = pad_step_inputs(inputs, tokens, inputs.step.num_seqs + tokens - inputs.step.num_tokens,
                                  bucket(real_rows) if real_rows else 0)
         self.shapes.append((padded.step.num_tokens, padded.step.num_seqs, padded.num_rows))
-        sampled, caches = super().run(padded, caches)
-        if sampled is None:
-            return None, caches
-        return SampleResult(*(field[:real_rows] for field in sampled)), caches
+        result, caches = super().run(padded, caches)
+        if result.sampled is None:
+            return result, caches
+        return result._replace(sampled=SampleResult(*(field[:real_rows] for field in result.sampled))), caches
 
 
 class PaddedCpuBackend(CpuBackend):

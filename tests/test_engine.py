@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from candelabra.conformance.engine_cases import write_tiny_checkpoint
+from candelabra.conformance.engine_cases import ENGINE_CASES, write_tiny_checkpoint
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
 from conftest import available_backends, run_candelabra
@@ -124,7 +124,7 @@ def test_engine_conformance_passes(tmp_path, backend):
     run = run_candelabra("conformance", "--backend", backend, "--level", "engine", "--json", str(results))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     cases = json.loads(results.read_text())["engine"]
-    assert [c["status"] for c in cases] == ["passed"] * 6
+    assert [c["status"] for c in cases] == ["passed"] * len(ENGINE_CASES)
 
 
 def test_one_device_to_host_transfer_per_step(llm, monkeypatch):
@@ -153,6 +153,7 @@ def test_one_device_to_host_transfer_per_step(llm, monkeypatch):
     engine.add_request("a", PROMPT, greedy(max_tokens=6, ignore_eos=True, logprobs=2))
     engine.add_request("b", PROMPT[:4], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5, ignore_eos=True,
                                                        repetition_penalty=1.2, frequency_penalty=0.5))
+    engine.add_request("c", PROMPT[1:], greedy(max_tokens=3, ignore_eos=True, prompt_logprobs=3))  # scores the prompt
     steps = 0
     while engine.has_unfinished_requests():
         before = dict(counts)
@@ -222,10 +223,11 @@ def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
     inputs = StepInputs(np.array(first[19:] + second[12:], np.int32), meta, sampling_metadata(seqs))
     untouched = [c.key.copy() for c in runner.caches]
     executor = StepExecutor(llm.backend, llm.model)
-    plain, _ = executor.run(inputs, [c._replace(key=c.key.copy(), value=c.value.copy()) for c in runner.caches])
+    plain = executor.run(inputs, [c._replace(key=c.key.copy(), value=c.value.copy()) for c in runner.caches])[0].sampled
     padded_inputs = pad_step_inputs(inputs, 32, 15, 8)
     assert np.all(padded_inputs.step.slot_mapping[19:] == -1)
-    padded, caches = executor.run(padded_inputs, runner.caches)
+    padded_result, caches = executor.run(padded_inputs, runner.caches)
+    padded = padded_result.sampled
     np.testing.assert_array_equal(plain.token_ids, padded.token_ids[:2])
     np.testing.assert_array_equal(plain.top_token_ids, padded.top_token_ids[:2])
     # BLAS sums a batch of another size in another order: the logprobs agree to float32 rounding.

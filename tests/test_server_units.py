@@ -96,12 +96,21 @@ def test_completion_prompt_forms(prompt, expected):
 
 @pytest.mark.parametrize("fields, problem", [
     ({"prompt": []}, "empty"), ({"prompt": [[]]}, "empty"), ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo together with logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
 ])
 def test_completion_requests_refused(fields, problem):
     with pytest.raises(ValidationError, match=problem):
         CompletionRequest(**fields)
+
+
+def test_echoed_prompt_is_scored_at_the_larger_of_logprobs_and_prompt_logprobs():
+    assert CompletionRequest(prompt="x", echo=True, logprobs=3).num_prompt_logprobs == 3
+    assert CompletionRequest(prompt="x", echo=True, logprobs=3, prompt_logprobs=5).num_prompt_logprobs == 5
+    assert CompletionRequest(prompt="x", logprobs=3).num_prompt_logprobs is None
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], prompt_logprobs=0)
+    assert chat.num_prompt_logprobs == 0
 
 
 def test_backend_auto_says_which_and_why(caplog):

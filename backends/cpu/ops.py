@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from candelabra.backends.cpu import attention, sampling
-from candelabra.core.contract.ops import KVCache, Ops, SampleResult
+from candelabra.core.contract.ops import KVCache, Ops, SampleResult, TokenLogprobs
 
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2 / math.pi))
 
@@ -91,6 +91,9 @@ class NumpyOps(Ops):
 
     def sample(self, logits, params) -> SampleResult:
         return sampling.sample(logits, params)
+
+    def token_logprobs(self, logits, token_ids, num_top: int) -> TokenLogprobs:
+        return sampling.token_logprobs(logits, token_ids, num_top)
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from candelabra.core.contract.ops import SampleResult
+from candelabra.core.contract.ops import SampleResult, TokenLogprobs
 from candelabra.core.contract.step_metadata import SamplingMetadata
 
 
@@ -120,3 +120,16 @@ def _top_logprobs(logprobs: np.ndarray, count: int) -> tuple[np.ndarray, np.ndar
     order = np.argsort(-np.take_along_axis(logprobs, candidates, axis=1), axis=1, kind="stable")
     ids = np.take_along_axis(candidates, order, axis=1)
     return ids.astype(np.int32), np.take_along_axis(logprobs, ids, axis=1).astype(np.float32)
+
+
+def token_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> TokenLogprobs:
+    logprobs = _log_softmax(logits.astype(np.float32))
+    rows = np.arange(logprobs.shape[0])
+    chosen = logprobs[rows, token_ids][:, None]
+    top_ids, top_logprobs = _top_logprobs(logprobs, num_top)
+    return TokenLogprobs(
+        logprobs=chosen[:, 0].astype(np.float32),
+        ranks=(1 + (logprobs > chosen).sum(axis=1)).astype(np.int32),
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

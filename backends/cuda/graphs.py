@@ -23,7 +23,7 @@ import numpy as np
 
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.backends.torch.backend import torch
-from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
+from candelabra.core.contract.executor import StepExecutor, StepInputs, StepResult, pad_step_inputs
 from candelabra.core.contract.ops import KVCache
 
 log = logging.getLogger("candelabra")
@@ -46,7 +46,7 @@ def capture_size(num_tokens: int, largest: int) -> int | None:
 def is_plain_decode(inputs: StepInputs) -> bool:
     """One token per sequence, each sampled once, in order: the steps a graph replays."""
     step = inputs.step
-    return (step.max_query_len == 1 and inputs.num_rows == step.num_tokens
+    return (step.max_query_len == 1 and inputs.num_rows == step.num_tokens and inputs.scoring is None
             and np.array_equal(step.logits_rows, np.arange(step.num_tokens)))
 
 
@@ -137,7 +137,7 @@ class CudaGraphExecutor(StepExecutor):
                 graph.replay()
                 logits = static.logits
             sampling = self.backend.prepare_sampling(inputs.sampling)
-            return self.backend.ops.sample(logits[: inputs.num_rows], sampling), caches
+            return StepResult(self.backend.ops.sample(logits[: inputs.num_rows], sampling)), caches
 
     def _static_buffers(self, key: tuple[int, int]) -> StaticDecode:
         static = self._static.get(key)

@@ -99,6 +99,9 @@ class MlxOps(Ops):
     def sample(self, logits, params):
         return sampling.sample(logits, params)
 
+    def token_logprobs(self, logits, token_ids, num_top: int):
+        return sampling.token_logprobs(logits, token_ids, num_top)
+
 
 def _gelu(x, approximate):
     if approximate == "tanh":

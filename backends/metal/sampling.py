@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from candelabra.core.contract.ops import SampleResult
+from candelabra.core.contract.ops import SampleResult, TokenLogprobs
 
 
 def sample(logits, p) -> SampleResult:
@@ -97,3 +97,16 @@ def _top_logprobs(logprobs, count):
     order = mx.argsort(-values, axis=1)
     return (mx.take_along_axis(candidates, order, axis=1).astype(mx.int32),
             mx.take_along_axis(values, order, axis=1))
+
+
+def token_logprobs(logits, token_ids, num_top: int) -> TokenLogprobs:
+    x = logits.astype(mx.float32)
+    logprobs = x - _logsumexp(x)
+    chosen = mx.take_along_axis(logprobs, token_ids.astype(mx.int32)[:, None], axis=1)
+    top_ids, top_logprobs = _top_logprobs(logprobs, num_top)
+    return TokenLogprobs(
+        logprobs=chosen[:, 0],
+        ranks=(1 + (logprobs > chosen).sum(axis=1)).astype(mx.int32),
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

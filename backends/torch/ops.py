@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from candelabra.backends.torch import attention, sampling
 from candelabra.backends.torch.packed_int8 import PackedInt8Weight
 from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
-from candelabra.core.contract.ops import KVCache, Ops, SampleResult
+from candelabra.core.contract.ops import KVCache, Ops, SampleResult, TokenLogprobs
 
 QUANTIZED_WEIGHTS = (Int4Weight, Int8Weight, PackedInt8Weight)
 
@@ -90,6 +90,9 @@ class TorchOps(Ops):
 
     def sample(self, logits, params) -> SampleResult:
         return sampling.sample(logits, params)
+
+    def token_logprobs(self, logits, token_ids, num_top: int) -> TokenLogprobs:
+        return sampling.token_logprobs(logits, token_ids, num_top)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from candelabra.core.contract.ops import SampleResult
+from candelabra.core.contract.ops import SampleResult, TokenLogprobs
 from candelabra.core.contract.step_metadata import SamplingMetadata
 
 
@@ -235,3 +235,16 @@ def _top_logprobs(x: torch.Tensor, normaliser: torch.Tensor, count: int) -> tupl
                 torch.zeros(rows, 0, dtype=torch.float32, device=x.device))
     values, ids = torch.topk(x, min(count, x.shape[1]), dim=1)
     return ids.to(torch.int32), values - normaliser
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenLogprobs:
+    x = logits.float()
+    normaliser = torch.logsumexp(x, dim=1, keepdim=True)
+    chosen = x.gather(1, token_ids.long()[:, None])
+    top_ids, top_logprobs = _top_logprobs(x, normaliser, num_top)
+    return TokenLogprobs(
+        logprobs=(chosen - normaliser)[:, 0],
+        ranks=(1 + (x > chosen).sum(dim=1)).to(torch.int32),
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

@@ -9,14 +9,15 @@ from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.dtypes import FLOAT_DTYPES, DType
-from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
+from candelabra.core.contract.executor import PromptScoring, StepExecutor, StepInputs, StepResult, pad_step_inputs
 from candelabra.core.contract.kv_cache import KVCacheSpec
-from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported, Ops, SampleResult, Tensor
+from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported, Ops, SampleResult, Tensor, TokenLogprobs
 from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMetadata, StepMetadata
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 __all__ = [
     "FLOAT_DTYPES", "NO_SLOT", "NO_TOKEN", "OP_NAMES", "Backend", "Communicator", "DType", "KVCache", "KVCacheSpec",
     "OpNotSupported", "Device", "Ops", "Probe", "QuantizedTensor", "SampleResult", "SamplingMetadata", "StepExecutor",
-    "StepInputs", "StepMetadata", "Tensor", "WeightRole", "pad_step_inputs",
+    "PromptScoring", "StepInputs", "StepMetadata", "StepResult", "Tensor", "TokenLogprobs", "WeightRole",
+    "pad_step_inputs",
 ]

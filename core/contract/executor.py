@@ -1,40 +1,65 @@
 """Step execution: the hook through which a backend may run a whole step itself.
 
 The model runner hands each step to the executor that `Backend.step_executor(model)` returns: the
-step's host inputs in, the sampled tokens out as backend tensors (fetched to the host by the runner
-in one transfer). The default executor runs the model graph op by op. A backend that captures steps
-(CUDA graphs) or compiles them (MLX) returns its own executor, which may pad each batch to sizes of
-its choosing with `pad_step_inputs` and keep persistent buffers of those sizes.
+step's host inputs in, the sampled tokens (and the scored prompt tokens) out as backend tensors
+(fetched to the host by the runner in one transfer). The default executor runs the model graph op
+by op. A backend that captures steps (CUDA graphs) or compiles them (MLX) returns its own executor,
+which may pad each batch to sizes of its choosing with `pad_step_inputs` and keep persistent
+buffers of those sizes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from candelabra.core.contract.ops import KVCache, SampleResult
+from candelabra.core.contract.ops import KVCache, SampleResult, TokenLogprobs
 from candelabra.core.contract.step_metadata import NO_SLOT, NO_TOKEN, SamplingMetadata, StepMetadata
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """Prompt tokens a step scores: the logits of the step's token `rows[m]` (int32 [M], indices
+    into the step's tokens) against the prompt token `targets[m]` that follows it, with the
+    `num_top` most likely alternatives (`Ops.token_logprobs`)."""
+
+    rows: np.ndarray
+    targets: np.ndarray
+    num_top: int
+
+    def __post_init__(self) -> None:
+        if self.rows.shape != self.targets.shape or not len(self.rows):
+            raise ValueError("prompt scoring needs as many targets as rows, and at least one")
 
 
 @dataclass(frozen=True)
 class StepInputs:
     """One step on the host: token_ids[T] int32, the batch layout (whose `logits_rows` pick the
-    N rows to sample), and the N rows' sampling parameters."""
+    N rows to sample), the N rows' sampling parameters, and the prompt tokens to score, if any."""
 
     token_ids: np.ndarray
     step: StepMetadata
     sampling: SamplingMetadata
+    scoring: PromptScoring | None = None
 
     @property
     def num_rows(self) -> int:
         return self.sampling.num_rows
 
 
+class StepResult(NamedTuple):
+    """A step's outputs as backend tensors: the sampled rows (None when it samples none) and the
+    scored prompt tokens (None when it scores none)."""
+
+    sampled: SampleResult | None
+    scored: TokenLogprobs | None = None
+
+
 class StepExecutor:
     """Runs one step of `model` on `backend`, op by op: prepare the step, forward, gather the
-    logits rows, sample."""
+    logits rows, sample, and score the prompt tokens asked for."""
 
     def __init__(self, backend: Any, model: Any) -> None:
         self.backend, self.model = backend, model
@@ -45,17 +70,21 @@ class StepExecutor:
         that start-up pays for it rather than the first requests; it must leave the caches as they
         are. The default does nothing."""
 
-    def run(self, inputs: StepInputs, caches: list[KVCache]) -> tuple[SampleResult | None, list[KVCache]]:
-        """The sampled tokens of `inputs.num_rows` rows (backend tensors, not yet evaluated on a
-        lazy backend), None when no row is sampled (a step of prefill chunks only), and the
-        updated caches."""
-        backend = self.backend
+    def run(self, inputs: StepInputs, caches: list[KVCache]) -> tuple[StepResult, list[KVCache]]:
+        """The sampled tokens of `inputs.num_rows` rows and the scores of `inputs.scoring` (backend
+        tensors, not yet evaluated on a lazy backend), and the updated caches."""
+        backend, ops = self.backend, self.backend.ops
         step = backend.prepare_step(inputs.step)
         hidden, caches = self.model.forward(backend.to_device(inputs.token_ids), step, caches)
-        if not inputs.num_rows:
-            return None, caches
-        logits = self.model.compute_logits(hidden, step.logits_rows)
-        return backend.ops.sample(logits, backend.prepare_sampling(inputs.sampling)), caches
+        sampled = scored = None
+        if inputs.num_rows:
+            logits = self.model.compute_logits(hidden, step.logits_rows)
+            sampled = ops.sample(logits, backend.prepare_sampling(inputs.sampling))
+        if inputs.scoring is not None:
+            scoring = inputs.scoring
+            logits = self.model.compute_logits(hidden, backend.to_device(scoring.rows))
+            scored = ops.token_logprobs(logits, backend.to_device(scoring.targets), scoring.num_top)
+        return StepResult(sampled, scored), caches
 
 
 def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int, num_rows: int) -> StepInputs:
@@ -83,7 +112,7 @@ def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int, num_rows
     rope = np.concatenate([step.rope_positions, np.zeros(extra_tokens, np.int32)])
     token_ids = np.concatenate([inputs.token_ids, np.zeros(extra_tokens, np.int32)])
     return StepInputs(token_ids.astype(np.int32), padded.with_rope_positions(rope),
-                      _padded_sampling(sampling, extra_rows))
+                      _padded_sampling(sampling, extra_rows), inputs.scoring)
 
 
 def _padded_sampling(sampling: SamplingMetadata, extra: int) -> SamplingMetadata:

@@ -49,6 +49,7 @@ OP_NAMES: tuple[str, ...] = (
     "softcap",
     "softmax",
     "sample",
+    "token_logprobs",
 )
 
 
@@ -81,6 +82,19 @@ class SampleResult(NamedTuple):
 
     token_ids: Tensor
     logprobs: Tensor
+    top_token_ids: Tensor
+    top_logprobs: Tensor
+
+
+class TokenLogprobs(NamedTuple):
+    """What `Ops.token_logprobs` returns, as backend tensors.
+
+    logprobs[N] float32 (of the given tokens); ranks[N] int32 (1 for the most likely);
+    top_token_ids[N, K] int32 and top_logprobs[N, K] float32 with K = num_top, most probable first.
+    """
+
+    logprobs: Tensor
+    ranks: Tensor
     top_token_ids: Tensor
     top_logprobs: Tensor
 
@@ -273,3 +287,17 @@ class Ops:
            candidate if rounding leaves none).
         """
         raise self._unsupported("sample")
+
+    def token_logprobs(self, logits: Tensor, token_ids: Tensor, num_top: int) -> TokenLogprobs:
+        """How likely each row's given token is: logits [N, V] and token_ids [N] (int32, each in
+        [0, V)), scored as they are (no bias, penalty or temperature). In float32 at least, per
+        row n, with logprobs = log_softmax(logits[n]) = logits[n] - log(sum(exp(logits[n]))):
+
+            logprobs[n] = logprobs[token_ids[n]]
+            ranks[n] = 1 + the number of ids whose logprob is strictly greater than it
+            top_token_ids[n], top_logprobs[n]: the num_top highest logprobs and their ids,
+                highest first (equal logprobs in any order); num_top <= V.
+
+        This scores a prompt: the logits of each prompt token against the token after it.
+        """
+        raise self._unsupported("token_logprobs")

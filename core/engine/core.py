@@ -68,6 +68,9 @@ class EngineOutput:
     updates: list[SampleUpdate] = field(default_factory=list)
     finished: bool = False  # no sample of it is left in the core
     num_cached_tokens: int = 0
+    # With its first tokens, when asked for: each prompt token after the first as the model scored
+    # it, {"token_id", "logprob", "rank", "top": [(id, logprob), ...]}.
+    prompt_logprobs: list[dict] | None = None
 
 
 class _Request:
@@ -134,7 +137,7 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan)  # block moves happen even when nothing runs
+        sampled, scored = self.runner.execute(plan)  # block moves happen even when nothing runs
         if not plan.scheduled:
             if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
                 raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
@@ -142,7 +145,7 @@ class EngineCore:
         self.stats["steps"] += 1
         for child in plan.forked:
             self.requests[child.request_id].sequences.append(child)
-        return self._outputs(self.scheduler.update_from_output(plan, sampled))
+        return self._outputs(self.scheduler.update_from_output(plan, sampled, scored))
 
     def _outputs(self, accepted) -> list[EngineOutput]:
         outputs: dict[str, EngineOutput] = {}
@@ -154,6 +157,9 @@ class EngineCore:
                 logprob = {"token_id": token.token_id, "logprob": token.logprob, "top": token.top}
             output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason,
                                                token.token_id in seq.end_token_ids))
+            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                output.prompt_logprobs = [{"token_id": t.token_id, "logprob": t.logprob, "rank": t.rank, "top": t.top}
+                                          for t in seq.prompt_logprobs]
             self.stats["generated_tokens"] += 1
             output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
         for output in outputs.values():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from candelabra.core.engine.core import EngineOutput, SampleUpdate
 from candelabra.core.engine.detokenizer import IncrementalDetokenizer
+from candelabra.core.engine.prompt_logprobs import Logprob, prompt_logprobs
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.stop_strings import StopStringMatcher
 from candelabra.core.engine.tokenizer import Tokenizer
@@ -35,6 +36,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With prompt_logprobs asked for, once the prompt is scored: None for the first prompt token,
+    # then {token id: Logprob} for each later one (the token itself and the most likely ones).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class _Sample:
@@ -84,6 +88,7 @@ class OutputProcessor:
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_token_ids, params
         self._tokenizer = tokenizer
         self._samples: dict[int, _Sample] = {}
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,6 +99,8 @@ class OutputProcessor:
         """The request's output so far, and the samples a stop string ended just now, which the
         core must finish."""
         stopped = []
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs = prompt_logprobs(self._tokenizer, self.prompt_token_ids, output.prompt_logprobs)
         for update in output.updates:
             sample = self._samples.get(update.index)
             if sample is None:
@@ -103,4 +110,4 @@ class OutputProcessor:
         outputs = [self._samples[i].output(i, self.params.logprobs is not None) for i in sorted(self._samples)]
         finished = self.finished or output.finished
         return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished,
-                             output.num_cached_tokens), stopped
+                             output.num_cached_tokens, self._prompt_logprobs), stopped

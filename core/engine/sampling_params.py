@@ -57,6 +57,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    # None: none; k: each prompt token's logprob given the tokens before it, and the k most likely there
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
 
@@ -83,6 +85,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:

@@ -44,6 +44,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.forked = False  # the n - 1 siblings of sample 0 exist
         self.grammar: GrammarMatcher | None = None  # where its structured output stands
+        # The scores of prompt tokens 1, 2, ... so far (ScoredToken), when params.prompt_logprobs asks.
+        self.prompt_logprobs: list = []
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,6 +60,17 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def needs_prompt_scoring(self) -> bool:
+        """Whether prompt tokens are still to be scored (every one but the first, which has no context)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    @property
+    def num_scored_prompt_tokens(self) -> int:
+        """The prompt positions whose logits have been scored: those before the first one still to score."""
+        return len(self.prompt_logprobs)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -70,6 +83,7 @@ class Sequence:
         child.status, child.num_computed_tokens = self.status, self.num_computed_tokens
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
         child.grammar = None if self.grammar is None else self.grammar.copy()
+        child.prompt_logprobs = self.prompt_logprobs  # one prompt, scored once for all samples
         return child
 
     def __repr__(self) -> str:

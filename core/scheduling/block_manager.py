@@ -119,20 +119,20 @@ class BlockManager:
 
     # ---- sequence lifetime
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], max_cached_tokens: int | None = None) -> bool:
         if len(token_ids) == 0:
             return False
-        _, _, needed, available = self._plan_allocation(token_ids)
+        _, _, needed, available = self._plan_allocation(token_ids, max_cached_tokens)
         return needed <= available
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], max_cached_tokens: int | None = None) -> int:
         """Blocks for a new sequence's whole prompt. Returns how many leading prompt tokens are
-        already in the cache (their KV need not be computed)."""
+        already in the cache (their KV need not be computed): at most `max_cached_tokens`, when given."""
         self._check_new(seq_id)
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise BlockManagerError(f"sequence {seq_id}: the prompt is empty")
-        hits, hashes, needed, available = self._plan_allocation(tokens)
+        hits, hashes, needed, available = self._plan_allocation(tokens, max_cached_tokens)
         if needed > available:
             raise OutOfBlocksError(
                 f"sequence {seq_id}: a prompt of {len(tokens)} tokens needs {needed} more blocks "
@@ -314,9 +314,13 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _plan_allocation(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes], int, int]:
+    def _plan_allocation(self, token_ids: Sequence[int],
+                         max_cached_tokens: int | None = None) -> tuple[list[int], list[bytes], int, int]:
         """(reused blocks, their hashes, new blocks needed, blocks available for them)."""
         hits, hashes = self._prefix_hits(token_ids)
+        if max_cached_tokens is not None:
+            reusable = max_cached_tokens // self.block_size
+            hits, hashes = hits[:reusable], hashes[:reusable]
         needed = self._blocks_for(len(token_ids)) - len(hits)
         available = self.num_free_blocks - sum(block in self._evictable for block in hits)
         return hits, hashes, needed, available

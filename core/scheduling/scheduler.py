@@ -54,6 +54,16 @@ class SampledToken:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first; empty without logprobs
 
 
+@dataclass
+class ScoredToken:
+    """A prompt token as the model scored it, given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk_size: int = 0, preemption: str = "auto") -> None:
@@ -159,13 +169,16 @@ class Scheduler:
                     out.forked.append(child)
                     out.sampled.append((item_index, child))
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: list[SampledToken]) -> list[tuple[Sequence, SampledToken]]:
-        """After the model ran `out`: record the computed tokens and each sampled token (one per
-        entry of `out.sampled`), and finish the sequences a token ends (an end token: "stop"; their
-        max_tokens: "length"). Returns the (sequence, token) pairs taken, in order."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken],
+                           scored: dict[int, list[ScoredToken]] | None = None) -> list[tuple[Sequence, SampledToken]]:
+        """After the model ran `out`: record the computed tokens, the prompt tokens scored (by index
+        into `out.scheduled`, continuing each sequence's `prompt_logprobs`) and each sampled token
+        (one per entry of `out.sampled`), and finish the sequences a token ends (an end token:
+        "stop"; their max_tokens: "length"). Returns the (sequence, token) pairs taken, in order."""
         if len(sampled) != len(out.sampled):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled)} sampled sequences")
+        for item_index, tokens in (scored or {}).items():
+            out.scheduled[item_index].seq.prompt_logprobs.extend(tokens)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
@@ -244,9 +257,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq.token_ids):
+            # A prompt token is scored only where it is computed: the cache may not skip past the
+            # first one still unscored.
+            limit = seq.num_scored_prompt_tokens if seq.needs_prompt_scoring else None
+            if not self.blocks.can_allocate(seq.token_ids, limit):
                 return
-            cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
+            cached = self.blocks.allocate(seq.seq_id, seq.token_ids, limit)
             wanted = seq.num_tokens - cached
             tokens = min(wanted, budget, self.prefill_chunk_size or wanted)
             if not self.prefill_chunk_size and tokens < wanted:

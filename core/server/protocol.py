@@ -85,6 +85,7 @@ class GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: score the prompt too
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -243,6 +244,10 @@ class ChatCompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -266,8 +271,6 @@ class CompletionRequest(GenerationRequest):
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and best_of != self.n:
             raise ValueError("best_of other than n is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported by this server")
         return self
 
     @property
@@ -277,6 +280,12 @@ class CompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt is scored for `prompt_logprobs`, and for `logprobs` when it is echoed."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: text, or token ids."""

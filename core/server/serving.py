@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from candelabra.core.engine.async_engine import AsyncEngine, EngineStopping, RequestStream
 from candelabra.core.engine.engine import CompletionOutput, RequestOutput
+from candelabra.core.engine.prompt_logprobs import PIECE_CONTEXT, Logprob, token_piece
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.structured_output import StructuredOutputError
 from candelabra.core.engine.tokenizer import ChatTemplateError
@@ -34,8 +35,6 @@ log = logging.getLogger("candelabra")
 
 # JSON has no infinities; OpenAI reports impossible tokens at this log probability.
 LOWEST_LOGPROB = -9999.0
-# Tokens of context used to find the text a token adds (a leading space, a completed character).
-PIECE_CONTEXT = 4
 
 
 @dataclass
@@ -181,7 +180,7 @@ class Generation:
 
 
 def sampling_params(request: GenerationRequest, served: Served, max_tokens: int | None,
-                    num_logprobs: int | None) -> SamplingParams:
+                    num_logprobs: int | None, num_prompt_logprobs: int | None = None) -> SamplingParams:
     defaults = served.defaults
     vocab = served.vocab_size
 
@@ -224,6 +223,7 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
             ignore_eos=request.ignore_eos,
             logit_bias=logit_bias,
             logprobs=num_logprobs,
+            prompt_logprobs=num_prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             structured_output=structured_output,
         )
@@ -259,7 +259,8 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs)
+    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs,
+                             request.num_prompt_logprobs)
     generation = Generation(served, "chat", request, [prompt_ids], params)
     in_thought = opens_thinking(prompt_text) if served.thinks else None
     if request.stream:
@@ -275,8 +276,11 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
         choices.append({"index": output.index, "message": message, "finish_reason": output.finish_reason,
                         "logprobs": _chat_logprobs(tokenizer, final.prompt_token_ids, output.logprobs)
                         if request.logprobs else None})
-    return JSONResponse({"id": generation.id, "object": "chat.completion", "created": generation.created,
-                         "model": served.name, "choices": choices, "usage": generation.usage()})
+    body = {"id": generation.id, "object": "chat.completion", "created": generation.created,
+            "model": served.name, "choices": choices, "usage": generation.usage()}
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(final, request.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _chat_chunks(generation: Generation, in_thought: bool | None) -> AsyncIterator[dict]:
@@ -284,6 +288,7 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
     splitters: dict[int, ReasoningSplitter] = {}
     reported_logprobs: dict[int, int] = {}
     finished: set[int] = set()
+    prompt_reported = request.prompt_logprobs is None
 
     def chunk(choices: list[dict]) -> dict:
         return generation.chunk("chat.completion.chunk", choices)
@@ -294,8 +299,12 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
             if index not in splitters:
                 splitters[index] = ReasoningSplitter(bool(in_thought))
                 reported_logprobs[index] = 0
-                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                first = chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+                if not prompt_reported:  # with the stream's first chunk
+                    first["prompt_logprobs"] = _vllm_prompt_logprobs(output, request.prompt_logprobs)
+                    prompt_reported = True
+                yield first
             if in_thought is not None:
                 reasoning, content = splitters[index].feed(out.delta_text)
                 if out.finish_reason is not None:
@@ -329,16 +338,23 @@ def _logprob_rows(tokenizer, preceding: list[int], entries: list[dict] | None) -
     rows, history = [], list(preceding[-PIECE_CONTEXT:])
     for entry in entries or []:
         context = history[-PIECE_CONTEXT:]
-        top = [(_piece(tokenizer, context, t), max(lp, LOWEST_LOGPROB)) for t, lp in entry["top"]]
-        rows.append((_piece(tokenizer, context, entry["token_id"]), max(entry["logprob"], LOWEST_LOGPROB), top))
+        top = [(token_piece(tokenizer, context, t), max(lp, LOWEST_LOGPROB)) for t, lp in entry["top"]]
+        rows.append((token_piece(tokenizer, context, entry["token_id"]), max(entry["logprob"], LOWEST_LOGPROB), top))
         history.append(entry["token_id"])
     return rows
 
 
-def _piece(tokenizer, context: list[int], token: int) -> str:
-    before = tokenizer.decode(context, skip_special_tokens=False)
-    after = tokenizer.decode([*context, token], skip_special_tokens=False)
-    return after[len(before):] if after.startswith(before) else tokenizer.decode([token], skip_special_tokens=False)
+def _vllm_prompt_logprobs(output: RequestOutput, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token its own logprob and
+    the k most likely, keyed by token id as a string."""
+    entries = [None]
+    for token, scores in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+        entries.append({str(t): _logprob_json(lp) for t, lp in scores.items() if t == token or lp.rank <= k})
+    return entries
+
+
+def _logprob_json(lp: Logprob) -> dict:
+    return {"logprob": max(lp.logprob, LOWEST_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
 
 
 def _chat_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None) -> dict:
@@ -356,7 +372,8 @@ async def completion(served: Served, request: CompletionRequest, http: Request):
     check_model(served, request.model)
     tokenizer = served.tokenizer
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
-    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs)
+    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs,
+                             request.num_prompt_logprobs)
     generation = Generation(served, "completion", request, prompts, params)
     echoes = [_echo_text(tokenizer, p) for p in request.prompts()] if request.echo else None
     if request.stream:
@@ -364,12 +381,18 @@ async def completion(served: Served, request: CompletionRequest, http: Request):
     await _until_done_or_disconnected(generation, http)
     choices = []
     for i, final in enumerate(generation.finals):
+        echo = echoes[i] if echoes else ""
         for out in final.outputs:
-            choices.append({
-                "index": generation.choice_index(i, out), "text": (echoes[i] if echoes else "") + out.text,
-                "logprobs": _completion_logprobs(tokenizer, final.prompt_token_ids, out.logprobs, 0)
-                if request.logprobs is not None else None,
-                "finish_reason": out.finish_reason})
+            choice = {"index": generation.choice_index(i, out), "text": echo + out.text, "logprobs": None,
+                      "finish_reason": out.finish_reason}
+            if request.logprobs is not None:
+                logprobs = _completion_logprobs(tokenizer, final.prompt_token_ids, out.logprobs, len(echo))
+                if echoes:
+                    logprobs = _joined(_echo_logprobs(tokenizer, final, request.logprobs), logprobs)
+                choice["logprobs"] = logprobs
+            if request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(final, request.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({"id": generation.id, "object": "text_completion", "created": generation.created,
                          "model": served.name, "choices": choices, "usage": generation.usage()})
@@ -386,31 +409,62 @@ async def _completion_chunks(generation: Generation, echoes: list[str] | None) -
     text_offsets: dict[int, int] = {}
     reported_logprobs: dict[int, int] = {}
 
-    def chunk(index: int, text: str, logprobs, finish_reason) -> dict:
+    def chunk(index: int, text: str, logprobs, finish_reason, **extra) -> dict:
         return generation.chunk("text_completion", [{"index": index, "text": text, "logprobs": logprobs,
-                                                     "finish_reason": finish_reason}])
+                                                     "finish_reason": finish_reason, **extra}])
 
     async for i, output in generation.outputs():
         for out in output.outputs:
             index = generation.choice_index(i, out)
-            text = out.delta_text
-            if index not in started:
+            text, echo_logprobs, extra = out.delta_text, None, {}
+            if index not in started:  # the prompt's part goes with the first chunk
                 started.add(index)
-                text = (echoes[i] if echoes else "") + text
                 text_offsets[index], reported_logprobs[index] = 0, 0
+                if echoes:
+                    text = echoes[i] + text
+                    text_offsets[index] = len(echoes[i])
+                    if request.logprobs is not None:
+                        echo_logprobs = _echo_logprobs(tokenizer, output, request.logprobs)
+                if request.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = _vllm_prompt_logprobs(output, request.prompt_logprobs)
             logprobs = None
             if request.logprobs is not None and out.logprobs is not None:
                 start, reported_logprobs[index] = reported_logprobs[index], len(out.logprobs)
                 logprobs = _completion_logprobs(tokenizer, output.prompt_token_ids + out.token_ids[:start],
                                                 out.logprobs[start:], text_offsets[index])
-            text_offsets[index] += len(text)
+                if echo_logprobs is not None:
+                    logprobs = _joined(echo_logprobs, logprobs)
+            text_offsets[index] += len(out.delta_text)
             ends = out.finish_reason is not None and index not in finished
             if ends:
                 finished.add(index)
-            if text or ends or (logprobs and logprobs["tokens"]):
-                yield chunk(index, text, logprobs, out.finish_reason if ends else None)
+            if text or ends or extra or (logprobs and logprobs["tokens"]):
+                yield chunk(index, text, logprobs, out.finish_reason if ends else None, **extra)
     if request.include_usage:
         yield generation.chunk("text_completion", [], final=True)
+
+
+def _echo_logprobs(tokenizer, output: RequestOutput, k: int) -> dict:
+    """OpenAI's legacy logprobs of an echoed prompt: its tokens' texts, each one's logprob given the
+    ones before (none for the first) and its k most likely alternatives, with their text offsets."""
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for token, scores in zip(output.prompt_token_ids, output.prompt_logprobs):
+        if scores is None:  # the first token: nothing came before it to score it
+            text, logprob, top = token_piece(tokenizer, [], token), None, None
+        else:
+            text, logprob = scores[token].decoded_token, max(scores[token].logprob, LOWEST_LOGPROB)
+            ranked = sorted(scores.values(), key=lambda lp: lp.rank)[:k]
+            top = {lp.decoded_token: max(lp.logprob, LOWEST_LOGPROB) for lp in ranked}
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def _completion_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None, offset: int) -> dict:

@@ -1,5 +1,6 @@
 """Runs a model on its backend, one scheduled step at a time: block moves, the step's inputs, the
-backend's step executor, and the sampled tokens back on the host in one transfer."""
+backend's step executor, and the sampled tokens (and scored prompt tokens) back on the host in one
+transfer."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from candelabra.core.contract.dtypes import DType
-from candelabra.core.contract.executor import StepInputs
+from candelabra.core.contract.executor import PromptScoring, StepInputs, StepResult
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
 from candelabra.core.engine.sequence import Sequence
 from candelabra.core.models.base import DecoderModel
-from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput
+from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput, ScoredToken
 
 
 @dataclass(frozen=True)
@@ -50,36 +51,38 @@ class ModelRunner:
         self.swap_space = self.backend.allocate_swap_space(replace(self.kv_spec, num_blocks=num_host_blocks))
         self.num_host_blocks = num_host_blocks
 
-    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
-        """Run one scheduled step; the token drawn for each of `plan.sampled`, in order."""
-        sampled = self.run(self.order(plan))
-        if sampled is None:
-            return []
-        token_ids, logprobs, top_ids, top_logprobs = self.backend.fetch(*sampled)
-        tokens = []
-        for row, (_, seq) in enumerate(plan.sampled):
-            k = seq.params.logprobs or 0
-            top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
-            tokens.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top))
-        return tokens
+    def execute(self, plan: SchedulerOutput) -> tuple[list[SampledToken], dict[int, list[ScoredToken]]]:
+        """Run one scheduled step: the token drawn for each of `plan.sampled`, in order, and the
+        prompt tokens scored, by index into `plan.scheduled`."""
+        order = self.order(plan)
+        result = self.run(order)
+        if result is None:
+            return [], {}
+        host = iter(self.backend.fetch(*(tensor for part in result if part is not None for tensor in part)))
+
+        def on_host(part):  # a part's tensors as fetched, in order
+            return None if part is None else [next(host) for _ in part]
+
+        sampled, scored = on_host(result.sampled), on_host(result.scored)
+        return _sampled_tokens(plan, sampled), _scored_tokens(plan, order.inputs, scored)
 
     def order(self, plan: SchedulerOutput) -> StepOrder:
         """What running `plan` takes, on the host."""
         return StepOrder(_pairs(plan.swap_out), _pairs(plan.block_copies), _pairs(plan.swap_in),
                          self._inputs(plan) if plan.scheduled else None)
 
-    def run(self, order: StepOrder):
-        """Make the order's block moves and run its step: the sampled tensors (backend tensors, as
-        the executor returns them), or None when the step samples nothing."""
+    def run(self, order: StepOrder) -> StepResult | None:
+        """Make the order's block moves and run its step: its outputs (backend tensors, as the
+        executor returns them), or None when the step neither samples nor scores anything."""
         self._move_blocks(order)
         if order.inputs is None:
             return None
-        sampled, self.caches = self.executor.run(order.inputs, self.caches)
-        if sampled is None:
+        result, self.caches = self.executor.run(order.inputs, self.caches)
+        if result.sampled is None and result.scored is None:
             self.backend.evaluate(self.caches)
             return None
-        self.backend.evaluate(sampled, self.caches)
-        return sampled
+        self.backend.evaluate(*(part for part in result if part is not None), self.caches)
+        return result
 
     def logits(self, token_ids: np.ndarray, meta: StepMetadata):
         """The logits [N, vocab] of `meta.logits_rows` as a backend tensor, the step's keys and
@@ -105,8 +108,12 @@ class ModelRunner:
 
     def _inputs(self, plan: SchedulerOutput) -> StepInputs:
         token_ids, query_lens, seq_lens, tables, last_token = [], [], [], [], []
+        scored_rows, scored_targets = [], []
         for item in plan.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
+            for position in _positions_to_score(seq, start, item.num_tokens):
+                scored_rows.append(len(token_ids) + position - start)
+                scored_targets.append(seq.prompt_token_ids[position + 1])
             token_ids += seq.token_ids[start:start + item.num_tokens]
             query_lens.append(item.num_tokens)
             seq_lens.append(start + item.num_tokens)
@@ -114,8 +121,56 @@ class ModelRunner:
             last_token.append(len(token_ids) - 1)
         rows = [last_token[item_index] for item_index, _ in plan.sampled]
         meta = StepMetadata.build(query_lens, seq_lens, tables, self.kv_spec.block_size, logits_rows=rows)
+        scoring = None
+        if scored_rows:
+            num_top = max(item.seq.params.prompt_logprobs or 0 for item in plan.scheduled)
+            scoring = PromptScoring(np.array(scored_rows, np.int32), np.array(scored_targets, np.int32), num_top)
         return StepInputs(np.array(token_ids, dtype=np.int32), self.model.with_rope_positions(meta),
-                          sampling_metadata([seq for _, seq in plan.sampled]))
+                          sampling_metadata([seq for _, seq in plan.sampled]), scoring)
+
+
+def _positions_to_score(seq: Sequence, start: int, num_tokens: int) -> range:
+    """The prompt positions of this chunk whose logits score the next prompt token and are not
+    scored yet: each position p < len(prompt) - 1 is scored once, against prompt[p + 1]."""
+    if not seq.needs_prompt_scoring:
+        return range(0)
+    first = seq.num_scored_prompt_tokens
+    if start > first:
+        raise RuntimeError(f"{seq}: prompt position {first} is to be scored but the step starts at {start}")
+    return range(first, min(start + num_tokens, len(seq.prompt_token_ids) - 1))
+
+
+def _sampled_tokens(plan: SchedulerOutput, host) -> list[SampledToken]:
+    if host is None:
+        return []
+    token_ids, logprobs, top_ids, top_logprobs = host
+    tokens = []
+    for row, (_, seq) in enumerate(plan.sampled):
+        k = seq.params.logprobs or 0
+        top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
+        tokens.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top))
+    return tokens
+
+
+def _scored_tokens(plan: SchedulerOutput, inputs: StepInputs, host) -> dict[int, list[ScoredToken]]:
+    """The scored rows, which `_inputs` laid out item after item, handed back to their items."""
+    if host is None:
+        return {}
+    logprobs, ranks, top_ids, top_logprobs = host
+    targets, row = inputs.scoring.targets, 0
+    scored = {}
+    for item_index, item in enumerate(plan.scheduled):
+        seq = item.seq
+        count = len(_positions_to_score(seq, seq.num_computed_tokens, item.num_tokens))
+        if not count:
+            continue
+        k = seq.params.prompt_logprobs
+        scored[item_index] = [
+            ScoredToken(int(targets[r]), float(logprobs[r]), int(ranks[r]),
+                        list(zip(top_ids[r, :k].tolist(), top_logprobs[r, :k].tolist())))
+            for r in range(row, row + count)]
+        row += count
+    return scored
 
 
 def _pairs(pairs) -> tuple[tuple[int, int], ...]:
