@@ -41,6 +41,13 @@ CASES = {
                                 'Hm <tool_call>\n{"name": "add", "argu', []),
     "hermes plain text": (HermesParser, "No tools needed: 4.", "No tools needed: 4.", []),
     "hermes text that looks like a tag": (HermesParser, "a <tool is < not a call", "a <tool is < not a call", []),
+    "hermes bare call": (HermesParser, '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [WEATHER]),
+    "hermes fenced call": (HermesParser, '```json\n{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}\n```', "",
+                           [ADD]),
+    "hermes fenced code": (HermesParser, "```python\nprint({1: 2})\n```", "```python\nprint({1: 2})\n```", []),
+    "hermes bare json that is no call": (HermesParser, '{"city": "Paris"}', '{"city": "Paris"}', []),
+    "hermes bare unknown function": (HermesParser, '{"name": "nope", "arguments": {}}',
+                                     '{"name": "nope", "arguments": {}}', []),
     "llama whole output": (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
                            [WEATHER]),
     "llama python tag, two calls": (Llama3JsonParser, '<|python_tag|>{"name": "get_weather", "parameters": '
@@ -162,3 +169,12 @@ def test_history_arguments_reach_templates_as_objects():
     assert rendered[0]["function"]["arguments"] == {"a": 1}
     assert rendered[1]["function"]["arguments"] == "not json"
     assert calls[0]["function"]["arguments"] == '{"a": 1}'  # the request's own message is left as it was
+
+
+def test_text_that_cannot_become_a_call_is_not_held_back():
+    stream = ToolCallStream(HermesParser(TOOLS))
+    assert stream.feed("```") == ("", [])  # a fence may open a bare call
+    assert stream.feed("python\n") == ("", [])
+    assert stream.feed("x = 1") == ("```python\nx = 1", [])
+    stream = ToolCallStream(HermesParser(TOOLS))
+    assert stream.feed("Paris is sunny") == ("Paris is sunny", [])

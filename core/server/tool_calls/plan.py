@@ -59,3 +59,9 @@ def _plan_choice(tools: list[dict], tool_choice: str | dict, parallel: bool,
     name = tool_choice["function"]["name"]
     tool = next(tool for tool in tools if tool["function"]["name"] == name)
     return ToolPlan(tools, NamedCallParser(names, name), StructuredOutput(json_schema=arguments_schema(tool)))
+
+
+def decoding_drops_markers(tokenizer, markers: tuple[str, ...]) -> bool:
+    """Whether decoding with special tokens skipped would drop any of a family's call markers,
+    which are special tokens in some vocabularies (Mistral's [TOOL_CALLS], Llama's <|python_tag|>)."""
+    return any(tokenizer.decode(tokenizer.encode(marker, add_special_tokens=False)) == "" for marker in markers)

@@ -33,3 +33,10 @@ def calls_for_template(tool_calls: object) -> object:
             call = {**call, "function": {**function, "arguments": arguments}}
         rendered.append(call)
     return rendered
+
+
+def message_for_template(message: dict) -> dict:
+    """A history message (as `ChatMessage.for_template` gives it) with its tool calls readable by templates."""
+    if "tool_calls" in message:
+        return {**message, "tool_calls": calls_for_template(message["tool_calls"])}
+    return message
