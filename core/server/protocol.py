@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -148,6 +148,20 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_is_a_mode_or_a_function(cls, value: Any) -> Any:
+        """Checked here so that an error names tool_choice rather than a branch of its union."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError('must be {"type": "function", "function": {"name": ...}}') from exc
+        raise ValueError(f'must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}; '
+                         f"got {value!r}")
 
     @field_validator("tool_choice")
     @classmethod
