@@ -129,6 +129,15 @@ def test_the_tool_result_comes_back_through_the_template(client, default_server)
 
 
 @pytest.mark.slow
+def test_tokenize_counts_the_offered_tools_as_the_chat_does(client, default_server):
+    def count(**extra):
+        body = {"messages": ASKS_WEATHER, **extra}
+        return httpx.post(f"{default_server.url}/tokenize", json=body, timeout=60).json()["count"]
+
+    assert count(tools=[WEATHER_TOOL]) == _ask(client, default_server).usage.prompt_tokens > count()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_none_answers_in_words(client, default_server, stream):
     reply = _ask(client, default_server, tool_choice="none", stream=stream)
