@@ -79,7 +79,7 @@ def client(default_server):
 
 def _ask(client, default_server, messages=ASKS_WEATHER, **extra):
     return client.chat.completions.create(model=default_server.model, messages=messages, tools=[WEATHER_TOOL],
-                                          temperature=0, max_tokens=64, **extra)
+                                          temperature=0, **{"max_tokens": 64, **extra})
 
 
 def _joined_stream(stream) -> tuple[str, list[dict], list[str]]:
@@ -126,6 +126,20 @@ def test_the_tool_result_comes_back_through_the_template(client, default_server)
     reply = _ask(client, default_server, messages=history)
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
     assert "23" in reply.choices[0].message.content
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("cut", [{"stop": ["Paris"]}, {"max_tokens": 8}])
+def test_a_call_cut_short_comes_back_as_text(client, default_server, stream, cut):
+    reply = _ask(client, default_server, stream=stream, **cut)
+    if stream:
+        content, calls, finishes = _joined_stream(reply)
+    else:
+        choice = reply.choices[0]
+        content, calls, finishes = choice.message.content, choice.message.tool_calls or [], [choice.finish_reason]
+    assert calls == [] and finishes == ["stop" if "stop" in cut else "length"]
+    assert '"name": "get_weather"' in content and "Paris" not in content
 
 
 @pytest.mark.slow
