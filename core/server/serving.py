@@ -247,7 +247,8 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
     if plan.parser is not None and decoding_drops_markers(tokenizer, plan.parser.markers):
         params.skip_special_tokens = False
     generation = Generation(served, "chat", request, [prompt_ids], params)
-    in_thought = opens_thinking(prompt_text) if served.thinks else None
+    # Output constrained to a call's JSON holds no thinking, even after a prompt that opens some.
+    in_thought = opens_thinking(prompt_text) if served.thinks and plan.structured_output is None else None
     if request.stream:
         return _event_stream(_chat_chunks(generation, in_thought, plan), generation)
     await _until_done_or_disconnected(generation, http)
