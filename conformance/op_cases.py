@@ -18,7 +18,13 @@ from candelabra.conformance.harness import Case, Harness
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OpNotSupported
-from candelabra.core.contract.step_metadata import NO_SLOT, SamplingMetadata, StepMetadata, pad_token_lists
+from candelabra.core.contract.step_metadata import (
+    NO_SLOT,
+    SamplingMetadata,
+    StepMetadata,
+    pad_token_lists,
+    token_mask_words,
+)
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
 from candelabra.core.models.rope import RopeScaling, cos_sin_table
 
@@ -246,7 +252,7 @@ def check_paged_attention(
     h.close("out", out, reference)
 
 
-SAMPLING_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties")
+SAMPLING_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "allowed")
 
 
 def _sampling_metadata(h: Harness, rows: int, vocab: int, mode: str, logprobs: int) -> SamplingMetadata:
@@ -261,6 +267,8 @@ def _sampling_metadata(h: Harness, rows: int, vocab: int, mode: str, logprobs: i
     output_tokens = [rng.integers(0, vocab, rng.integers(1, 30)).tolist() for _ in range(rows)] if penalise else empty
     bias_ids = [rng.integers(0, vocab, 5).tolist() for _ in range(rows)] if penalise else empty
     bias_values = [rng.uniform(-5, 5, len(ids)).tolist() for ids in bias_ids]
+    if mode == "allowed":
+        temperature[: rows // 2] = 0
     return SamplingMetadata(
         temperature=temperature.astype(np.float32),
         top_k=(rng.integers(1, 50, rows) if enabled("top_k") else np.zeros(rows)).astype(np.int32),
@@ -275,7 +283,23 @@ def _sampling_metadata(h: Harness, rows: int, vocab: int, mode: str, logprobs: i
         bias_values=_pad_values(bias_values),
         uniform=rng.random(rows, dtype=np.float32),
         num_top_logprobs=logprobs,
+        allowed_token_mask=allowed_token_mask(rng, rows, vocab) if mode == "allowed" else None,
     )
+
+
+def allowed_token_mask(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """Row 0 allows a single token, row 1 all but one, the others a random share of the
+    vocabulary (a few tokens to most of it); the padding bits past the vocabulary are set, and
+    must be ignored."""
+    allowed = np.zeros((rows, token_mask_words(vocab) * 32), dtype=bool)
+    allowed[:, vocab:] = True
+    allowed[0, rng.integers(vocab)] = True
+    allowed[1, :vocab] = True
+    allowed[1, rng.integers(vocab)] = False
+    for row in range(2, rows):
+        allowed[row, :vocab] = rng.random(vocab) < rng.choice([0.002, 0.05, 0.5, 0.9])
+        allowed[row, rng.integers(vocab)] = True
+    return np.packbits(allowed, axis=1, bitorder="little").view(np.int32)
 
 
 def _top_p_boundary_row(logits: np.ndarray, meta: SamplingMetadata, dtype: str) -> None:
@@ -482,7 +506,7 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("softcap", check_softcap, dtypes, shape=[(4, 32000), (64, 256)], cap=[30.0]),
         *_grid("softmax", check_softmax, dtypes, shape=[(8, 1000), (3, 5, 311)], magnitude=["normal", "large"]),
         *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=SAMPLING_MODES, logprobs=[0, 5]),
-        *_grid("sample", check_sample, dtypes, rows=[6], vocab=[32000], mode=["combined", "penalties"],
+        *_grid("sample", check_sample, dtypes, rows=[6], vocab=[32000], mode=["combined", "penalties", "allowed"],
                logprobs=[20]),
         *_grid("sample", check_sample, dtypes, rows=[3], vocab=[151936], mode=["greedy", "combined"], logprobs=[1]),
         *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=["greedy", "top_k", "combined"],

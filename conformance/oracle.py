@@ -270,7 +270,12 @@ def _sample_row(x, meta: SamplingMetadata, row):
     for token, count in counts.items():
         x[token] -= float(meta.frequency_penalty[row]) * count + float(meta.presence_penalty[row])
 
-    # 4. Log-probabilities of the penalised logits.
+    # 4. The allowed tokens, then log-probabilities.
+    if meta.allowed_token_mask is not None:
+        words = meta.allowed_token_mask[row]
+        for token in range(vocab):
+            if not (int(words[token // 32]) >> (token % 32)) & 1:
+                x[token] = -np.inf
     logprobs = _log_softmax(x)
 
     # 5. Choice.

@@ -15,20 +15,20 @@ from candelabra.backends.cuda.kernels.sampling import ROW_BLOCK, sample  # noqa:
 from candelabra.backends.torch.sampling import TorchSampling  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
 from candelabra.conformance.compare import nmse  # noqa: E402
-from candelabra.conformance.op_cases import CDF_TOLERANCE  # noqa: E402
+from candelabra.conformance.op_cases import CDF_TOLERANCE, allowed_token_mask  # noqa: E402
 from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists  # noqa: E402
 from conftest import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "bias")
+MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "bias", "allowed")
 
 
 def _metadata(rng, rows, vocab, mode, logprobs, **overrides) -> SamplingMetadata:
     enabled = lambda name: mode in (name, "combined")  # noqa: E731
     temperature = np.zeros(rows) if mode == "greedy" else rng.uniform(0.5, 1.5, rows)
-    if mode in ("combined", "penalties"):
+    if mode in ("combined", "penalties", "allowed"):
         temperature[: rows // 3] = 0  # greedy rows among the random ones
     penalise, biased = mode == "penalties", mode in ("penalties", "bias")
 
@@ -59,6 +59,7 @@ def _metadata(rng, rows, vocab, mode, logprobs, **overrides) -> SamplingMetadata
         bias_values=bias_values,
         uniform=rng.random(rows, dtype=np.float32),
         num_top_logprobs=logprobs,
+        allowed_token_mask=allowed_token_mask(rng, rows, vocab) if mode == "allowed" else None,
     )
 
 

@@ -68,7 +68,8 @@ def test_stop_in_every_accepted_form(stop, expected):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
     ({"functions": [{"name": "f"}]}, "not supported"),
-    ({"response_format": {"type": "json_object"}}, "not supported"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "needs a json_schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "send text"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ])

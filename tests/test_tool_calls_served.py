@@ -41,6 +41,8 @@ def _chat(live_server, **body):
     ({"tool_choice": "sometimes"}, "tool_choice", "sometimes"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function"}}, "tool_choice", '"function": {"name": ...}'),
     ({"functions": [{"name": "f"}]}, None, "send tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "cannot be combined with response_format"),
     # The tiny model's template offers no tools in any format a parser here reads.
     ({"tools": [WEATHER_TOOL]}, "tools", "no tool-call format"),
 ])

@@ -41,7 +41,15 @@ def _penalised_logits(logits: np.ndarray, p: SamplingMetadata) -> np.ndarray:
 
     counts = _token_counts(p.output_tokens, x.shape)
     x -= p.frequency_penalty[:, None] * counts + p.presence_penalty[:, None] * (counts > 0)
+    if p.allowed_token_mask is not None:
+        x = np.where(allowed_tokens(p.allowed_token_mask, x.shape[1]), x, np.float32(-np.inf))
     return x
+
+
+def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """[B, vocab] booleans from an allowed-token bitmask (see SamplingMetadata)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab].astype(bool)
 
 
 def _token_mask(tokens: np.ndarray, shape: tuple[int, int]) -> np.ndarray:

@@ -46,7 +46,16 @@ def _penalised_logits(x, p):
     r = p.repetition_penalty[:, None]
     x = mx.where(penalised, mx.where(x > 0, x / r, x * r), x)
     counts = _scatter_add(x.shape, p.output_tokens, mx.ones(p.output_tokens.shape))
-    return x - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0)
+    x = x - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0)
+    if p.allowed_token_mask is not None:
+        x = mx.where(_allowed_tokens(p.allowed_token_mask, x.shape[1]), x, -mx.inf)
+    return x
+
+
+def _allowed_tokens(mask, vocab: int):
+    """[B, vocab] booleans from an allowed-token bitmask (see SamplingMetadata)."""
+    bits = mx.right_shift(mask[:, :, None], mx.arange(32, dtype=mx.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab] == 1
 
 
 def _draw(x, p):

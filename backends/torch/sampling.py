@@ -33,6 +33,7 @@ class TorchSampling:
     bias_values: torch.Tensor
     uniform: torch.Tensor
     num_top_logprobs: int
+    allowed_token_mask: torch.Tensor | None
     has_bias: bool
     has_repetition_penalty: bool
     has_count_penalties: bool
@@ -62,6 +63,7 @@ class TorchSampling:
             bias_values=put(meta.bias_values, torch.float32),
             uniform=put(meta.uniform, torch.float64),
             num_top_logprobs=meta.num_top_logprobs,
+            allowed_token_mask=None if meta.allowed_token_mask is None else put(meta.allowed_token_mask, torch.int32),
             has_bias=bool(np.any(meta.bias_token_ids >= 0)),
             has_repetition_penalty=bool(np.any(meta.penalty_tokens >= 0) and np.any(meta.repetition_penalty != 1)),
             has_count_penalties=bool(np.any(meta.output_tokens >= 0)
@@ -140,7 +142,16 @@ def _penalised_logits(logits: torch.Tensor, p: TorchSampling) -> torch.Tensor:
     if p.has_count_penalties:
         counts = _token_counts(p.output_tokens, x.shape)
         x = x - (p.frequency_penalty[:, None] * counts + p.presence_penalty[:, None] * (counts > 0))
+    if p.allowed_token_mask is not None:
+        x = x.masked_fill(~allowed_tokens(p.allowed_token_mask, vocab), float("-inf"))
     return x
+
+
+def allowed_tokens(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] booleans from an allowed-token bitmask (see SamplingMetadata)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = (mask[:, :, None] >> shifts) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
 
 
 def _padding_to(tokens: torch.Tensor, column: int) -> torch.Tensor:

@@ -257,7 +257,8 @@ class Ops:
            x[id] > 0 else x[id] * r.
         3. With c[id] the count of id in output_tokens: x[id] -= frequency_penalty * c[id] +
            presence_penalty * (c[id] > 0).
-        4. logprobs = log_softmax(x). The result carries logprobs[chosen] and the
+        4. Tokens that allowed_token_mask excludes (when it is not None) get x[id] = -inf.
+           logprobs = log_softmax(x). The result carries logprobs[chosen] and the
            num_top_logprobs highest logprobs with their ids, highest first (equal logprobs in
            any order).
         5. temperature 0: chosen = argmax(x), the lowest id among equal maxima. Otherwise

@@ -153,6 +153,11 @@ class SamplingMetadata:
                                below 1; the host's per-request generator makes sampling seeded
                                and the same on every backend
     num_top_logprobs int       how many top logprobs to return per row (0: none)
+    allowed_token_mask[B, ceil(V / 32)] int32 or None   the tokens each row may choose, as bits:
+                               bit j (value 1 << j) of word w allows token 32 * w + j. Structured
+                               output fills it from its grammar; a row with every bit set is
+                               unconstrained, and None leaves every row so. Each row allows at
+                               least one token.
     """
 
     temperature: np.ndarray
@@ -168,6 +173,7 @@ class SamplingMetadata:
     bias_values: np.ndarray
     uniform: np.ndarray
     num_top_logprobs: int = 0
+    allowed_token_mask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -191,6 +197,17 @@ class SamplingMetadata:
             raise ValueError("temperature must be >= 0")
         if self.num_top_logprobs < 0:
             raise ValueError("num_top_logprobs must be >= 0")
+        mask = self.allowed_token_mask
+        if mask is not None:
+            if mask.dtype != np.int32 or mask.ndim != 2:
+                raise ValueError("allowed_token_mask must be a 2-D int32 bitmask")
+            if not np.all(mask.any(axis=1)):
+                raise ValueError("allowed_token_mask leaves a row no token to choose")
+
+
+def token_mask_words(vocab_size: int) -> int:
+    """The int32 words of an allowed-token mask over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
 
 
 def pad_token_lists(lists: Sequence[Sequence[int]], min_width: int = 1) -> np.ndarray:

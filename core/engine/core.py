@@ -15,6 +15,7 @@ import numpy as np
 
 from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.sequence import Sequence, sample_rng
+from candelabra.core.engine.structured_output import Grammar
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
 from candelabra.core.worker.model_runner import ModelRunner
@@ -43,17 +44,20 @@ class CheckedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    grammar: Grammar | None = None  # the compiled structured output
 
 
 @dataclass
 class SampleUpdate:
     """One sample's new token in a step. `finish_reason` is "stop" (an end token, which is not
-    part of the text) or "length" when this token ended it, else None."""
+    part of the text, or a completed structured output) or "length" when this token ended it,
+    else None."""
 
     index: int
     token_id: int
     logprob: dict | None  # {"token_id", "logprob", "top": [(id, logprob), ...]} when asked for
     finish_reason: str | None
+    end_token: bool = False  # the token is one of the sample's end tokens
 
 
 @dataclass
@@ -101,6 +105,8 @@ class EngineCore:
         ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, 0, checked.prompt_token_ids, params, next(self._arrivals), sample_rng(seed, 0),
                        seed=seed, max_tokens=checked.max_tokens, end_token_ids=ends)
+        if checked.grammar is not None:
+            seq.grammar = checked.grammar.matcher()
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.stats["prompt_tokens"] += len(checked.prompt_token_ids)
@@ -146,7 +152,8 @@ class EngineCore:
             logprob = None
             if seq.params.logprobs is not None:
                 logprob = {"token_id": token.token_id, "logprob": token.logprob, "top": token.top}
-            output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason))
+            output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason,
+                                               token.token_id in seq.end_token_ids))
             self.stats["generated_tokens"] += 1
             output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
         for output in outputs.values():

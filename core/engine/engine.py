@@ -11,6 +11,7 @@ from __future__ import annotations
 from candelabra.core.engine.core import CheckedRequest, EngineConfig, EngineCore, EngineOutput
 from candelabra.core.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.structured_output import GrammarCompiler
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.worker.model_runner import ModelRunner
 
@@ -35,6 +36,7 @@ class LLMEngine:
             runner.allocate_swap_space(config.num_host_blocks)
         self.core = EngineCore(runner, config, tokenizer.eos_token_ids)
         self.processors: dict[str, OutputProcessor] = {}
+        self.grammars = GrammarCompiler(tokenizer, self.model.config.vocab_size)
 
     # what the core holds, for callers that look inside (metrics, tests)
 
@@ -88,7 +90,8 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache "
                 f"({capacity} tokens); give the cache more memory")
-        return CheckedRequest(token_ids, params, max_tokens)
+        grammar = None if params.structured_output is None else self.grammars.compile(params.structured_output)
+        return CheckedRequest(token_ids, params, max_tokens, grammar)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at any point; its blocks are freed at once."""

@@ -53,18 +53,18 @@ class _Sample:
         self.token_ids.append(update.token_id)
         if update.logprob is not None:
             self.logprobs.append(update.logprob)
-        if update.finish_reason == "stop":  # an end token: not part of the text
+        if update.end_token:  # not part of the text
             self.text += self.stops.feed(self.detokenizer.flush())[0] + self.stops.finish()
-            self.finish_reason = "stop"
+            self.finish_reason = update.finish_reason
             return False
         emitted, stopped = self.stops.feed(self.detokenizer.add(update.token_id))
         self.text += emitted
         if stopped:
             self.finish_reason = "stop"
             return update.finish_reason is None
-        if update.finish_reason == "length":
+        if update.finish_reason is not None:  # its length, or a completed structured output
             self.text += self.stops.feed(self.detokenizer.flush())[0] + self.stops.finish()
-            self.finish_reason = "length"
+            self.finish_reason = update.finish_reason
         return False
 
     def output(self, index: int, with_logprobs: bool) -> CompletionOutput:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from candelabra.core.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from candelabra.core.engine.structured_output import GrammarMatcher
 
 _next_id = itertools.count()
 
@@ -39,6 +43,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.finish_reason: str | None = None
         self.forked = False  # the n - 1 siblings of sample 0 exist
+        self.grammar: GrammarMatcher | None = None  # where its structured output stands
 
     @property
     def token_ids(self) -> list[int]:
@@ -64,6 +69,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.status, child.num_computed_tokens = self.status, self.num_computed_tokens
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
+        child.grammar = None if self.grammar is None else self.grammar.copy()
         return child
 
     def __repr__(self) -> str:

@@ -73,6 +73,11 @@ class Tokenizer:
             raise CheckpointError(checkpoint.path, f"its tokenizer cannot be loaded: {problem}") from exc
 
     @property
+    def hf_tokenizer(self):
+        """transformers' tokenizer underneath (for libraries that read one, such as llguidance)."""
+        return self._hf
+
+    @property
     def vocab_size(self) -> int:
         return len(self._hf)
 

@@ -10,11 +10,14 @@ newest running request is preempted: swapped out to host memory if there is room
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from candelabra.core.engine.sequence import Sequence, SequenceStatus
 from candelabra.core.scheduling.block_manager import BlockManager
+
+log = logging.getLogger("candelabra")
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 
@@ -175,6 +178,12 @@ class Scheduler:
             seq.output_token_ids.append(token.token_id)
             taken.append((seq, token))
             if token.token_id in seq.end_token_ids:
+                self.finish(seq, "stop")
+            elif seq.grammar is not None and not seq.grammar.accept(token.token_id):
+                log.error("%r: its structured output refused token %d, which sampling should have masked: %s",
+                          seq, token.token_id, seq.grammar.error)
+                self.finish(seq, "stop")
+            elif seq.grammar is not None and seq.grammar.finished:  # the text is complete
                 self.finish(seq, "stop")
             elif seq.max_tokens is not None and len(seq.output_token_ids) >= seq.max_tokens:
                 self.finish(seq, "length")

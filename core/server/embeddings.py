@@ -28,7 +28,8 @@ async def create_embeddings(served: Served, request: EmbeddingRequest, default_p
     check_model(served, request.model)
     engine = served.engine.engine
     if engine.model.communicator is not None:
-        raise APIError(501, "embeddings are not supported under tensor parallelism (--tp > 1) yet",
+        raise APIError(501, "embeddings are not supported under tensor parallelism (more than one of --device-ids)"
+                            " yet",
                        code="not_implemented")
     hidden_size = engine.model.config.hidden_size
     if request.dimensions is not None and request.dimensions != hidden_size:

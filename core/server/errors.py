@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               500: "internal_error", 503: "service_unavailable"}
+               500: "internal_error", 501: "not_implemented_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

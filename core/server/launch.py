@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import sys
+import threading
 
 import uvicorn
 
@@ -307,6 +308,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
 
     engine = AsyncEngine(load_model)  # loaded on the thread that will step it
     llm = loaded[0]
+    threading.Thread(target=llm.engine.grammars.warm_up, name="grammar-warm-up", daemon=True).start()
     if llm.workers is not None:
         llm.workers.watch(engine.fail)
     name = args.served_model_name or _model_name(args, llm.checkpoint)

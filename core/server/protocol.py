@@ -4,9 +4,12 @@ do; fields this server cannot honour are refused by name rather than silently dr
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from candelabra.core.engine.sampling_params import StructuredOutput
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -14,6 +17,38 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object: {\"name\": ..., \"schema\": {...}}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint on the generated text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class GenerationRequest(BaseModel):
@@ -43,6 +78,13 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs and guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -69,17 +111,68 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> GenerationRequest:
-        extra = self.model_extra or {}
-        response_format = extra.get("response_format")
-        if response_format and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
-            raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint the request puts on its text, and the field that named it;
+        ConstraintError when it names more than one or one is malformed."""
+        named = []
+        if self.response_format is not None and self.response_format.type != "text":
+            form = self.response_format
+            spec = (StructuredOutput(json_object=True) if form.type == "json_object"
+                    else StructuredOutput(json_schema=form.json_schema.schema_ or {}))
+            named.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            named.append(("structured_outputs", _vllm_structured_output(self.structured_outputs)))
+        guided = {"guided_json": ("json_schema", _json_schema(self.guided_json, "guided_json")),
+                  "guided_regex": ("regex", self.guided_regex), "guided_choice": ("choice", self.guided_choice),
+                  "guided_grammar": ("grammar", self.guided_grammar)}
+        for field_name, (kind, value) in guided.items():
+            if value is not None:
+                named.append((field_name, _structured(field_name, **{kind: value})))
+        if len(named) > 1:
+            raise ConstraintError(f"name one constraint on the output; got {', '.join(name for name, _ in named)}",
+                                  named[1][0])
+        return (named[0][1], named[0][0]) if named else (None, None)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _vllm_structured_output(given: StructuredOutputs) -> StructuredOutput:
+    fields = {"json_schema": _json_schema(given.json_, "structured_outputs.json"),
+              "json_object": bool(given.json_object), "regex": given.regex, "choice": given.choice,
+              "grammar": given.grammar}
+    return _structured("structured_outputs", **fields)
+
+
+class ConstraintError(ValueError):
+    def __init__(self, message: str, field_name: str) -> None:
+        super().__init__(message)
+        self.field_name = field_name
+
+
+def _structured(field_name: str, **fields) -> StructuredOutput:
+    try:
+        return StructuredOutput(**fields)
+    except ValueError as exc:
+        raise ConstraintError(str(exc), field_name) from None
+
+
+def _json_schema(value: dict | str | None, field_name: str) -> dict | None:
+    """A JSON schema given as an object or as its JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        schema = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConstraintError(f"is not valid JSON: {exc}", field_name) from None
+    if not isinstance(schema, (dict, bool)):
+        raise ConstraintError("must be a JSON schema object", field_name)
+    return schema
 
 
 class TextPart(BaseModel):

@@ -18,10 +18,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from candelabra.core.engine.async_engine import AsyncEngine, EngineStopping, RequestStream
 from candelabra.core.engine.engine import CompletionOutput, RequestOutput
 from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.engine.structured_output import StructuredOutputError
 from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.server.errors import APIError, bad_request, error_body
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
-from candelabra.core.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from candelabra.core.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ConstraintError,
+    GenerationRequest,
+)
 from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
 from candelabra.core.server.tool_calls import ToolCallStream, parser_for_template
 from candelabra.core.server.tool_calls.plan import NoToolFormat, ToolPlan, decoding_drops_markers, plan_tools
@@ -98,6 +104,9 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 self.streams.append(engine.add_request(f"{self.id}-{i}", prompt, params))
+        except StructuredOutputError as exc:
+            self.close()
+            raise bad_request(str(exc), constraint_field(request)) from exc
         except ValueError as exc:
             self.close()
             code = "context_length_exceeded" if "context length" in str(exc) else None
@@ -191,6 +200,10 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
         if not 0 <= token < vocab:
             raise bad_request(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})", "logit_bias")
         logit_bias[token] = value
+    try:
+        structured_output, _ = request.structured_output()
+    except ConstraintError as exc:
+        raise bad_request(str(exc), exc.field_name) from exc
     for token in request.stop_token_ids or []:
         if token >= vocab:
             raise bad_request(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})",
@@ -215,9 +228,18 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
             logit_bias=logit_bias,
             logprobs=num_logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured_output=structured_output,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+
+
+def constraint_field(request: GenerationRequest) -> str:
+    """The request field that constrains its output (tool_choice when that does)."""
+    try:
+        return request.structured_output()[1] or "tool_choice"
+    except ConstraintError as exc:
+        return exc.field_name
 
 
 def check_model(served: Served, name: str | None) -> None:
@@ -243,7 +265,11 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
         raise bad_request(str(exc), "messages") from exc
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
     params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs)
-    params.structured_output = plan.structured_output
+    if plan.structured_output is not None:
+        if params.structured_output is not None:
+            raise bad_request(f"a tool_choice that forces calls constrains the output itself and cannot be combined "
+                              f"with {constraint_field(request)}", "tool_choice")
+        params.structured_output = plan.structured_output
     if plan.parser is not None and decoding_drops_markers(tokenizer, plan.parser.markers):
         params.skip_special_tokens = False
     generation = Generation(served, "chat", request, [prompt_ids], params)

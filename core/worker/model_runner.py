@@ -136,7 +136,8 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
     for seq in seqs:
         p = seq.params
         bias = dict(p.logit_bias)
-        if len(seq.output_token_ids) < p.min_tokens:  # nothing may end the sequence yet
+        # Nothing may end the sequence yet, unless a structured output, which decides its own end.
+        if len(seq.output_token_ids) < p.min_tokens and seq.grammar is None:
             for token in seq.end_token_ids:
                 bias[token] = float("-inf")
         bias_ids.append(list(bias))
@@ -160,7 +161,19 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
         bias_values=values,
         uniform=np.array([s.rng.random(dtype=np.float32) for s in seqs], np.float32),
         num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        allowed_token_mask=_allowed_token_mask(seqs),
     )
+
+
+def _allowed_token_mask(seqs: list[Sequence]) -> np.ndarray | None:
+    """The rows' allowed tokens from their structured outputs; None when no row has one."""
+    constrained = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not constrained:
+        return None
+    mask = np.full((len(seqs), constrained[0][1].mask_words), -1, dtype=np.int32)
+    for row, grammar in constrained:
+        grammar.allowed_token_mask(mask[row])
+    return mask
 
 
 def _repetition_window(seq: Sequence) -> list[int]:

@@ -192,7 +192,8 @@ def _sample_rows(
 def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
     """`Ops.sample` on logits [B, V] (float32, float16 or bfloat16) with prepared parameters."""
     rows, vocab = logits.shape
-    penalised = params.has_bias or params.has_repetition_penalty or params.has_count_penalties
+    penalised = (params.has_bias or params.has_repetition_penalty or params.has_count_penalties
+                 or params.allowed_token_mask is not None)
     x = _penalised_logits(logits, params) if penalised else logits
     if x.stride(1) != 1:
         x = x.contiguous()
