@@ -165,8 +165,8 @@ def test_tool_choice_none_answers_in_words(client, default_server, stream):
     assert calls == [] and finishes in (["stop"], ["length"]) and content.strip()
 
 
-# tool_choice "required" and a named function hold only where the engine constrains sampling
-# by the request's structured output: the prompts below ask for no tool at all.
+# tool_choice "required" and a named function: the prompts below ask for no tool at all, so only
+# the engine's structured output (the JSON schema built from the tools) makes these calls.
 
 
 @pytest.mark.slow
