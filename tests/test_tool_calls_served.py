@@ -165,6 +165,15 @@ def test_tool_choice_none_answers_in_words(client, default_server, stream):
     assert calls == [] and finishes in (["stop"], ["length"]) and content.strip()
 
 
+@pytest.mark.slow
+def test_a_broken_parameters_schema_is_refused_when_it_would_constrain(default_server):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}
+    body = {"messages": ASKS_WEATHER, "tools": [broken], "tool_choice": "required", "max_tokens": 4}
+    reply = httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=60)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "tool_choice" and "frob" in error["message"], error
+
+
 # tool_choice "required" and a named function: the prompts below ask for no tool at all, so only
 # the engine's structured output (the JSON schema built from the tools) makes these calls.
 
