@@ -67,7 +67,7 @@ def test_stop_in_every_accepted_form(stop, expected):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
-    ({"tools": [{"type": "function"}]}, "not supported"),
+    ({"functions": [{"name": "f"}]}, "not supported"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "needs a json_schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "send text"),

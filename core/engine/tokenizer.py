@@ -91,16 +91,23 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """The prompt text for `messages`; `template_kwargs` reach the template (for example
-        Qwen3's enable_thinking)."""
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source (all of them, where a checkpoint names several)."""
+        template = getattr(self._hf, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs) -> str:
+        """The prompt text for `messages`, with the functions in `tools` offered to the model;
+        `template_kwargs` reach the template (for example Qwen3's enable_thinking)."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template; send it plain text as a completion instead")
         from jinja2.exceptions import SecurityError, TemplateError
 
         try:
-            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                **template_kwargs)
+            return self._hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, **template_kwargs)
         except SecurityError as exc:
             raise ChatTemplateError(f"the chat template tried something unsafe and was stopped: {exc}") from exc
         except TemplateError as exc:

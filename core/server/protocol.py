@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from candelabra.core.engine.sampling_params import StructuredOutput
 
@@ -112,10 +112,6 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> GenerationRequest:
-        extra = self.model_extra or {}
-        for name in ("tools", "functions"):
-            if extra.get(name):
-                raise ValueError(f"{name} (function calling) is not supported by this server")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
@@ -215,6 +211,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -222,6 +239,49 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_is_a_mode_or_a_function(cls, value: Any) -> Any:
+        """Checked here so that an error names tool_choice rather than a branch of its union."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError('must be {"type": "function", "function": {"name": ...}}') from exc
+        raise ValueError(f'must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}; '
+                         f"got {value!r}")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_an_offered_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        offered = [tool.function.name for tool in info.data.get("tools") or []]
+        if isinstance(value, NamedToolChoice) and value.function.name not in offered:
+            raise ValueError(f"names the function {value.function.name!r}, which is not among the tools "
+                             f"({', '.join(offered) or 'none were given'})")
+        if value == "required" and not offered:
+            raise ValueError("\"required\" needs at least one entry in tools")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_legacy_functions(self) -> ChatCompletionRequest:
+        for name in ("functions", "function_call"):
+            if (self.model_extra or {}).get(name):
+                raise ValueError(f"{name} (the deprecated form of function calling) is not supported; send tools "
+                                 "and tool_choice instead")
+        return self
+
+    @property
+    def tool_choice_or_default(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, "none" when not."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("messages")
     @classmethod
@@ -268,6 +328,9 @@ class CompletionRequest(GenerationRequest):
     def _refuse_unsupported_completion_fields(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix (insertion) is not supported by this server")
+        for name in ("tools", "functions"):
+            if (self.model_extra or {}).get(name):
+                raise ValueError(f"{name} (function calling) belongs to /v1/chat/completions, not completions")
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and best_of != self.n:
             raise ValueError("best_of other than n is not supported by this server")
@@ -341,6 +404,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # offered through the template, as a chat request would
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -30,6 +30,9 @@ from candelabra.core.server.protocol import (
     GenerationRequest,
 )
 from candelabra.core.server.reasoning import ReasoningSplitter, opens_thinking, split_reasoning
+from candelabra.core.server.tool_calls import ToolCallStream, parser_for_template
+from candelabra.core.server.tool_calls.plan import NoToolFormat, ToolPlan, decoding_drops_markers, plan_tools
+from candelabra.core.server.tool_calls.shapes import call_delta, message_call, message_for_template
 
 log = logging.getLogger("candelabra")
 
@@ -232,9 +235,10 @@ def sampling_params(request: GenerationRequest, served: Served, max_tokens: int 
 
 
 def constraint_field(request: GenerationRequest) -> str:
-    """The request field that constrains its output (tool_choice when that does)."""
+    """The request field that constrains its output; else the constraint came from a forcing
+    tool_choice, built from the tools' parameter schemas."""
     try:
-        return request.structured_output()[1] or "tool_choice"
+        return request.structured_output()[1] or "tools"
     except ConstraintError as exc:
         return exc.field_name
 
@@ -252,28 +256,46 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
     check_model(served, request.model)
     template_kwargs = {} if served.defaults.thinking is None else {"enable_thinking": served.defaults.thinking}
     template_kwargs.update(request.chat_template_kwargs or {})
-    messages = [m.for_template() for m in request.messages]
     tokenizer = served.tokenizer
+    plan = _tool_plan(request, tokenizer)
+    messages = [message_for_template(m.for_template()) for m in request.messages]
     try:
-        prompt_text = tokenizer.render_chat(messages, request.add_generation_prompt, **template_kwargs)
+        prompt_text = tokenizer.render_chat(messages, request.add_generation_prompt, tools=plan.template_tools,
+                                            **template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
     params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs,
                              request.num_prompt_logprobs)
+    if plan.structured_output is not None:
+        if params.structured_output is not None:
+            raise bad_request(f"a tool_choice that forces calls constrains the output itself and cannot be combined "
+                              f"with {constraint_field(request)}", "tool_choice")
+        params.structured_output = plan.structured_output
+    if plan.parser is not None and decoding_drops_markers(tokenizer, plan.parser.markers):
+        params.skip_special_tokens = False
     generation = Generation(served, "chat", request, [prompt_ids], params)
-    in_thought = opens_thinking(prompt_text) if served.thinks else None
+    # Output constrained to a call's JSON holds no thinking, even after a prompt that opens some.
+    in_thought = opens_thinking(prompt_text) if served.thinks and plan.structured_output is None else None
     if request.stream:
-        return _event_stream(_chat_chunks(generation, in_thought), generation)
+        return _event_stream(_chat_chunks(generation, in_thought, plan), generation)
     await _until_done_or_disconnected(generation, http)
     final = generation.finals[0]
     choices = []
     for output in final.outputs:
         reasoning, content = split_reasoning(output.text, in_thought) if in_thought is not None else (None, output.text)
         message = {"role": "assistant", "content": content}
+        finish_reason = output.finish_reason
+        if plan.parser is not None:
+            parsed = plan.parser.parse(content)
+            calls = plan.kept(parsed.calls)
+            message["content"] = parsed.content if parsed.content or not calls else None
+            if calls:
+                message["tool_calls"] = [message_call(call, plan.parser.new_call_id()) for call in calls]
+                finish_reason = _finish_with_calls(finish_reason)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-        choices.append({"index": output.index, "message": message, "finish_reason": output.finish_reason,
+        choices.append({"index": output.index, "message": message, "finish_reason": finish_reason,
                         "logprobs": _chat_logprobs(tokenizer, final.prompt_token_ids, output.logprobs)
                         if request.logprobs else None})
     body = {"id": generation.id, "object": "chat.completion", "created": generation.created,
@@ -283,9 +305,28 @@ async def chat_completion(served: Served, request: ChatCompletionRequest, http: 
     return JSONResponse(body)
 
 
-async def _chat_chunks(generation: Generation, in_thought: bool | None) -> AsyncIterator[dict]:
+def _tool_plan(request: ChatCompletionRequest, tokenizer) -> ToolPlan:
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    choice = request.tool_choice_or_default
+    if not isinstance(choice, str):
+        choice = choice.model_dump()
+    try:
+        return plan_tools(tools, choice, request.parallel_tool_calls, parser_for_template(tokenizer.chat_template_text))
+    except NoToolFormat as exc:
+        raise bad_request(str(exc), "tools") from exc
+
+
+def _finish_with_calls(finish_reason: str | None) -> str | None:
+    """A sample that ended by itself after calling tools finished "tool_calls"; one cut short by
+    max_tokens still says "length"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+async def _chat_chunks(generation: Generation, in_thought: bool | None, plan: ToolPlan) -> AsyncIterator[dict]:
     tokenizer, request = generation.served.tokenizer, generation.request
     splitters: dict[int, ReasoningSplitter] = {}
+    call_streams: dict[int, ToolCallStream] = {}
+    calls_sent: dict[int, int] = {}
     reported_logprobs: dict[int, int] = {}
     finished: set[int] = set()
     prompt_reported = request.prompt_logprobs is None
@@ -298,6 +339,9 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
             index = out.index
             if index not in splitters:
                 splitters[index] = ReasoningSplitter(bool(in_thought))
+                if plan.parser is not None:
+                    call_streams[index] = ToolCallStream(plan.parser)
+                calls_sent[index] = 0
                 reported_logprobs[index] = 0
                 first = chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
@@ -305,13 +349,21 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
                     first["prompt_logprobs"] = _vllm_prompt_logprobs(output, request.prompt_logprobs)
                     prompt_reported = True
                 yield first
+            ends = out.finish_reason is not None
             if in_thought is not None:
                 reasoning, content = splitters[index].feed(out.delta_text)
-                if out.finish_reason is not None:
+                if ends:
                     more_reasoning, more_content = splitters[index].finish()
                     reasoning, content = reasoning + more_reasoning, content + more_content
             else:
                 reasoning, content = "", out.delta_text
+            calls = []
+            if index in call_streams:
+                content, calls = call_streams[index].feed(content)
+                if ends:
+                    more_content, more_calls = call_streams[index].finish()
+                    content, calls = content + more_content, calls + more_calls
+                calls = plan.kept(calls, calls_sent[index])
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 start = reported_logprobs[index]
@@ -323,11 +375,16 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None) -> Async
                 delta["reasoning_content"] = reasoning
             if content:
                 delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [call_delta(calls_sent[index] + i, call, plan.parser.new_call_id())
+                                       for i, call in enumerate(calls)]
+                calls_sent[index] += len(calls)
             if delta or (logprobs and logprobs["content"]):
                 yield chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
-            if out.finish_reason is not None and index not in finished:
+            if ends and index not in finished:
                 finished.add(index)
-                yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+                finish_reason = _finish_with_calls(out.finish_reason) if calls_sent[index] else out.finish_reason
+                yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
     if request.include_usage:
         yield generation.chunk("chat.completion.chunk", [], final=True)
 

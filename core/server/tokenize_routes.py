@@ -11,6 +11,7 @@ from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.server.errors import bad_request
 from candelabra.core.server.protocol import DetokenizeRequest, TokenizeRequest
 from candelabra.core.server.serving import Served, check_model
+from candelabra.core.server.tool_calls.shapes import message_for_template
 
 
 def tokenize(served: Served, request: TokenizeRequest) -> dict:
@@ -29,12 +30,16 @@ def tokenize(served: Served, request: TokenizeRequest) -> dict:
         template_kwargs = {} if served.defaults.thinking is None else {"enable_thinking": served.defaults.thinking}
         template_kwargs.update(request.chat_template_kwargs or {})
         try:
-            text = tokenizer.render_chat([m.for_template() for m in request.messages], request.add_generation_prompt,
-                                         **template_kwargs)
+            text = tokenizer.render_chat([message_for_template(m.for_template()) for m in request.messages],
+                                         request.add_generation_prompt, tools=_tools(request), **template_kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
         tokens = tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_model_len}
+
+
+def _tools(request: TokenizeRequest) -> list[dict] | None:
+    return [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
 
 
 def detokenize(served: Served, request: DetokenizeRequest) -> dict:
