@@ -137,3 +137,13 @@ def live_server(tmp_path_factory):
     with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "4",
                     "--kvcache-mem-cpu", "1", "--served-model-name", "tiny-chat") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A real `candelabra serve` of the default model on the best backend here, shared by the test
+    modules that need a real model's answers (tool calls, structured output)."""
+    from live_server import LiveServer
+
+    with LiveServer("--backend", "auto", "--kvcache-mem-gpu", "64", "--kvcache-mem-cpu", "0") as server:
+        yield server

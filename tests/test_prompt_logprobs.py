@@ -4,6 +4,7 @@ or recomputed after preemption."""
 
 import numpy as np
 import pytest
+from transformers_reference import log_softmax_at_each_position
 
 from candelabra.conformance.engine_cases import VOCAB, write_tiny_checkpoint
 from candelabra.core.engine.engine import EngineConfig, LLMEngine
@@ -31,17 +32,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(folder):
     """Transformers' log-softmax over each position's logits, for a prompt."""
-    import torch
-    from transformers import Qwen2ForCausalLM  # the tiny checkpoint's config names no model_type
-
-    model = Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-
-    def log_softmax(prompt: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt])).logits[0].double()
-        return torch.log_softmax(logits, dim=-1).numpy()
-
-    return log_softmax
+    return log_softmax_at_each_position(folder)
 
 
 @pytest.fixture(scope="module", params=available_backends())

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import openai
 import pytest
+from transformers_reference import log_softmax_at_each_position
 
 from live_server import write_chat_checkpoint
 
@@ -30,17 +31,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(folder):
     """Transformers' log-softmax at each position of a prompt, on the served model's weights."""
-    import torch
-    from transformers import Qwen2ForCausalLM  # the tiny checkpoint's config names no model_type
-
-    model = Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-
-    def log_softmax(prompt: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt])).logits[0].double()
-        return torch.log_softmax(logits, dim=-1).numpy()
-
-    return log_softmax
+    return log_softmax_at_each_position(folder)
 
 
 def test_echo_with_logprobs_covers_the_prompt_then_the_output(client, live_server, reference):

@@ -14,7 +14,6 @@ from candelabra.core.engine.sampling_params import SamplingParams, StructuredOut
 from candelabra.core.llm import LLM
 from candelabra.core.server.protocol import ChatCompletionRequest, ConstraintError
 from conftest import available_backends
-from live_server import LiveServer
 
 CHOICES = ["yes", "no", "maybe not"]
 
@@ -147,9 +146,8 @@ ASK = [{"role": "user", "content": "Give me facts about Paris as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LiveServer("--backend", "torch", "--kvcache-mem-gpu", "64", "--kvcache-mem-cpu", "0") as live:
-        yield live
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

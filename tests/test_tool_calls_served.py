@@ -7,8 +7,6 @@ import httpx
 import openai
 import pytest
 
-from live_server import LiveServer
-
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name"}},
@@ -66,12 +64,6 @@ def test_completions_take_no_tools(live_server):
 
 
 # ---- the default model
-
-
-@pytest.fixture(scope="module")
-def default_server():
-    with LiveServer("--backend", "auto", "--kvcache-mem-gpu", "64", "--kvcache-mem-cpu", "0") as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
