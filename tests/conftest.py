@@ -113,6 +113,22 @@ def mapped_resident_kib(path) -> int:
     return resident
 
 
+def resident_kib_at(address: int, length: int) -> int:
+    """KiB resident in this process of the mappings overlapping [address, address + length), from
+    /proc/self/smaps: the memory of one allocation, whatever other threads allocate meanwhile."""
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields[0].endswith(":"):
+                if inside and fields[0] == "Rss:":
+                    resident += int(fields[1])
+            else:
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                inside = start < address + length and address < end
+    return resident
+
+
 def make_distribution(root: Path, name: str, modules: dict[str, str], entry_points: dict[str, str]) -> Path:
     """A minimal installed distribution under `root` (a dist-info folder next to its modules),
     found by importlib.metadata once `root` is on sys.path."""

@@ -163,7 +163,7 @@ def test_a_broken_parameters_schema_is_refused_when_it_would_constrain(default_s
     body = {"messages": ASKS_WEATHER, "tools": [broken], "tool_choice": "required", "max_tokens": 4}
     reply = httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=60)
     error = reply.json()["error"]
-    assert reply.status_code == 400 and error["param"] == "tool_choice" and "frob" in error["message"], error
+    assert reply.status_code == 400 and error["param"] == "tools" and "frob" in error["message"], error
 
 
 # tool_choice "required" and a named function: the prompts below ask for no tool at all, so only

@@ -15,7 +15,7 @@ from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
 from candelabra.plugins import backend_class
-from conftest import probe_without, run_candelabra
+from conftest import needs_smaps, probe_without, resident_kib_at, run_candelabra
 
 
 def test_torch_is_installed_available_and_implements_every_op():
@@ -28,15 +28,16 @@ def test_torch_is_installed_available_and_implements_every_op():
     assert backend.quantized_formats == frozenset(GGUF_QUANTIZED_FORMATS)
 
 
+@needs_smaps
 def test_on_a_cpu_the_cache_is_committed_as_written_and_steps_are_small():
     backend = TorchBackend()
     assert backend.kv_cache_committed_on_write() and backend.max_num_batched_tokens() == 512
     spec = KVCacheSpec(num_layers=1, num_blocks=16384, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
-    import psutil
-
-    before = psutil.Process().memory_info().rss
     caches = backend.allocate_kv_cache(spec)  # 2 x 64 MiB, untouched
-    assert psutil.Process().memory_info().rss - before < 8 * 2**20
+    for part in (caches[0].key, caches[0].value):
+        assert resident_kib_at(part.data_ptr(), part.numel() * part.element_size()) < 8 * 1024
+    caches[0].key[:1024].fill_(1.0)  # 4 MiB written become resident, and only they
+    assert 3 * 1024 < resident_kib_at(caches[0].key.data_ptr(), caches[0].key.numel() * 2) < 12 * 1024
     del caches
 
 
