@@ -101,21 +101,23 @@ needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason=
 
 def mapped_resident_kib(path) -> int:
     """KiB of the file `path`'s mapped pages resident in this process, from /proc/self/smaps."""
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if fields[0].endswith(":"):
-                if inside and fields[0] == "Rss:":
-                    resident += int(fields[1])
-            else:  # a mapping's first line: address range, permissions, offset, device, inode, path
-                inside = len(fields) >= 6 and fields[5] == str(path)
-    return resident
+    return _resident_kib(lambda fields: len(fields) >= 6 and fields[5] == str(path))
 
 
 def resident_kib_at(address: int, length: int) -> int:
     """KiB resident in this process of the mappings overlapping [address, address + length), from
     /proc/self/smaps: the memory of one allocation, whatever other threads allocate meanwhile."""
+
+    def overlaps(fields: list[str]) -> bool:
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        return start < address + length and address < end
+
+    return _resident_kib(overlaps)
+
+
+def _resident_kib(chosen) -> int:
+    """The Rss of the mappings in /proc/self/smaps whose first line's fields (address range,
+    permissions, offset, device, inode, path) `chosen` accepts."""
     resident, inside = 0, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -124,8 +126,7 @@ def resident_kib_at(address: int, length: int) -> int:
                 if inside and fields[0] == "Rss:":
                     resident += int(fields[1])
             else:
-                start, end = (int(bound, 16) for bound in fields[0].split("-"))
-                inside = start < address + length and address < end
+                inside = chosen(fields)
     return resident
 
 
