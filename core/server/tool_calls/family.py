@@ -3,10 +3,12 @@ the end of the output after one marker (Llama 3's `<|python_tag|>`, Mistral's `[
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from candelabra.core.server.tool_calls.calls import Parsed, ToolCall, openai_call_id, partial_suffix
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """Reads the calls out of one output. `parse` reads a whole output; `settled` says how much of
     an output still being written can already be parsed for good: parsing that prefix gives a
     prefix of the content and of the calls that the whole output will give, whatever follows."""
@@ -17,11 +19,11 @@ class ToolCallParser:
     def __init__(self, tool_names: frozenset[str] | set[str] | list[str]) -> None:
         self.tool_names = frozenset(tool_names)
 
-    def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+    @abstractmethod
+    def parse(self, text: str) -> Parsed: ...
 
-    def settled(self, text: str) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def settled(self, text: str) -> int: ...
 
     def new_call_id(self) -> str:
         return openai_call_id()
@@ -37,9 +39,9 @@ class CallsAfterMarker(ToolCallParser):
         """Where the calls begin (the marker's position), or -1."""
         return text.find(self.marker)
 
+    @abstractmethod
     def read_calls(self, section: str) -> list[ToolCall] | None:
         """The calls written after the marker, or None when they do not all parse."""
-        raise NotImplementedError
 
     def parse(self, text: str) -> Parsed:
         start = self.section_start(text)
