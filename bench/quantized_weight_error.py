@@ -35,14 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from candelabra.backends.torch.quantized import (
-    INT4_GROUP_SIZE,
-    Int4Weight,
-    Int8Weight,
-    int4_groupwise,
-    int8_rowwise,
-    keep_quantized,
-)
+from candelabra.backends.torch.quantized import int4_groupwise, int8_rowwise, keep_quantized
+from candelabra.backends.torch.weight_forms import INT4_GROUP_SIZE, DenseWeight, Int4Weight, Int8Weight
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
 from candelabra.core.text_table import format_table
@@ -82,20 +76,6 @@ def int8_values(values: np.ndarray) -> np.ndarray:
 
 def kept_form(kept: Int4Weight | Int8Weight | None) -> str:
     return {Int4Weight: "int4 g32", Int8Weight: "int8 row"}.get(type(kept), "bf16")
-
-
-class DenseWeight:
-    """A dense bfloat16 weight, with the quantized handles' `matmul` and `nbytes`."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.tensor.T
 
 
 Form = Int4Weight | Int8Weight | DenseWeight

@@ -30,6 +30,8 @@ def _parser(chosen: str | None = None) -> argparse.ArgumentParser:
 
     backends = commands.add_parser("backends", help="list installed backends, whether they can run here and why not")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    backends.add_argument("--kernels", action="store_true",
+                          help="also print, for each backend that times its kernels, what it measured and chose here")
     backends.set_defaults(run=_backends)
 
     from candelabra.conformance import LEVELS, OPT_IN_LEVELS
@@ -121,10 +123,32 @@ def _backends(args: argparse.Namespace) -> int:
         ))
         for b in broken:
             print(f"broken plugin {b['plugin']!r} from {b['distribution']} ({b['stage']}): {b['error']}")
+    if args.kernels:
+        _print_kernel_tables(ranked)
     for name, distributions in conflicts.items():
         print(f"error: backend name {name!r} is claimed by {' and '.join(distributions)}; uninstall one of them",
               file=sys.stderr)
     return 1 if conflicts else 0
+
+
+def _print_kernel_tables(ranked) -> None:
+    for candidate in ranked:
+        if not candidate.probe.available:
+            continue
+        tables = candidate.backend.kernel_tables()
+        if tables:
+            text = "\n\n".join(tables)
+        elif _times_kernels(candidate.backend):
+            text = "no kernel choices measured on this machine yet (the first model load measures them)"
+        else:
+            text = "picks no kernels by timing"
+        print(f"\n{candidate.name}: {text}")
+
+
+def _times_kernels(backend_class) -> bool:
+    from candelabra.core.contract.backend import Backend
+
+    return backend_class.kernel_tables.__func__ is not Backend.kernel_tables.__func__
 
 
 def _conformance(args: argparse.Namespace) -> int:

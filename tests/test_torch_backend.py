@@ -11,8 +11,7 @@ import torch
 
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, parse_cpu_flags
-from candelabra.backends.torch.packed_int8 import PackedInt8Weight
-from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
+from candelabra.backends.torch.kernel_choice import choose
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
@@ -106,23 +105,24 @@ def test_probe_explains_a_missing_torch():
     assert second.startswith("refused: torch is not installed")
 
 
-@pytest.mark.parametrize("format, kept", [("Q4_K", Int4Weight), ("Q4_0", Int4Weight), ("Q5_0", PackedInt8Weight)])
-def test_quantized_weights_stay_quantized_in_bfloat16_and_are_dequantized_in_float32(format, kept):
-    rng = np.random.default_rng(3)
-    weight = random_quantized(rng, format, 64, 256)
+@pytest.mark.parametrize("format", ["Q4_K", "Q4_0", "Q5_0"])
+def test_a_quantized_weight_is_kept_in_the_form_measured_fastest_here(format, tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
+    weight = random_quantized(np.random.default_rng(3), format, 64, 256)
     backend = TorchBackend()
-    assert isinstance(backend.upload_weight("w", WeightRole.LINEAR, weight, "bfloat16"), kept)
-    dense = backend.upload_weight("w", WeightRole.LINEAR, weight, "float32")
+    kept = backend.upload_weight("w", WeightRole.LINEAR, weight, "bfloat16")
+    chooser = backend.kernel_chooser("bfloat16")
+    assert chooser.used == {(format, (64, 256)): 1}
+    assert kept.choice == choose(t for t in chooser.timings if t.format == format)
+    assert list((tmp_path / "kernels").glob("bfloat16-*.json")) == [chooser.path]
+
+
+def test_int8_formats_are_dequantized_in_float32(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
+    weight = random_quantized(np.random.default_rng(3), "Q5_0", 64, 256)
+    dense = TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "float32")
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.float32
     assert np.array_equal(dense.numpy(), weight.dequantize())
-
-
-def test_without_onednn_int8_rows_stay_unpacked(monkeypatch):
-    from candelabra.backends.torch import packed_int8
-
-    monkeypatch.setattr(packed_int8, "onednn_int8_available", lambda: False)
-    weight = random_quantized(np.random.default_rng(3), "Q5_0", 64, 256)
-    assert isinstance(TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "bfloat16"), Int8Weight)
 
 
 def test_a_tied_lm_head_is_the_embedding_tensor_itself():
@@ -134,14 +134,15 @@ def test_a_tied_lm_head_is_the_embedding_tensor_itself():
     assert other is not embedding and torch.equal(other, embedding)
 
 
-@pytest.mark.parametrize("format, dtype, kept", [("Q8_0", "bfloat16", Int8Weight), ("Q4_K", "bfloat16", Int4Weight),
-                                                  ("Q8_0", "float32", torch.Tensor)])
-def test_a_quantized_embedding_is_kept_as_the_linear_weights_are_and_shared_with_a_tied_lm_head(format, dtype, kept):
+@pytest.mark.parametrize("format, dtype, forms", [("Q8_0", "bfloat16", {"int8", "dense"}),
+                                                   ("Q4_K", "bfloat16", {"int4", "dense"}),
+                                                   ("Q8_0", "float32", {"plain"})])
+def test_a_quantized_embedding_is_kept_in_a_readable_form_and_shared_with_a_tied_lm_head(format, dtype, forms):
     backend = TorchBackend()
     assert WeightRole.EMBEDDING in backend.quantized_roles
     table = random_quantized(np.random.default_rng(5), format, 48, 256)
     embedding = backend.upload_weight("model.embed_tokens.weight", WeightRole.EMBEDDING, table, dtype)
-    assert isinstance(embedding, kept)
+    assert getattr(embedding, "form", "plain") in forms
     assert backend.upload_weight("model.embed_tokens.weight", WeightRole.LM_HEAD, table, dtype) is embedding
     ids = torch.tensor([[3, 47, 0], [3, 12, 9]])
     rows = backend.ops.embedding(ids, embedding).float().numpy()
@@ -222,25 +223,6 @@ def test_batches_larger_than_a_sampling_chunk_draw_what_numpy_draws():
     assert np.array_equal(ours.token_ids.numpy(), expected.token_ids)
     assert np.allclose(ours.logprobs.numpy(), expected.logprobs, atol=1e-4)
     assert np.array_equal(ours.top_token_ids.numpy(), expected.top_token_ids)
-
-
-@pytest.mark.parametrize("value, wanted", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
-def test_dense_copies_are_asked_for_by_environment_variable(monkeypatch, value, wanted):
-    from candelabra.backends.torch.backend import DENSE_COPIES_VARIABLE
-
-    if value is None:
-        monkeypatch.delenv(DENSE_COPIES_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(DENSE_COPIES_VARIABLE, value)
-    assert TorchBackend().dense_copies is wanted
-
-
-def test_a_dense_copies_value_that_says_neither_is_refused_by_name(monkeypatch):
-    from candelabra.backends.torch.backend import DENSE_COPIES_VARIABLE
-
-    monkeypatch.setenv(DENSE_COPIES_VARIABLE, "maybe")
-    with pytest.raises(ValueError, match=f"{DENSE_COPIES_VARIABLE}='maybe'"):
-        TorchBackend()
 
 
 def test_memory_freed_while_loading_goes_back_to_the_os_at_warm_up():

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from candelabra.backends.torch import packed_int8
-from candelabra.backends.torch.packed_int8 import PackedInt8Weight, onednn_int8_available, split_into_int8_parts
-from candelabra.backends.torch.quantized import int8_rowwise, keep_quantized
+from candelabra.backends.torch.packed_int8 import PackedInt8Weight, onednn_int8_available, onednn_int8_problem
+from candelabra.backends.torch.quantized import candidates, int8_rowwise
+from candelabra.backends.torch.weight_forms import split_into_int8_parts
 from candelabra.conformance.quantized_weights import random_quantized
 
-pytestmark = pytest.mark.skipif(not onednn_int8_available(), reason="this torch has no oneDNN quantized linear")
+needs_onednn = pytest.mark.skipif(not onednn_int8_available(), reason=str(onednn_int8_problem()))
 
 
 def nmse(values: torch.Tensor, reference: np.ndarray) -> float:
@@ -33,6 +34,7 @@ def bfloat16_rounding(reference: np.ndarray) -> float:
 
 
 # 300 rows in calls of at most 2 * 300 * 40 products: several calls; slices of 16 output rows: three.
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
 @pytest.mark.parametrize("settings", [{}, {"PRODUCT_ELEMENTS": 2 * 40 * 50, "SLICE_ROWS": 16}])
 def test_matmul_matches_the_float64_product_of_the_kept_values(rows, settings, monkeypatch):
@@ -48,12 +50,14 @@ def test_matmul_matches_the_float64_product_of_the_kept_values(rows, settings, m
     assert nmse(out, reference) < 2 * bfloat16_rounding(reference)
 
 
+@needs_onednn
 def test_leading_dims_are_kept():
     weight, _ = kept_and_values(np.random.default_rng(22), 32, 64)
     x = torch.randn(2, 5, 64).to(torch.bfloat16)
     assert torch.equal(weight.matmul(x).reshape(10, 32), weight.matmul(x.reshape(10, 64)))
 
 
+@needs_onednn
 def test_outlying_activations_keep_their_small_neighbours():
     rng = np.random.default_rng(23)
     weight, kept = kept_and_values(rng, 48, 512)
@@ -75,11 +79,13 @@ def test_two_parts_carry_x_to_within_a_64516th_of_each_rows_largest_value():
     assert torch.all((rebuilt - x.double()).abs() <= largest / 64516 * (1 + 1e-3))
 
 
-def test_keep_quantized_packs_int8_formats_when_asked_unless_a_dense_copy_is_kept():
+@needs_onednn
+def test_a_packed_candidate_multiplies_as_its_unpacked_values_say():
     weight = random_quantized(np.random.default_rng(25), "Q8_0", 32, 256)
-    assert isinstance(keep_quantized(weight, torch.bfloat16, packed=True), PackedInt8Weight)
-    assert not isinstance(keep_quantized(weight, torch.bfloat16, dense_copy=True, packed=True), PackedInt8Weight)
-    assert keep_quantized(weight, torch.float32, packed=True) is None
+    packed = next(c for c in candidates(weight, torch.bfloat16) if c.form == "int8_packed")
+    x = torch.from_numpy(np.random.default_rng(26).standard_normal((5, 256))).to(torch.bfloat16)
+    reference = x.double().numpy() @ packed.values().double().numpy().T
+    assert nmse(packed.build().matmul(x), reference) < 2 * bfloat16_rounding(reference)
 
 
 def test_the_primitive_cache_is_capped_unless_the_user_sized_it(monkeypatch):

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch import quantized
+from candelabra.backends.torch import weight_forms
+from candelabra.backends.torch.kernel_choice import Choice
 from candelabra.backends.torch.quantized import (
     INT4_FORMATS,
     INT8_FORMATS,
-    Int4Weight,
-    Int8Weight,
+    candidates,
     int4_groupwise,
     int8_rowwise,
     keep_quantized,
 )
+from candelabra.backends.torch.weight_forms import DenseWeight, Int4Weight, Int8Weight
 from candelabra.conformance.quantized_weights import random_quantized
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
 
 MATMUL_NMSE = 1e-4
 
@@ -65,40 +67,65 @@ def test_int8_rows_round_to_the_nearest_step():
     assert np.all(error <= scales[:, None] * (0.5 + 1e-5))
 
 
-# An int4 weight: 1 to 17 rows through the weight-only kernel, 130 through a dense rebuild, in one
-# slice or (a smaller slice size) in several.
-@pytest.mark.parametrize("format", sorted(INT4_FORMATS))
-@pytest.mark.parametrize("rows, slice_elements", [(1, None), (3, None), (17, None), (130, None), (130, 512 * 7)])
-def test_int4_matmul_matches_the_float64_oracle(format, rows, slice_elements, monkeypatch):
-    if slice_elements:
-        monkeypatch.setattr(quantized, "INT4_SLICE_ELEMENTS", slice_elements)
+def kept_forms(rng: np.random.Generator, dtype: torch.dtype = torch.bfloat16):
+    """(form, the float64 values it multiplies by) for each form, on random 40 x 512 weights: 40 output
+    rows are not whole tiles of 16."""
+    q4 = random_quantized(rng, "Q4_K", 40, 512)
+    int4 = Int4Weight.from_groups(*int4_groupwise(q4), dtype)
+    values, scales = int8_rowwise(random_quantized(rng, "Q8_0", 40, 512).dequantize())
+    int8 = Int8Weight.from_rows(values, scales, dtype)
+    dense = DenseWeight(torch.from_numpy(random_quantized(rng, "Q5_0", 40, 512).dequantize()).to(dtype))
+    return [(form, form.dense().double().numpy()) for form in (int4, int8, dense)]
+
+
+FORM_KERNELS = [("int4", "int4_mm"), ("int4", "rebuild"), ("int4", "rebuild_f32"), ("int8", "int8_mm"),
+                ("int8", "int8_split"), ("int8", "rebuild"), ("int8", "rebuild_f32"), ("dense", "dense"),
+                ("dense", "dense_f32")]
+
+
+def test_each_form_names_the_kernels_these_tests_check():
+    named = {(form.form, name) for form, _ in kept_forms(np.random.default_rng(3)) for name in form.kernels()}
+    assert named == set(FORM_KERNELS)
+
+
+# Each kernel of each form at rows from one decode to a prefill chunk; the rebuilding kernels also with
+# slices smaller than the weight (several slices, and of the int8 products several column slices).
+SMALL_SLICES = {"INT4_SLICE_ELEMENTS": 512 * 7, "SCRATCH_ELEMENTS": 512 * 7, "SLICE_ELEMENTS": 512 * 7,
+                "PRODUCT_SLICE_ELEMENTS": 40 * 16}
+
+
+@pytest.mark.parametrize("form_name, kernel", FORM_KERNELS)
+@pytest.mark.parametrize("rows, slices", [(1, {}), (3, {}), (17, {}), (130, {}), (40, SMALL_SLICES)])
+def test_every_kernel_matches_the_float64_product_of_its_forms_values(form_name, kernel, rows, slices, monkeypatch):
+    for name, value in slices.items():
+        monkeypatch.setattr(weight_forms, name, value)
     rng = np.random.default_rng(4)
-    weight = random_quantized(rng, format, 40, 512)  # 40 output rows: not whole tiles of 16
-    kept = Int4Weight.from_groups(*int4_groupwise(weight), torch.bfloat16)
+    form, values = next((f, v) for f, v in kept_forms(rng) if f.form == form_name)
     x = random_x(rng, rows, 512)
-    out = kept.matmul(x)
+    out = form.kernels()[kernel](x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
-    assert nmse(out, oracle(x, weight.dequantize())) < MATMUL_NMSE
+    assert nmse(out, oracle(x, values)) < MATMUL_NMSE
 
 
-# An int8 weight: 1 and 3 rows through the weight-only kernel; 8, 17 and 40 through x split into int8
-# parts, its products in one slice of columns or (a smaller slice size) in several; 70 through dense
-# slices, in one or, with a scratch buffer smaller than the weight, in several.
-INT8_PATHS = [(1, {}), (3, {}), (8, {}), (17, {}), (40, {"PRODUCT_SLICE_ELEMENTS": 40 * 16}),
-              (70, {}), (70, {"SCRATCH_ELEMENTS": 512 * 7, "SLICE_ELEMENTS": 512 * 7})]
+# int8 rows are kept in bfloat16 only (quantized.INT8_COMPUTE_DTYPES)
+@pytest.mark.parametrize("form_name, kernel", [("int4", "int4_mm"), ("int4", "rebuild"), ("dense", "dense")])
+def test_kernels_in_float32_are_exact_to_float32_rounding(form_name, kernel):
+    rng = np.random.default_rng(15)
+    form, values = next((f, v) for f, v in kept_forms(rng, torch.float32) if f.form == form_name)
+    assert set(form.kernels()) == {"int4_mm", "rebuild"} if form_name == "int4" else {"dense"}
+    x = torch.from_numpy(rng.standard_normal((5, 512))).float()
+    assert nmse(form.kernels()[kernel](x), oracle(x, values)) < 1e-10
 
 
-@pytest.mark.parametrize("rows, settings", INT8_PATHS)
-def test_int8_matmul_matches_the_float64_oracle(rows, settings, monkeypatch):
-    for name, value in settings.items():
-        monkeypatch.setattr(quantized, name, value)
-    rng = np.random.default_rng(5)
-    weight = random_quantized(rng, "Q8_0", 40, 512).dequantize()
-    kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)
-    x = random_x(rng, rows, 512)
-    out = kept.matmul(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 40)
-    assert nmse(out, oracle(x, weight)) < MATMUL_NMSE
+def test_a_form_multiplies_by_the_kernel_its_choice_names_for_the_rows():
+    form, _ = kept_forms(np.random.default_rng(16))[1]
+    called = []
+    kernels = form.kernels()
+    form.kernels = lambda: {name: (lambda x, name=name: called.append(name) or kernels[name](x)) for name in kernels}
+    form.choice = Choice("int8", ("int8_mm", "int8_split", "int8_split", "rebuild", "rebuild_f32"))
+    for rows in (1, 2, 5, 16, 40, 64, 300):
+        form.matmul(random_x(np.random.default_rng(rows), rows, 512))
+    assert called == ["int8_mm", "int8_mm", "int8_split", "int8_split", "rebuild", "rebuild", "rebuild_f32"]
 
 
 def test_int8_activations_keep_small_values_beside_outliers():
@@ -107,12 +134,12 @@ def test_int8_activations_keep_small_values_beside_outliers():
     rng = np.random.default_rng(13)
     weight = rng.standard_normal((48, 512)).astype(np.float32)
     kept = Int8Weight.from_rows(*int8_rowwise(weight), torch.bfloat16)
-    x = rng.standard_normal((quantized.INT8_ACTIVATIONS_FROM_ROWS, 512))
+    x = rng.standard_normal((8, 512))
     x[:, [3, 200]] *= 300
     x = torch.from_numpy(x).to(torch.bfloat16)
     as_kept = (kept.values.double() * kept.scales.double()[:, None]).numpy()
     reference = oracle(x, as_kept)
-    split = nmse(kept.matmul(x), reference)
+    split = nmse(kept.kernels()["int8_split"](x), reference)
     bfloat16_rounding = nmse(torch.from_numpy(reference).to(torch.bfloat16), reference)
     assert split < 2 * bfloat16_rounding
     step = x.double().abs().amax(1, keepdim=True) / 127
@@ -155,7 +182,7 @@ def test_int8_refuses_widths_its_kernel_cannot_read():
 
 
 @pytest.mark.parametrize("format", GGUF_QUANTIZED_FORMATS)
-def test_keep_quantized_chooses_by_format_in_bfloat16(format):
+def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
     weight = random_quantized(np.random.default_rng(8), format, 16, 256)
     kept = keep_quantized(weight, torch.bfloat16)
     expected = Int4Weight if format in INT4_FORMATS else Int8Weight if format in INT8_FORMATS else type(None)
@@ -164,29 +191,20 @@ def test_keep_quantized_chooses_by_format_in_bfloat16(format):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
-def test_keep_quantized_leaves_slow_dtypes_to_a_dense_copy(format, dtype):
-    assert keep_quantized(random_quantized(np.random.default_rng(9), format, 16, 256), dtype) is None
+def test_outside_bfloat16_only_exact_forms_are_candidates(format, dtype):
+    forms = [c.form for c in candidates(random_quantized(np.random.default_rng(9), format, 16, 256), dtype)]
+    assert forms == (["int4", "dense"] if format in INT4_FORMATS else ["dense"])
 
 
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q4_K"])
-def test_int4_dense_copy_is_the_weight_with_bfloat16_scales(format):
-    rng = np.random.default_rng(11)
-    weight = random_quantized(rng, format, 40, 512)
-    kept = keep_quantized(weight, torch.bfloat16)
-    nibbles, scales, zeros = int4_groupwise(weight)
-    as_kept = lambda v: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
-    expected = ((nibbles.astype(np.float32) - 8).reshape(40, -1, 32) * as_kept(scales)[..., None]
-                + as_kept(zeros)[..., None]).reshape(40, 512)
-    assert np.allclose(kept.dense().float().numpy(), expected, rtol=1e-2, atol=1e-6)
-    assert nmse(kept.dense(), weight.dequantize()) < 1e-5
+def test_an_embedding_table_is_never_packed_since_its_rows_are_read_back():
+    weight = random_quantized(np.random.default_rng(10), "Q8_0", 32, 256)
+    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["int8", "int8_packed", "dense"]
+    assert [c.form for c in candidates(weight, torch.bfloat16, readable=True)] == ["int8", "dense"]
 
 
-@pytest.mark.parametrize("format", ["Q4_K", "Q5_0"])
-def test_a_dense_copy_holds_the_kept_values_and_serves_batches(format):
-    rng = np.random.default_rng(12)
-    weight = random_quantized(rng, format, 40, 512)
-    kept = keep_quantized(weight, torch.bfloat16, dense_copy=True)
-    assert torch.equal(kept.dense_copy, kept.dense())
-    assert keep_quantized(weight, torch.bfloat16).dense_copy is None
-    x = random_x(rng, quantized.DENSE_COPY_FROM_ROWS, 512)
-    assert nmse(kept.matmul(x), oracle(x, weight.dequantize())) < MATMUL_NMSE
+def test_a_weight_too_outlying_for_int8_rows_is_kept_dense():
+    rng = np.random.default_rng(17)
+    dense = rng.standard_normal((32, 256)).astype(np.float32)
+    dense[:, 7] = 30  # one column that takes each row's whole int8 range: NMSE about 1e-3
+    weight = QuantizedTensor("Q8_0", gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0), (32, 256))
+    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["dense"]

@@ -9,7 +9,6 @@ subclasses it with its `device_type`, its probe, and the ops it overrides (`ops_
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any, ClassVar
 
@@ -40,16 +39,6 @@ except Exception as exc:  # noqa: BLE001 - probe() reports why torch cannot be u
 log = logging.getLogger("candelabra")
 
 CPU_DTYPES = default_dtypes(has_native_bfloat16())
-# Set to 1 to keep, beside each weight kept quantized, a dense copy that batches multiply by: faster
-# serving of many requests at once, at about twice the memory for those weights.
-DENSE_COPIES_VARIABLE = "CANDELABRA_TORCH_DENSE_COPIES"
-
-
-def dense_copies_wanted() -> bool:
-    value = os.environ.get(DENSE_COPIES_VARIABLE, "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes", ""):
-        raise ValueError(f"{DENSE_COPIES_VARIABLE}={value!r}: 1 keeps dense copies of quantized weights, 0 does not")
-    return value in ("1", "true", "yes")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -79,7 +68,6 @@ class TorchBackend(Backend):
         self.torch_device = torch.device(runs_on, self.device.index) if runs_on != "cpu" else torch.device("cpu")
         self.ops = self.ops_class()(self.torch_device)
         self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
-        self.dense_copies = dense_copies_wanted()
         self._configure_device()
 
     @classmethod
@@ -115,10 +103,8 @@ class TorchBackend(Backend):
             torch.set_num_threads(cores)
         keep_freed_memory_for_reuse()
         limit_primitive_cache()
-        log.info("torch backend on cpu: %d threads, default dtype %s (%s)%s", cores, self.dtypes[0],
-                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware",
-                 f"; dense copies of quantized weights for batches ({DENSE_COPIES_VARIABLE}=1)"
-                 if self.dense_copies else "")
+        log.info("torch backend on cpu: %d threads, default dtype %s (%s)", cores, self.dtypes[0],
+                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware")
 
     @classmethod
     def device_count(cls) -> int:
@@ -211,20 +197,31 @@ class TorchBackend(Backend):
         return tensor
 
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
-        """A weight still in a GGUF format: kept in a weight-only quantized form the device
-        multiplies by where there is one for this format and dtype, else dequantized. An embedding
-        table's int8 rows stay readable (not packed), and a tied LM head shares them."""
-        from candelabra.backends.torch.packed_int8 import onednn_int8_available
+        """A weight still in a GGUF format: on a CPU, kept in the form and multiplied by the kernels
+        measured fastest here for its format and shape (kernel_choice.py), else dequantized. An
+        embedding table stays in a form whose rows can be read back, and a tied LM head shares it."""
         from candelabra.backends.torch.quantized import keep_quantized
 
-        if self.torch_device.type != "cpu":
-            kept = None
-        else:
-            packed = role is not WeightRole.EMBEDDING and onednn_int8_available()
-            kept = keep_quantized(weight, torch_dtype(dtype), self.dense_copies, packed)
+        kept = None
+        if self.torch_device.type == "cpu":
+            kept = keep_quantized(weight, torch_dtype(dtype), self.kernel_chooser(dtype),
+                                  readable=role is WeightRole.EMBEDDING)
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
+
+    def kernel_chooser(self, dtype: str):
+        """The choices of this process for `dtype` and this backend's share of the cores."""
+        from candelabra.backends.torch.kernel_choice import chooser_for
+
+        return chooser_for(dtype, usable_cores())
+
+    @classmethod
+    def kernel_tables(cls) -> list[str]:
+        """The kernel choices measured on this machine, one table per compute dtype and thread count."""
+        from candelabra.backends.torch.kernel_choice import describe_cached
+
+        return describe_cached() if cls.runs_on() == "cpu" else []
 
     # communication
 
@@ -315,8 +312,12 @@ class TorchStepExecutor(StepExecutor):
         self._configured = threading.local()
 
     def warm_up(self, caches: list[KVCache], max_num_seqs: int) -> None:
-        """The model is loaded and the caches allocated: what loading freed goes back to the OS
-        (freed memory is otherwise kept for the steps' temporaries, on a CPU)."""
+        """The model is loaded and the caches allocated: the kernels its weights use are logged, and
+        what loading freed goes back to the OS (freed memory is otherwise kept for the steps'
+        temporaries, on a CPU)."""
+        from candelabra.backends.torch.kernel_choice import log_choices
+
+        log_choices()
         self.backend.release_cached_memory()
 
     def run(self, inputs: StepInputs, caches: list[KVCache]):

@@ -30,6 +30,26 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def parse_cpu_model_name(cpuinfo: str) -> str:
+    """The first CPU's model name in the text of /proc/cpuinfo (x86 "model name", some Arm "Model")."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model"):
+            return value.strip()
+    return ""
+
+
+@cache
+def cpu_model_name() -> str:
+    """This machine's CPU model, as lscpu names it, else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            name = parse_cpu_model_name(cpuinfo.read())
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
+
+
 def has_native_bfloat16(flags: frozenset[str] | None = None) -> bool:
     """Whether bfloat16 matmuls run in hardware (given `flags`, else this machine's); elsewhere
     torch emulates them, slower than float32."""

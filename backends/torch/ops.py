@@ -10,11 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, sampling
-from candelabra.backends.torch.packed_int8 import PackedInt8Weight
-from candelabra.backends.torch.quantized import Int4Weight, Int8Weight
+from candelabra.backends.torch.weight_forms import KeptWeight
 from candelabra.core.contract.ops import KVCache, Ops, SampleResult, TokenLogprobs
-
-QUANTIZED_WEIGHTS = (Int4Weight, Int8Weight, PackedInt8Weight)
 
 
 class TorchOps(Ops):
@@ -24,14 +21,14 @@ class TorchOps(Ops):
         self.device = device
 
     def embedding(self, ids, table, scale=None):
-        rows = table.rows(ids) if isinstance(table, (Int4Weight, Int8Weight)) else F.embedding(ids, table)
+        rows = table.rows(ids) if isinstance(table, KeptWeight) else F.embedding(ids, table)
         return rows * scale if scale is not None else rows
 
     def gather_rows(self, x, rows):
         return x.index_select(0, rows)
 
     def linear(self, x, weight, bias=None):
-        if isinstance(weight, QUANTIZED_WEIGHTS):
+        if isinstance(weight, KeptWeight):
             out = weight.matmul(x)
             return out + bias if bias is not None else out
         return F.linear(x, weight, bias)

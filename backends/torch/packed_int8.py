@@ -5,11 +5,15 @@ repacks the weight on every call. oneDNN's quantized linear (`torch.ops.onednn.q
 takes a weight packed once, at load, for this CPU's AMX or VNNI units. It wants int8 activations
 with one scale for the whole batch, so x is split per row into two int8 parts (`split_into_int8_parts`),
 stacked into one batch of unit scale, and the parts' products are scaled per row and added in float32.
-Medians on 2 cores with AMX, each of 24 different weights in turn (as a step reads them, from memory),
-ms: int8 weight-only kernel / packed:
+Whether that pays depends on the CPU, so it is one candidate form that kernel_choice.py times. On 2
+cores with AMX, each of 24 different weights in turn (as a step reads them, from memory), medians in
+ms, int8 weight-only kernel / packed:
 
     9728 x 896   1 row 0.70 / 0.44,   4 rows 0.94 / 0.42,   16 rows 1.71 / 0.55,   64 rows 6.7 / 0.97
     896 x 4864   1 row 0.18 / 0.19,   4 rows 0.27 / 0.17,   16 rows 0.71 / 0.24,   64 rows 2.96 / 0.45
+
+On AMD Zen 4 (AVX-512 VNNI, no AMX) one row through 4864 x 896 took 0.14 ms in the weight-only kernel
+and 189 ms packed; on AMD Zen 3 (AVX2) 0.9 and 11.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import functools
 import os
 
 import torch
+
+from candelabra.backends.torch.weight_forms import KeptWeight, add_scaled_parts, split_into_int8_parts
 
 # Each call's float32 products (2M x N) stay below this many elements (16 MiB), and so below glibc's
 # mmap threshold, reusing freed heap memory: 1024 stacked rows of a 9728-wide weight took 13.5 ms in
@@ -42,21 +48,34 @@ def limit_primitive_cache() -> None:
     os.environ.setdefault(PRIMITIVE_CACHE_VARIABLE, str(PRIMITIVE_CACHE_CAPACITY))
 
 
-@functools.cache
 def onednn_int8_available() -> bool:
-    """Whether this torch has oneDNN's quantized linear and the CPU it runs on can use it: a tiny
-    weight packed and multiplied once, the first time it is asked."""
+    return onednn_int8_problem() is None
+
+
+@functools.cache
+def onednn_int8_problem() -> str | None:
+    """Why oneDNN's quantized linear cannot serve here, or None: it must exist in this torch and give
+    the right sums on this CPU for a random full-range weight, checked the first time it is asked.
+    On AVX2 without VNNI its u8 x s8 products saturate in 16 bits (NMSE 2e-3 on AMD Zen 3)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
-        return False
+        return "this torch has no oneDNN quantized linear"
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=generator)
+    x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
     try:
-        weight = PackedInt8Weight(torch.ones(16, 32, dtype=torch.int8), torch.ones(16), torch.bfloat16)
-        return bool(torch.all(weight.matmul(torch.ones(1, 32, dtype=torch.bfloat16)) == 32))
-    except Exception:  # noqa: BLE001 - any failure of a builtin op means: not on this build or CPU
-        return False
+        out = PackedInt8Weight(values, torch.ones(32), torch.bfloat16).matmul(x).double()
+    except Exception as exc:  # noqa: BLE001 - any failure of a builtin op means: not on this build or CPU
+        return f"oneDNN's quantized linear failed on this CPU ({type(exc).__name__}: {exc})"
+    reference = x.double() @ values.double().T
+    error = float(((out - reference) ** 2).sum() / (reference**2).sum())
+    return None if error < 1e-4 else f"oneDNN's quantized linear gives wrong sums on this CPU (NMSE {error:.1g})"
 
 
-class PackedInt8Weight:
-    """A [N, K] weight of int8 values with one scale per output row, packed for oneDNN, for x @ W.T."""
+class PackedInt8Weight(KeptWeight):
+    """A [N, K] weight of int8 values with one scale per output row, packed for oneDNN, for x @ W.T.
+    Its values cannot be read back."""
+
+    form = "int8_packed"
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         rows, columns = values.shape
@@ -74,43 +93,18 @@ class PackedInt8Weight:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() + s.numel() * 4 for p, s in zip(self.packed, self.scales))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] in the compute dtype to x @ W.T [..., N]."""
-        flat = x.reshape(-1, x.shape[-1])
+    def kernels(self):
+        return {"onednn": self._onednn}
+
+    def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.empty(flat.shape[0], self.shape[0], dtype=self.dtype)
         rows_per_call = max(1, PRODUCT_ELEMENTS // (2 * (self.slices[0][1] - self.slices[0][0])))
         for first in range(0, flat.shape[0], rows_per_call):
             rows = flat[first:first + rows_per_call]
-            parts, part_scales = split_into_int8_parts(rows.float())
+            parts, part_scales = split_into_int8_parts(rows.to(torch.float32, copy=True))
             for (start, stop), packed, scales, zero_points in zip(self.slices, self.packed, self.scales,
                                                                   self._zero_points):
                 products = torch.ops.onednn.qlinear_pointwise(parts, 1.0, 0, packed, scales, zero_points, None,
                                                               1.0, 0, torch.float32, "none", [], "")
                 add_scaled_parts(products, part_scales, out[first:first + rows.shape[0], start:stop])
-        return out.reshape(*x.shape[:-1], self.shape[0])
-
-
-def split_into_int8_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 x [M, K] (overwritten) to int8 parts [2M, K] and their scales float32 [2M, 1], with
-    x = parts[:M] * scales[:M] + parts[M:] * scales[M:] to within 1/64516 of each row's largest |x|:
-    the first part rounds x to 127 steps of that largest value, the second what the first left
-    over, which is finer than bfloat16 rounds any value above 1/128 of it."""
-    first, first_scale = _int8_rows(x)
-    remainder = x.sub_(first * first_scale)
-    second, second_scale = _int8_rows(remainder)
-    return torch.cat([first, second]).to(torch.int8), torch.cat([first_scale, second_scale])
-
-
-def add_scaled_parts(products: torch.Tensor, part_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The float32 products [2M, N] of `split_into_int8_parts`'s parts, scaled by their part scales
-    (in place) and the two halves added into `out` [M, N]."""
-    products.mul_(part_scales)
-    rows = products.shape[0] // 2
-    return torch.add(products[:rows], products[rows:], out=out)
-
-
-def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded per row to integers in [-127, 127] (as float32) and the row scales [M, 1]."""
-    scale = x.abs().amax(dim=1, keepdim=True).div_(127)
-    scale = torch.where(scale > 0, scale, 1.0)
-    return torch.round(x / scale), scale
+        return out

@@ -183,6 +183,13 @@ class Backend:
         Conformance reports it per case. Default: nothing is overridden, {}."""
         return {}
 
+    @classmethod
+    def kernel_tables(cls) -> list[str]:
+        """(optional) For a backend that picks among several kernels by timing them on this machine:
+        the tables of what it measured and chose, as text, for `candelabra backends --kernels`.
+        Default: none."""
+        return []
+
     def evaluate(self, *values: Any) -> None:
         """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend
         builds a whole step as one graph and the model runner calls this once per step, on the

@@ -1,0 +1,446 @@
+"""Which CPU kernel multiplies each weight: chosen by timing the candidates here, never by what is present.
+
+The same instruction set runs one library's kernel a thousand times slower than another's: one row
+through a 4864 x 896 int8 weight took 189 ms in oneDNN's packed kernel and 0.14 ms in torch's int8
+weight-only kernel on AMD Zen 4, while on an Intel CPU with AMX the packed kernel was the faster.
+So for every weight format and shape a model uploads, each form the weight can be kept in (`forms`)
+and each kernel that multiplies that form is timed at every band of rows a step multiplies
+(`ROW_BANDS`), on the real weight, and its output is checked against a float64 product of the
+form's own values. The form kept is the one that comes closest to the fastest over all bands; each
+band then runs that form's fastest kernel (`choose`).
+
+Measuring stops once a budget of seconds is spent (`CANDELABRA_KERNEL_BUDGET_S`, 4 by default);
+a weight measured after that follows the nearest measured shape of its format. What was measured is
+kept in the cache directory, one file per CPU model, CPU flags, torch version, thread count and
+compute dtype (`cache_key`), so a second start on the same machine measures nothing, and another
+CPU measures afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("candelabra")
+
+# Rows a step multiplies: one decode, a few, 16 and 64 decodes, and a prefill chunk. A call is timed
+# at the band nearest its rows (in log scale).
+ROW_BANDS = (1, 4, 16, 64, 256)
+BUDGET_VARIABLE, DEFAULT_BUDGET_S = "CANDELABRA_KERNEL_BUDGET_S", 4.0
+# A kernel this many times slower than the best at one band is not timed at larger bands: a kernel
+# that multiplies row by row only falls further behind as rows grow.
+PRUNE_RATIO = 20.0
+# A call this slow is timed once: its time is not in doubt, and a second look costs as much again.
+SLOW_CALL_S = 0.01
+# Largest NMSE of a kernel's output against the float64 product of its form's values, per compute
+# dtype: the conformance suite's general limits, far above a correct kernel's rounding (about 1e-14
+# in float32, 1e-6 in bfloat16) and far below a wrong one's.
+KERNEL_NMSE_BUDGET = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
+# Version of the candidate set: a new kernel or form makes every cached table stale.
+CANDIDATES_VERSION = 1
+
+Kernel = Callable[[object], object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One kernel at one band of rows on one weight shape: its time, or why it is not a candidate."""
+
+    format: str  # the weight's stored format: a GGUF type name, or the dtype of a dense weight
+    shape: tuple[int, int]  # [N, K]
+    rows: int
+    form: str
+    kernel: str
+    ms: float | None = None
+    nmse: float | None = None
+    dropped: str | None = None  # why not a candidate: wrong, failed, or too slow to time further
+
+    @property
+    def usable(self) -> bool:
+        return self.ms is not None and self.dropped is None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The form a weight is kept in and the kernel each band of rows runs on it."""
+
+    form: str
+    kernels: tuple[str, ...]  # one per ROW_BANDS entry
+
+    def kernel_for(self, rows: int) -> str:
+        return self.kernels[band_index(rows)]
+
+
+def band_index(rows: int) -> int:
+    """The index of the band in ROW_BANDS nearest `rows` in log scale."""
+    position = math.log2(max(rows, 1))
+    return min(range(len(ROW_BANDS)), key=lambda i: abs(math.log2(ROW_BANDS[i]) - position))
+
+
+def choose(timings: Iterable[Timing]) -> Choice:
+    """The form whose fastest kernels come closest to the fastest of any form, on average over the bands
+    (a form with no usable kernel at a band counts PRUNE_RATIO there), and its fastest kernel per band;
+    a band its form was not timed at takes the kernel of the nearest band that was."""
+    usable = [t for t in timings if t.usable]
+    if not usable:
+        raise ValueError("no usable kernel was timed")
+    best: dict[tuple[str, int], Timing] = {}
+    for t in usable:
+        key = (t.form, t.rows)
+        if key not in best or t.ms < best[key].ms:
+            best[key] = t
+    bands = sorted({t.rows for t in usable})
+    fastest = {rows: min(t.ms for t in usable if t.rows == rows) for rows in bands}
+    forms = list(dict.fromkeys(t.form for t in usable))
+
+    def slowdown(form: str) -> float:
+        ratios = [best[(form, rows)].ms / fastest[rows] if (form, rows) in best else PRUNE_RATIO for rows in bands]
+        return sum(ratios) / len(ratios)
+
+    form = min(forms, key=slowdown)
+    timed = sorted(rows for (f, rows) in best if f == form)
+    kernels = []
+    for band in ROW_BANDS:
+        nearest = min(timed, key=lambda rows: abs(math.log2(rows) - math.log2(band)))
+        kernels.append(best[(form, nearest)].kernel)
+    return Choice(form, tuple(kernels))
+
+
+# measuring
+
+
+@dataclass
+class Candidate:
+    """A form a weight can be kept in: how to build it, and its kernels once built."""
+
+    form: str
+    build: Callable[[], object]  # returns the kept weight, a weight_forms.KeptWeight
+    values: Callable[[], object] | None = None  # its values, where the kept weight cannot give them back
+    unavailable: str | None = None  # why it cannot be built here, if so
+
+
+class Stopwatch:
+    """Seconds one kernel call takes with its weight read from memory, as a step reads it after the
+    other layers' weights: the last-level cache is overwritten before each timed call."""
+
+    def __init__(self, cache_bytes: int | None = None) -> None:
+        import torch
+
+        # float32, whose sum is vectorised: a uint8 sum of 32 MiB took 350 ms, float32 3 to 8
+        self._evict = torch.ones((cache_bytes or last_level_cache_bytes()) // 4, dtype=torch.float32)
+
+    def __call__(self, form: str, name: str, kernel: Kernel, x) -> float:
+        self._evict.sum()
+        start = time.perf_counter()
+        kernel(x)
+        return time.perf_counter() - start
+
+
+def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate], dtype: str,
+            stopwatch: Callable[[str, str, Kernel, object], float], seconds_left: Callable[[], float],
+            repeats: int = 2, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
+    """Every candidate form built and every kernel of it timed at the first band, and at each further
+    band while `seconds_left()` covers what the band before it took, four times over (it has four times
+    the rows); with the forms that were built. A kernel is timed `repeats` times after one untimed call
+    whose output is checked, and its best time kept."""
+    import torch
+
+    from candelabra.backends.torch.backend import torch_dtype
+
+    rng = np.random.default_rng(seed)
+    timings: list[Timing] = []
+    built: dict[str, object] = {}
+    kernels: list[tuple[str, str, Kernel, np.ndarray]] = []
+    for candidate in candidates:
+        if candidate.unavailable:
+            timings.append(Timing(format, shape, ROW_BANDS[0], candidate.form, "-", dropped=candidate.unavailable))
+            continue
+        try:
+            kept = built[candidate.form] = candidate.build()
+        except Exception as exc:  # noqa: BLE001 - a form that cannot be built here is reported, not fatal
+            timings.append(Timing(format, shape, ROW_BANDS[0], candidate.form, "-", dropped=f"failed: {exc}"))
+            continue
+        values = (candidate.values or kept.dense)().double().numpy()
+        kernels += [(candidate.form, name, kernel, values) for name, kernel in kept.kernels().items()]
+    slow: dict[str, str] = {}
+    last_band_s = 0.0
+    for rows in ROW_BANDS:
+        if rows > ROW_BANDS[0] and seconds_left() < 4 * last_band_s:
+            break
+        started = time.perf_counter()
+        x = torch.from_numpy(rng.standard_normal((rows, shape[1]))).to(torch_dtype(dtype))
+        references: dict[str, np.ndarray] = {}  # per form: x times its values, in float64
+        band: list[Timing] = []
+        for form, name, kernel, values in kernels:
+            if name in slow:
+                continue
+            if form not in references:
+                references[form] = x.double().numpy() @ values.T
+            band.append(_time_one(format, shape, rows, form, name, kernel, references[form], x, dtype, stopwatch,
+                                  repeats))
+        fastest = min((t.ms for t in band if t.usable), default=None)
+        for t in band:
+            if t.usable and fastest and t.ms > PRUNE_RATIO * fastest:
+                slow[t.kernel] = f"slow: {t.ms / fastest:.0f}x the fastest at {rows} rows, not timed at more"
+                t = Timing(**{**asdict(t), "dropped": slow[t.kernel]})
+            timings.append(t)
+        last_band_s = time.perf_counter() - started
+    return timings, built
+
+
+def _time_one(format, shape, rows, form, name, kernel, reference, x, dtype, stopwatch, repeats) -> Timing:
+    try:
+        out = kernel(x)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails on this CPU is dropped with its error
+        return Timing(format, shape, rows, form, name, dropped=f"failed: {type(exc).__name__}: {exc}")
+    error = _nmse(out.double().numpy(), reference)
+    if not error <= KERNEL_NMSE_BUDGET[dtype]:
+        return Timing(format, shape, rows, form, name, nmse=error,
+                      dropped=f"wrong: NMSE {error:.2g} > {KERNEL_NMSE_BUDGET[dtype]:g}")
+    seconds = stopwatch(form, name, kernel, x)
+    for _ in range(repeats - 1 if seconds < SLOW_CALL_S else 0):
+        seconds = min(seconds, stopwatch(form, name, kernel, x))
+    return Timing(format, shape, rows, form, name, ms=seconds * 1000, nmse=error)
+
+
+def _nmse(output: np.ndarray, reference: np.ndarray) -> float:
+    scale = float(np.sum(np.square(reference)))
+    error = float(np.sum(np.square(output - reference)))
+    return error / scale if scale else (0.0 if error == 0 else math.inf)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 * 2**20)
+
+
+# the table kept per machine
+
+
+def cache_key(dtype: str, threads: int) -> dict[str, str]:
+    """What a measured table holds for: this CPU, its flags, this torch, the threads and the dtype."""
+    import torch
+
+    from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
+
+    return {
+        "cpu": cpu_model_name(),
+        "flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "threads": str(threads),
+        "dtype": dtype,
+        "candidates": str(CANDIDATES_VERSION),
+    }
+
+
+def cache_file(key: dict[str, str], folder: Path | None = None) -> Path:
+    from candelabra.core.weights.default_model import default_cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (folder or default_cache_dir() / "kernels") / f"{key['dtype']}-{digest}.json"
+
+
+def read_table(path: Path, key: dict[str, str]) -> list[Timing]:
+    """The timings cached at `path` for `key`; none when the file is missing, unreadable or for another key."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return []
+        return [Timing(**{**t, "shape": tuple(t["shape"])}) for t in data["timings"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def write_table(path: Path, key: dict[str, str], timings: Sequence[Timing]) -> None:
+    """Written to a temporary file and renamed, so a reader never sees half a table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps({"key": key, "timings": [asdict(t) for t in timings]}, indent=1))
+    temporary.replace(path)
+
+
+class KernelChooser:
+    """The choices of one process for one compute dtype: read from the cache, measured where missing
+    while the budget lasts, written back."""
+
+    def __init__(self, dtype: str, threads: int, budget_s: float | None = None, folder: Path | None = None,
+                 stopwatch: Callable[[str, str, Kernel, object], float] | None = None) -> None:
+        self.dtype = dtype
+        self.key = cache_key(dtype, threads)
+        self.path = cache_file(self.key, folder)
+        self.timings: list[Timing] = read_table(self.path, self.key)
+        self.cached = {(t.format, t.shape) for t in self.timings}
+        self.budget_s = budget_from_environment() if budget_s is None else budget_s
+        self.spent_s = 0.0
+        self._stopwatch = stopwatch
+        self.used: dict[tuple[str, tuple[int, int]], int] = {}  # weights following each measured entry
+        self._logged = False
+
+    def keep(self, format: str, shape: tuple[int, int], candidates: Sequence[Candidate]):
+        """The weight in the form chosen for its format and shape, with its kernel per band set."""
+        entry = self._entry(format, shape, candidates)
+        built: dict[str, object] = {}
+        if entry is None:  # measured now
+            started = time.perf_counter()
+            stopwatch = self._stopwatch or Stopwatch()  # its cache-sized buffer lives while measuring only
+            timings, built = measure(format, shape, candidates, self.dtype, stopwatch,
+                                     lambda: self.budget_s - self.spent_s - (time.perf_counter() - started))
+            self.spent_s += time.perf_counter() - started
+            self.timings += timings
+            entry = (format, shape)
+            self._save()
+        choice = choose(t for t in self.timings if (t.format, t.shape) == entry)
+        self.used[entry] = self.used.get(entry, 0) + 1
+        by_form = {c.form: c for c in candidates}
+        if choice.form not in by_form or by_form[choice.form].unavailable:
+            raise RuntimeError(f"the kernel table for {format} {shape} names form {choice.form!r}, "
+                               f"which is not a candidate here; delete {self.path} to measure again")
+        kept = built.get(choice.form) or by_form[choice.form].build()
+        kept.choice = choice
+        return kept
+
+    def _entry(self, format: str, shape: tuple[int, int], candidates: Sequence[Candidate]):
+        """The measured (format, shape) this weight follows, or None when it is to be measured now."""
+        measured = {(t.format, t.shape) for t in self.timings if t.usable}
+        forms = {c.form for c in candidates}
+        if (format, shape) in measured:
+            return (format, shape)
+        if self.spent_s < self.budget_s:
+            return None
+        same_format = [entry for entry in measured if entry[0] == format and self._forms(entry) <= forms]
+        if not same_format:
+            return None  # never guessed across formats: measured even past the budget
+        size = shape[0] * shape[1]
+        return min(same_format, key=lambda entry: abs(math.log(entry[1][0] * entry[1][1] / size)))
+
+    def _forms(self, entry) -> set[str]:
+        return {t.form for t in self.timings if (t.format, t.shape) == entry and t.usable}
+
+    def _save(self) -> None:
+        try:
+            write_table(self.path, self.key, self.timings)
+        except OSError as exc:
+            log.warning("could not keep the kernel table in %s (%s): the next start measures again", self.path, exc)
+
+    def report(self) -> str:
+        """The table of what the weights used: per format and shape, per band, the kernel chosen, its time
+        and the runner-up, and what measuring cost."""
+        entries = list(self.used)
+        table = format_choices(self.timings, entries)
+        measured = sum(1 for e in entries if e not in self.cached)
+        source = (f"measured {measured} of {len(entries)} weight shapes in {self.spent_s:.1f} s "
+                  f"(budget {self.budget_s:g} s), the rest from {self.path}" if measured
+                  else f"all {len(entries)} weight shapes from {self.path}")
+        return f"kernels for {self.dtype} on {self.key['cpu']} ({source}):\n{table}"
+
+    def log_once(self) -> None:
+        if self.used and not self._logged:
+            log.info("%s", self.report())
+            self._logged = True
+
+
+def budget_from_environment() -> float:
+    text = os.environ.get(BUDGET_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_BUDGET_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{BUDGET_VARIABLE}={text!r}: give the seconds kernel measuring may take, e.g. 4")
+    return value
+
+
+def format_choices(timings: Sequence[Timing], entries: Iterable[tuple[str, tuple[int, int]]]) -> str:
+    """One line per weight (format, shape) and band: the chosen kernel and time, the runner-up, and
+    the candidates dropped with their reason."""
+    from candelabra.core.text_table import format_table
+
+    lines = []
+    for entry in entries:
+        mine = [t for t in timings if (t.format, t.shape) == entry]
+        if not any(t.usable for t in mine):
+            continue
+        choice = choose(mine)
+        for band, kernel in zip(ROW_BANDS, choice.kernels):
+            at_band = sorted((t for t in mine if t.rows == band and t.usable), key=lambda t: t.ms)
+            chosen = next((t for t in at_band if t.form == choice.form and t.kernel == kernel), None)
+            others = [t for t in at_band if t is not chosen]
+            lines.append((
+                f"{entry[0]} {entry[1][0]}x{entry[1][1]}", str(band), f"{choice.form}/{kernel}",
+                f"{chosen.ms:.3f}" if chosen else "(nearest band)",
+                f"{others[0].form}/{others[0].kernel} {others[0].ms:.3f}" if others else "-",
+            ))
+        for t in mine:
+            if t.dropped and not t.dropped.startswith("slow"):
+                lines.append((f"{entry[0]} {entry[1][0]}x{entry[1][1]}", str(t.rows), f"{t.form}/{t.kernel}",
+                              "dropped", t.dropped))
+    return format_table(("weight", "rows", "chosen", "ms", "runner-up ms"), lines)
+
+
+def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list[Timing]]]:
+    """Every table cached for this CPU, flags and torch (any dtype or thread count)."""
+    from candelabra.core.weights.default_model import default_cache_dir
+
+    folder = folder or default_cache_dir() / "kernels"
+    mine = {k: v for k, v in cache_key("-", 0).items() if k not in ("dtype", "threads")}
+    tables = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            key = data["key"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if all(key.get(k) == v for k, v in mine.items()):
+            tables.append((key, read_table(path, key)))
+    return tables
+
+
+_CHOOSERS: dict[tuple[str, int, Path], KernelChooser] = {}
+
+
+def chooser_for(dtype: str, threads: int) -> KernelChooser:
+    """One chooser per compute dtype, thread count and cache folder in a process, so that its budget is
+    spent once."""
+    from candelabra.core.weights.default_model import default_cache_dir
+
+    folder = default_cache_dir() / "kernels"
+    if (dtype, threads, folder) not in _CHOOSERS:
+        _CHOOSERS[(dtype, threads, folder)] = KernelChooser(dtype, threads, folder=folder)
+    return _CHOOSERS[(dtype, threads, folder)]
+
+
+def log_choices() -> None:
+    """Each chooser's table, the first time its weights are all loaded."""
+    for chooser in _CHOOSERS.values():
+        chooser.log_once()
+
+
+def describe_cached(folder: Path | None = None) -> list[str]:
+    """The tables measured on this machine (any dtype and thread count), for `candelabra backends --kernels`."""
+    described = []
+    for key, timings in cached_tables(folder):
+        entries = list(dict.fromkeys((t.format, t.shape) for t in timings))
+        described.append(f"{key['dtype']}, {key['threads']} threads, {key['cpu']}, torch {key['torch']}:\n"
+                         f"{format_choices(timings, entries)}")
+    return described

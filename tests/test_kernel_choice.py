@@ -1,0 +1,274 @@
+"""Kernels chosen by measurement: the choice from timings, the measuring loop and the table kept per
+machine, all with injected timings: what is tested is the logic, never this machine's clock."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.torch import kernel_choice
+from candelabra.backends.torch.kernel_choice import (
+    PRUNE_RATIO,
+    ROW_BANDS,
+    Candidate,
+    Choice,
+    KernelChooser,
+    Timing,
+    band_index,
+    choose,
+    describe_cached,
+)
+from candelabra.backends.torch.weight_forms import DenseWeight, Int8Weight, KeptWeight
+
+SHAPE = (48, 256)
+
+
+def timings(table: dict[tuple[str, str], tuple[float | None, ...]], format: str = "Q5_0", shape=SHAPE):
+    """Timing rows from {(form, kernel): ms per band, None where not timed}."""
+    return [Timing(format, shape, rows, form, kernel, ms=ms)
+            for (form, kernel), per_band in table.items() for rows, ms in zip(ROW_BANDS, per_band) if ms is not None]
+
+
+def test_rows_fall_in_the_nearest_band_in_log_scale():
+    assert [ROW_BANDS[band_index(rows)] for rows in (1, 2, 3, 5, 12, 40, 100, 200, 512, 4096)] == \
+        [1, 1, 4, 4, 16, 64, 64, 256, 256, 256]
+
+
+def test_each_band_runs_its_forms_fastest_kernel():
+    choice = choose(timings({
+        ("int8", "int8_mm"): (0.14, 0.5, 2.0, 8.0, 32.0),
+        ("int8", "int8_split"): (0.4, 0.45, 0.8, 1.9, 6.0),
+        ("int8", "rebuild"): (0.9, 0.9, 1.0, 1.5, 3.0),
+    }))
+    assert choice == Choice("int8", ("int8_mm", "int8_split", "int8_split", "rebuild", "rebuild"))
+
+
+def test_the_issues_zen4_timings_choose_the_weight_only_kernel_over_onednn():
+    """One row of a 4864 x 896 weight on AMD Zen 4: oneDNN packed 189 ms, the int8 weight-only kernel
+    0.14 ms, dense bfloat16 0.58 ms (issue 24); packed at 16 rows 2639 ms."""
+    choice = choose(timings({
+        ("int8_packed", "onednn"): (189.0, None, 2639.0, None, None),
+        ("int8", "int8_mm"): (0.14, 0.3, 1.1, 4.2, 17.0),
+        ("int8", "rebuild"): (0.9, 0.95, 1.0, 1.4, 3.5),
+        ("dense", "dense"): (0.58, 0.6, 0.7, 1.2, 3.2),
+    }))
+    assert choice.form == "int8" and choice.kernel_for(1) == "int8_mm" and choice.kernel_for(256) == "rebuild"
+
+
+def test_the_amx_timings_choose_the_packed_weight():
+    """9728 x 896 on 2 cores with AMX (packed_int8.py): packed 0.44 / 0.42 / 0.55 / 0.97 ms at 1, 4,
+    16 and 64 rows, the weight-only kernel 0.70 / 0.94 / 1.71 / 6.7."""
+    choice = choose(timings({
+        ("int8_packed", "onednn"): (0.44, 0.42, 0.55, 0.97, 4.0),
+        ("int8", "int8_mm"): (0.70, 0.94, 1.71, 6.7, None),
+        ("int8", "rebuild"): (1.8, 1.8, 1.5, 1.95, 4.1),
+        ("dense", "dense"): (1.0, 1.0, 1.1, 1.6, 4.2),
+    }))
+    assert choice == Choice("int8_packed", ("onednn",) * 5)
+
+
+@pytest.mark.parametrize("slow", ["int8_mm", "int8_split", "rebuild", "dense"])
+def test_a_kernel_made_slow_is_never_chosen(slow):
+    table = {("int8", "int8_mm"): (1.0,) * 5, ("int8", "int8_split"): (1.0,) * 5, ("int8", "rebuild"): (1.0,) * 5,
+             ("dense", "dense"): (1.0,) * 5}
+    table = {key: tuple(ms * (1000 if key[1] == slow else 1 + 0.01 * i) for ms in per_band)
+             for i, (key, per_band) in enumerate(table.items())}
+    assert slow not in choose(timings(table)).kernels
+
+
+def test_a_form_missing_bands_counts_as_slow_there():
+    choice = choose(timings({
+        ("int8_packed", "onednn"): (0.9, None, None, None, None),  # pruned after one band
+        ("int8", "int8_mm"): (1.0, 1.0, 1.0, 1.0, 1.0),
+    }))
+    assert choice.form == "int8"
+
+
+def test_a_band_not_timed_follows_the_nearest_band_that_was():
+    choice = choose(timings({("int8", "int8_mm"): (1.0, 2.0, None, None, None),
+                             ("int8", "rebuild"): (3.0, 1.0, None, None, None)}))
+    assert choice.kernels == ("int8_mm", "rebuild", "rebuild", "rebuild", "rebuild")
+
+
+def test_dropped_and_untimed_kernels_are_never_chosen():
+    rows = timings({("int8", "int8_mm"): (1.0,) * 5})
+    rows.append(Timing("Q5_0", SHAPE, 1, "int8", "broken", ms=0.001, dropped="wrong: NMSE 0.3 > 0.0001"))
+    rows.append(Timing("Q5_0", SHAPE, 1, "int8_packed", "-", dropped="unavailable"))
+    assert choose(rows) == Choice("int8", ("int8_mm",) * 5)
+    with pytest.raises(ValueError, match="no usable kernel"):
+        choose(rows[-2:])
+
+
+# measuring, with forms whose kernels are real and whose times are injected
+
+
+class FakeTimes:
+    """A stopwatch that calls the kernel and answers the time set for its (form, kernel), counting calls."""
+
+    def __init__(self, ms: dict[tuple[str, str], float]) -> None:
+        self.ms = ms
+        self.calls: list[tuple[str, str, int]] = []
+
+    def __call__(self, form, name, kernel, x) -> float:
+        kernel(x)
+        self.calls.append((form, name, x.shape[0]))
+        return self.ms[(form, name)] / 1000
+
+
+def int8_and_dense_candidates(rng=None, broken: str | None = None) -> list[Candidate]:
+    rng = rng or np.random.default_rng(1)
+    values = rng.integers(-127, 128, SHAPE, dtype=np.int8)
+    scales = rng.uniform(0.001, 0.01, SHAPE[0]).astype(np.float32)
+
+    def int8() -> Int8Weight:
+        kept = Int8Weight.from_rows(values, scales, torch.bfloat16)
+        if broken:
+            real = kept.kernels
+
+            def kernels():
+                found = real()
+                found[broken] = lambda x: torch.zeros(x.shape[0], SHAPE[0], dtype=torch.bfloat16) + 1
+                return found
+            kept.kernels = kernels
+        return kept
+
+    dense = lambda: DenseWeight(int8().dense())  # noqa: E731
+    return [Candidate("int8", int8), Candidate("dense", dense)]
+
+
+ALL_FAST = {("int8", "int8_mm"): 1.0, ("int8", "int8_split"): 2.0, ("int8", "rebuild"): 3.0,
+            ("int8", "rebuild_f32"): 4.0, ("dense", "dense"): 1.5, ("dense", "dense_f32"): 5.0}
+
+
+def chooser(tmp_path, stopwatch, budget_s=60.0, dtype="bfloat16") -> KernelChooser:
+    return KernelChooser(dtype, 2, budget_s=budget_s, folder=tmp_path, stopwatch=stopwatch)
+
+
+def test_the_kept_weight_is_the_chosen_form_with_its_choice(tmp_path):
+    times = FakeTimes({**ALL_FAST, ("int8", "int8_mm"): 10.0, ("dense", "dense"): 1.0})
+    kept = chooser(tmp_path, times).keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert isinstance(kept, DenseWeight) and kept.choice == Choice("dense", ("dense",) * 5)
+    assert {rows for _, _, rows in times.calls} == set(ROW_BANDS)
+
+
+def test_a_kernel_with_wrong_results_is_dropped_with_its_error(tmp_path):
+    times = FakeTimes({**ALL_FAST, ("int8", "int8_mm"): 0.001})
+    measuring = chooser(tmp_path, times)
+    kept = measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates(broken="int8_mm"))
+    assert "int8_mm" not in kept.choice.kernels
+    dropped = [t for t in measuring.timings if t.kernel == "int8_mm"]
+    assert dropped and all(t.dropped.startswith("wrong: NMSE") for t in dropped)
+    assert ("int8", "int8_mm", 1) not in times.calls  # a wrong kernel is never timed
+
+
+def test_a_kernel_that_raises_is_dropped_with_its_error(tmp_path):
+    candidates = int8_and_dense_candidates()
+    build = candidates[0].build
+
+    def failing() -> Int8Weight:
+        kept = build()
+        real = kept.kernels()
+        kept.kernels = lambda: {**real, "int8_mm": lambda x: (_ for _ in ()).throw(RuntimeError("no AVX-512"))}
+        return kept
+    candidates[0].build = failing
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST))
+    measuring.keep("Q5_0", SHAPE, candidates)
+    assert {t.dropped for t in measuring.timings if t.kernel == "int8_mm"} == {"failed: RuntimeError: no AVX-512"}
+
+
+def test_a_kernel_far_slower_than_the_best_is_not_timed_at_more_rows(tmp_path):
+    times = FakeTimes({**ALL_FAST, ("int8", "int8_split"): 1000.0})
+    measuring = chooser(tmp_path, times)
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert [rows for form, name, rows in times.calls if name == "int8_split"] == [1]
+    (slow,) = [t for t in measuring.timings if t.kernel == "int8_split"]
+    assert slow.dropped.startswith(f"slow: {1000 / 1.0:.0f}x") and 1000 > PRUNE_RATIO
+
+
+def test_an_unavailable_form_is_reported_and_never_built(tmp_path):
+    candidates = [*int8_and_dense_candidates(),
+                  Candidate("int8_packed", lambda: pytest.fail("built"), unavailable="no oneDNN here")]
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST))
+    measuring.keep("Q5_0", SHAPE, candidates)
+    assert [t.dropped for t in measuring.timings if t.form == "int8_packed"] == ["no oneDNN here"]
+
+
+def test_a_cached_table_is_reused_without_timing_anything(tmp_path):
+    first = chooser(tmp_path, FakeTimes({**ALL_FAST, ("dense", "dense"): 0.5}))
+    first.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    again = FakeTimes(ALL_FAST)
+    second = chooser(tmp_path, again)
+    kept = second.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert again.calls == [] and kept.form == "dense" and second.spent_s == 0
+    assert "all 1 weight shapes from" in second.report()
+
+
+def test_a_changed_cpu_measures_again(tmp_path, monkeypatch):
+    first = chooser(tmp_path, FakeTimes(ALL_FAST))
+    first.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    monkeypatch.setattr("candelabra.backends.torch.cpu_features.cpu_model_name", lambda: "Another CPU")
+    again = FakeTimes(ALL_FAST)
+    other = chooser(tmp_path, again)
+    other.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert again.calls and other.path != first.path and other.key["cpu"] == "Another CPU"
+
+
+@pytest.mark.parametrize("field, value", [("torch", "9.9.9"), ("flags", "0" * 16), ("candidates", "0")])
+def test_a_table_kept_for_another_key_is_ignored(tmp_path, field, value):
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST))
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    data = json.loads(measuring.path.read_text())
+    data["key"][field] = value
+    measuring.path.write_text(json.dumps(data))
+    assert chooser(tmp_path, FakeTimes(ALL_FAST)).timings == []
+
+
+def test_an_unreadable_table_is_measured_again(tmp_path):
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST))
+    measuring.path.parent.mkdir(parents=True, exist_ok=True)
+    measuring.path.write_text("{not json")
+    again = FakeTimes(ALL_FAST)
+    chooser(tmp_path, again).keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert again.calls
+
+
+def test_past_the_budget_a_new_shape_follows_the_nearest_measured_shape_of_its_format(tmp_path):
+    times = FakeTimes({**ALL_FAST, ("dense", "dense"): 0.5})
+    measuring = chooser(tmp_path, times, budget_s=0.0)
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())  # a format never measured: measured anyway
+    assert [rows for _, _, rows in times.calls] == [1] * len(times.calls)  # only the first band, past the budget
+    times.calls.clear()
+    wide = (96, 256)
+    values = np.random.default_rng(2).integers(-127, 128, wide, dtype=np.int8)
+    scales = np.full(wide[0], 0.01, np.float32)
+    kept = measuring.keep("Q5_0", wide, [
+        Candidate("int8", lambda: Int8Weight.from_rows(values, scales, torch.bfloat16)),
+        Candidate("dense", lambda: DenseWeight(Int8Weight.from_rows(values, scales, torch.bfloat16).dense()))])
+    assert times.calls == [] and kept.form == "dense" and kept.shape == wide
+    assert measuring.used == {("Q5_0", SHAPE): 2}
+
+
+def test_the_report_names_the_chosen_kernel_its_time_and_the_runner_up(tmp_path):
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST))
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    report = measuring.report()
+    assert "Q5_0 48x256" in report and "int8/int8_mm" in report and "1.000" in report
+    assert "dense/dense 1.500" in report and "measured 1 of 1 weight shapes" in report
+    assert describe_cached(tmp_path)[0].startswith("bfloat16, 2 threads, ")
+
+
+def test_a_budget_that_is_not_a_number_of_seconds_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(kernel_choice.BUDGET_VARIABLE, "soon")
+    with pytest.raises(ValueError, match=kernel_choice.BUDGET_VARIABLE):
+        kernel_choice.budget_from_environment()
+    monkeypatch.setenv(kernel_choice.BUDGET_VARIABLE, "0.5")
+    assert kernel_choice.budget_from_environment() == 0.5
+
+
+def test_a_form_without_a_measured_choice_runs_its_default_kernels():
+    kept = Int8Weight.from_rows(np.ones(SHAPE, np.int8), np.ones(SHAPE[0], np.float32), torch.bfloat16)
+    assert isinstance(kept, KeptWeight) and kept.choice.form == "int8"
+    assert kept.matmul(torch.ones(3, SHAPE[1], dtype=torch.bfloat16)).shape == (3, SHAPE[0])
