@@ -208,3 +208,28 @@ def test_a_weight_too_outlying_for_int8_rows_is_kept_dense():
     dense[:, 7] = 30  # one column that takes each row's whole int8 range: NMSE about 1e-3
     weight = QuantizedTensor("Q8_0", gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0), (32, 256))
     assert [c.form for c in candidates(weight, torch.bfloat16)] == ["dense"]
+
+
+@pytest.mark.parametrize("form_name", ["int4", "int8"])
+def test_a_rebuild_runs_outside_inference_mode_after_one_inside_it(form_name):
+    """A server's steps run under inference mode and its embeddings' forwards do not; the scratch
+    buffer the first made must take the second's writes (it answered 500 for 64 tokens)."""
+    import threading
+
+    form, values = next((f, v) for f, v in kept_forms(np.random.default_rng(18)) if f.form == form_name)
+    x = random_x(np.random.default_rng(19), 70, 512)
+    outputs, errors = [], []
+
+    def in_a_fresh_thread():  # the scratch buffer is per thread: this one has none yet
+        try:
+            with torch.inference_mode():
+                outputs.append(form.kernels()["rebuild"](x))
+            outputs.append(form.kernels()["rebuild"](x))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=in_a_fresh_thread)
+    thread.start()
+    thread.join()
+    assert not errors and len(outputs) == 2
+    assert nmse(outputs[1], oracle(x, values)) < MATMUL_NMSE
