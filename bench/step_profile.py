@@ -92,16 +92,18 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy; a load generator's requests sample at 1 (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per row (default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     args = parser.parse_args()
 
-    llm = LLM(args.model, backend=args.backend, kvcache_mem_gpu=2048, kvcache_mem_cpu=0,
+    llm = LLM(args.model, backend=args.backend, dtype=args.dtype, kvcache_mem_gpu=2048, kvcache_mem_cpu=0,
               max_num_seqs=max(args.concurrency), max_num_batched_tokens=4096, prefill_chunk_size=512)
     timer = OpTimer(llm.model.ops)
     rng = np.random.default_rng(0)
     rows = []
     for concurrency in args.concurrency:
         rows += profile(llm, timer, concurrency, args, rng)
-    print(f"{args.backend}: decode step, {args.prompt_tokens}-token prompts, temperature {args.temperature}")
+    print(f"{args.backend} ({llm.model.dtype}): decode step, {args.prompt_tokens}-token prompts, "
+          f"temperature {args.temperature}")
     print(format_table(("sequences", "op", "ms per step", "share", "calls per step"), rows))
 
 
