@@ -272,3 +272,15 @@ def test_a_form_without_a_measured_choice_runs_its_default_kernels():
     kept = Int8Weight.from_rows(np.ones(SHAPE, np.int8), np.ones(SHAPE[0], np.float32), torch.bfloat16)
     assert isinstance(kept, KeptWeight) and kept.choice.form == "int8"
     assert kept.matmul(torch.ones(3, SHAPE[1], dtype=torch.bfloat16)).shape == (3, SHAPE[0])
+
+
+def test_a_weight_chooses_among_its_own_forms_when_its_shape_was_timed_with_others(tmp_path):
+    """int8 rows are a candidate only where a weight's values allow them: a later weight of the same
+    format and shape without them takes the best of the forms it has."""
+    times = FakeTimes({**ALL_FAST, ("int8", "int8_mm"): 0.1, ("dense", "dense"): 2.0})
+    measuring = chooser(tmp_path, times)
+    assert measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates()).form == "int8"
+    times.calls.clear()
+    only_dense = [c for c in int8_and_dense_candidates() if c.form == "dense"]
+    kept = measuring.keep("Q5_0", SHAPE, only_dense)
+    assert kept.form == "dense" and kept.choice.kernels == ("dense",) * 5 and times.calls == []

@@ -193,21 +193,21 @@ def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
 def test_outside_bfloat16_only_exact_forms_are_candidates(format, dtype):
     forms = [c.form for c in candidates(random_quantized(np.random.default_rng(9), format, 16, 256), dtype)]
-    assert forms == (["int4", "dense"] if format in INT4_FORMATS else ["dense"])
+    assert forms == (["int4", "blocks", "dense"] if format in INT4_FORMATS else ["blocks", "dense"])
 
 
 def test_an_embedding_table_is_never_packed_since_its_rows_are_read_back():
     weight = random_quantized(np.random.default_rng(10), "Q8_0", 32, 256)
-    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["int8", "int8_packed", "dense"]
-    assert [c.form for c in candidates(weight, torch.bfloat16, readable=True)] == ["int8", "dense"]
+    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["int8", "int8_packed", "blocks", "dense"]
+    assert [c.form for c in candidates(weight, torch.bfloat16, readable=True)] == ["int8", "blocks", "dense"]
 
 
-def test_a_weight_too_outlying_for_int8_rows_is_kept_dense():
+def test_a_weight_too_outlying_for_int8_rows_is_never_kept_as_int8_rows():
     rng = np.random.default_rng(17)
     dense = rng.standard_normal((32, 256)).astype(np.float32)
     dense[:, 7] = 30  # one column that takes each row's whole int8 range: NMSE about 1e-3
     weight = QuantizedTensor("Q8_0", gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0), (32, 256))
-    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["dense"]
+    assert [c.form for c in candidates(weight, torch.bfloat16)] == ["blocks", "dense"]
 
 
 @pytest.mark.parametrize("form_name", ["int4", "int8"])

@@ -128,16 +128,17 @@ def candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool = Fal
     can be read back (an embedding table and the LM head tied to it)."""
     from candelabra.backends.torch.packed_int8 import PackedInt8Weight, onednn_int8_problem
 
+    blocks = _blocks_candidate(weight, dtype)
     dense = Candidate("dense", lambda: DenseWeight(torch.from_numpy(weight.dequantize()).to(dtype)))
     if weight.format in INT4_FORMATS:
-        return [Candidate("int4", lambda: Int4Weight.from_groups(*int4_groupwise(weight), dtype)), dense]
+        return [Candidate("int4", lambda: Int4Weight.from_groups(*int4_groupwise(weight), dtype)), *blocks, dense]
     if weight.format not in INT8_FORMATS or dtype not in INT8_COMPUTE_DTYPES or weight.shape[1] % INT8_COLUMN_STEP:
-        return [dense]
+        return [*blocks, dense]
     dequantized = weight.dequantize()
     values, scales = int8_rowwise(dequantized)
-    if int8_error(dequantized, values, scales) > INT8_NMSE_BUDGET:
-        return [dense]
     dense = Candidate("dense", lambda: DenseWeight(torch.from_numpy(dequantized).to(dtype)))
+    if int8_error(dequantized, values, scales) > INT8_NMSE_BUDGET:
+        return [*blocks, dense]
     found = [Candidate("int8", lambda: Int8Weight.from_rows(values, scales, dtype))]
     if not readable:
         rows = Int8Weight.from_rows(values, scales, dtype)
@@ -145,7 +146,18 @@ def candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool = Fal
             "int8_packed", lambda: PackedInt8Weight(torch.from_numpy(values), rows.scales, dtype),
             values=rows.dense,
             unavailable=onednn_int8_problem()))
-    return [*found, dense]
+    return [*found, *blocks, dense]
+
+
+def _blocks_candidate(weight: QuantizedTensor, dtype: torch.dtype) -> list[Candidate]:
+    """The weight as the file stores it, for the C kernels of native_blocks.py, where they read its format."""
+    from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+
+    if weight.format not in NATIVE_FORMATS:
+        return []
+    available, detail = native_blocks_available()
+    return [Candidate("blocks", lambda: NativeBlocksWeight.from_quantized(weight, dtype),
+                      unavailable=None if available else detail)]
 
 
 def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, chooser: KernelChooser | None = None,
@@ -154,10 +166,10 @@ def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, chooser: KernelC
     candidate, with its default kernels), or None where dense is the only candidate: the caller then
     keeps a plain dense tensor."""
     found = candidates(weight, dtype, readable)
-    if [c.form for c in found] == ["dense"]:
+    if [c.form for c in found if not c.unavailable] == ["dense"]:
         return None
     if chooser is None:
-        return found[0].build()
+        return next(c for c in found if not c.unavailable).build()
     return chooser.keep(weight.format, weight.shape, found)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from candelabra.backends.torch.kernel_choice import Choice
+from candelabra.backends.torch.kernel_choice import Choice, band_index
 
 INT4_GROUP_SIZE = 32
 # torch packs int4 weights in tiles of 16 output rows; other row counts are padded up to it.
@@ -52,15 +52,23 @@ class KeptWeight:
     form: str
     shape: tuple[int, int]
     dtype: torch.dtype
+    # Kernels that round x to 8 bits per block first, as llama.cpp multiplies: their error is that
+    # rounding's, which kernel_choice allows in bfloat16 only.
+    rounds_activations: frozenset[str] = frozenset()
+
+    def default_choice(self) -> Choice:
+        """The kernels a form runs before any are measured: what an Intel CPU with AMX measured fastest."""
+        return DEFAULT_CHOICES[self.form]
 
     @property
     def choice(self) -> Choice:
-        return self.__dict__.get("_choice") or DEFAULT_CHOICES[self.form]
+        return self.__dict__.get("_choice") or self.default_choice()
 
     @choice.setter
     def choice(self, choice: Choice) -> None:
+        kernels = self.kernels()
         self._choice = choice
-        self._chosen = {name: self.kernels()[name] for name in set(choice.kernels)}
+        self._by_band = tuple(kernels[name] for name in choice.kernels)
 
     def kernels(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__} must name its kernels")
@@ -70,10 +78,14 @@ class KeptWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] in the compute dtype to x @ W.T [..., N], by the kernel chosen for x's rows."""
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        if "_chosen" not in self.__dict__:
+        flat = x.reshape(-1, x.shape[-1])
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        by_band = self.__dict__.get("_by_band")
+        if by_band is None:
             self.choice = self.choice
-        out = self._chosen[self.choice.kernel_for(flat.shape[0])](flat)
+            by_band = self._by_band
+        out = by_band[band_index(flat.shape[0])](flat)
         return out.reshape(*x.shape[:-1], self.shape[0])
 
 
@@ -118,10 +130,10 @@ class Int4Weight(KeptWeight):
         rebuild = lambda start, stop, _out: self.dense(start, stop)  # noqa: E731
         found = {
             "int4_mm": self._int4_mm,
-            "rebuild": lambda x: _dense_matmul(x, self.shape, rebuild, INT4_SLICE_ELEMENTS),
+            "rebuild": lambda x: dense_matmul(x, self.shape, rebuild, INT4_SLICE_ELEMENTS),
         }
         if self.dtype != torch.float32:
-            found["rebuild_f32"] = lambda x: _dense_matmul(
+            found["rebuild_f32"] = lambda x: dense_matmul(
                 x.float(), self.shape, lambda start, stop, _out: self.dense(start, stop, torch.float32),
                 INT4_SLICE_ELEMENTS).to(self.dtype)
         return found
@@ -182,11 +194,11 @@ class Int8Weight(KeptWeight):
             "int8_split": lambda x: _int8_activation_matmul(x, self.values, self.scales),
             # int8 values are exact in bfloat16, so the slices are the values alone, and the row scales
             # are applied to the product, as the int8 kernel applies them
-            "rebuild": lambda x: _dense_matmul(
+            "rebuild": lambda x: dense_matmul(
                 x, self.shape, lambda start, stop, out: out.copy_(self.values[start:stop])).mul_(self.scales),
         }
         if self.dtype != torch.float32:
-            found["rebuild_f32"] = lambda x: _dense_matmul(
+            found["rebuild_f32"] = lambda x: dense_matmul(
                 x.float(), self.shape, lambda start, stop, out: out.copy_(self.values[start:stop]),
             ).mul_(self.scales.float()).to(self.dtype)
         return found
@@ -248,7 +260,7 @@ def _int8_activation_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch
     return out
 
 
-def _dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild, slice_elements: int | None = None) -> torch.Tensor:
+def dense_matmul(x: torch.Tensor, shape: tuple[int, int], rebuild, slice_elements: int | None = None) -> torch.Tensor:
     """x [M, K] @ W.T through dense slices of W: `rebuild(start, stop, out)` gives rows start:stop of W,
     written into `out` (a slice of this thread's scratch buffer in x's dtype) where it can. Slices of
     `slice_elements`, else the whole weight where it fits the scratch buffer."""

@@ -1,0 +1,361 @@
+"""GGUF quantized weights multiplied as the file stores them, by a C kernel built on first use.
+
+Decode at one request is bound by the bytes of weight read per token. torch has no kernel for the
+5-, 6- and 8-bit GGUF formats, so quantized.py widens them to int8 rows (8 bits a weight); this
+module reads Q5_0 at 5.5 bits, Q6_K at 6.6, Q8_0 at 8.5 and the 4-bit formats at 4.5 to 5, in
+csrc/gguf_blocks.c (the layouts are described there).
+
+The library is compiled with the system C compiler (`-O3 -march=native`) into the cache directory
+the first time a process asks for it, under a name made from the source, the compiler, the flags,
+this CPU's flags and the OpenMP runtime it links, so another CPU or a changed source builds afresh
+and a second start loads what the first built. It is linked against the OpenMP runtime torch has
+loaded, so that its threads are torch's: a second runtime's spinning workers would compete with
+torch's for the same cores. Where it cannot be built (no compiler, a compile error, an unsupported
+platform) `native_blocks_available()` says why, and nothing raises.
+
+A weight kept in its blocks (`NativeBlocksWeight`, form "blocks") has these kernels:
+
+- blocks_float: x in float32; each chunk of 32 weights widened to float32 in registers, multiplied
+  by x with FMAs and scaled: exact to float32 rounding at any compute dtype.
+- blocks_int8: each row of x rounded once to int8 in blocks of 32 with a float scale, then integer
+  dot products, as llama.cpp multiplies: the error of rounding x to 8 bits (NMSE about 3e-5 on
+  random inputs, within conformance's quantized thresholds but not a float32 kernel's budget).
+- blocks_rebuild (and blocks_rebuild_f32 where the compute dtype is not float32): slices of the
+  weight decoded densely for a GEMM, for a prefill's many rows.
+
+Both block kernels read each weight row once per call for all rows of x, and spread output rows
+over torch.get_num_threads() threads. A call costs about 8 us of CPU beyond its arithmetic (ctypes,
+the output's allocation); see bench/native_blocks_speed.py for their speed against torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.kernel_choice import Choice
+from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
+from candelabra.core.contract.weights import QuantizedTensor
+
+log = logging.getLogger("candelabra")
+
+SOURCE = Path(__file__).parent / "csrc" / "gguf_blocks.c"
+# Format codes, as the C file numbers them.
+_FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+NATIVE_FORMATS = frozenset(_FORMAT_CODES)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KERNEL_CODES = {"blocks_float": 0, "blocks_int8": 1}
+_STATUS = {-1: "unknown format", -2: "K is not whole blocks", -3: "unsupported dtype", -4: "row out of range",
+           -5: "out of memory", -6: "unknown kernel"}
+# Machines whose C compilers take -march=native and where the kernel has been built (x86-64 with or
+# without AVX2; aarch64 runs the portable C).
+SUPPORTED_MACHINES = frozenset({"x86_64", "amd64", "aarch64", "arm64"})
+OPTIMIZE_FLAGS = ("-O3", "-march=native", "-fPIC")
+BUILD_TIMEOUT_S = 300
+# blocks_rebuild decodes this many values at a time, whose float32 slice (4 MiB) stays in the cache for its GEMM.
+REBUILD_SLICE_ELEMENTS = 2**20
+
+
+@dataclass(frozen=True)
+class Build:
+    """The compiled library, or why there is none."""
+
+    library: ctypes.CDLL | None
+    detail: str  # what was loaded ("avx2+fma, openmp: <path>"), or why it could not be built
+
+
+def native_blocks_available() -> tuple[bool, str]:
+    """Whether the kernel library is built and loaded here, and what it is or why not. Builds it
+    on the first call of a process; never raises."""
+    build = _library()
+    return build.library is not None, build.detail
+
+
+@cache
+def _library() -> Build:
+    try:
+        return _build_and_load()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the build is a reason, never an error
+        return Build(None, f"the kernel library could not be built: {type(exc).__name__}: {exc}")
+
+
+def _build_and_load(extra_flags: tuple[str, ...] = (), folder: Path | None = None) -> Build:
+    """The library built with OpenMP, else without (one thread); each build kept in `folder` (the cache
+    directory's native/), and a failed one remembered there, so that a later start does not retry it."""
+    machine = platform.machine().lower()
+    if platform.system() != "Linux" or machine not in SUPPORTED_MACHINES:
+        return Build(None, f"no kernel library for {platform.system()} on {machine}: Linux on x86-64 or aarch64 only")
+    compiler = find_compiler()
+    if compiler is None:
+        return Build(None, "no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    identity = _compiler_identity(compiler)
+    if identity is None:
+        return Build(None, f"the C compiler {compiler} does not run")
+    openmp, folder = torch_openmp_library(), folder or _cache_folder()
+    errors = []
+    for flags in ((*OPTIMIZE_FLAGS, "-fopenmp", *extra_flags), (*OPTIMIZE_FLAGS, *extra_flags)):
+        runtime = openmp if "-fopenmp" in flags else None
+        target = folder / f"gguf_blocks-{_key(identity, flags, runtime)}.so"
+        failed = target.with_suffix(".failed")
+        if failed.exists():
+            errors.append(failed.read_text())
+            continue
+        library = _load(target)
+        if library is None:
+            error = _compile(compiler, flags, runtime, target)
+            if error:
+                errors.append(error)
+                failed.write_text(error)
+                continue
+            library = _load(target)
+        if library is not None:
+            return Build(library, f"{library.gguf_blocks_describe().decode()}: {target}")
+    return Build(None, f"the kernel library did not compile: {errors[0]}")
+
+
+def _load(path: Path) -> ctypes.CDLL | None:
+    """The library at `path` with its functions typed; None where it is missing or does not load."""
+    try:
+        return _bind(ctypes.CDLL(str(path)))
+    except OSError:
+        return None
+
+
+def find_compiler() -> str | None:
+    """The C compiler: $CC, else the one Python was built with where it is installed, else cc, gcc or clang."""
+    names = [os.environ.get("CC", ""), (sysconfig.get_config_var("CC") or "").split(" ")[0], "cc", "gcc", "clang"]
+    for name in names:
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _compiler_identity(compiler: str) -> str | None:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return f"{compiler} {lines[0]}" if done.returncode == 0 and lines else None
+
+
+def torch_openmp_library() -> str | None:
+    """The OpenMP runtime torch's CPU library is bound to in this process (its bundled libgomp, a
+    system one, or Intel's), found by resolving omp_get_max_threads through it; None where torch
+    has none. Other packages may map runtimes of their own (sentencepiece bundles a libgomp)."""
+    mapped = _mapped_files()
+    torch_cpu = next((path for _, _, path in mapped if os.path.basename(path).startswith("libtorch_cpu.")), None)
+    if torch_cpu is None:
+        return None
+    return library_of_symbol(torch_cpu, "omp_get_max_threads")
+
+
+def library_of_symbol(library: str, symbol: str) -> str | None:
+    """The file that `symbol` resolves to, looked up from the loaded `library` and its dependencies."""
+    try:
+        address = ctypes.cast(getattr(ctypes.CDLL(library), symbol), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return next((os.path.realpath(path) for start, end, path in _mapped_files() if start <= address < end), None)
+
+
+def openmp_runtimes() -> list[str]:
+    """Distinct OpenMP runtime files mapped into this process."""
+    pattern = re.compile(r"lib(?:g|i|i5)?omp[^/]*\.so")
+    return list(dict.fromkeys(os.path.realpath(p) for _, _, p in _mapped_files() if pattern.match(os.path.basename(p))))
+
+
+def _mapped_files() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file mapping in this process (Linux /proc/self/maps), else none."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    mapped = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            mapped.append((start, end, fields[5]))
+    return mapped
+
+
+def _key(identity: str, flags: tuple[str, ...], openmp: str | None) -> str:
+    """What the built file depends on: the source, the compiler, the flags, the CPU and the runtime linked."""
+    parts = [SOURCE.read_bytes(), identity.encode(), " ".join(flags).encode(), platform.machine().encode(),
+             " ".join(sorted(cpu_flags())).encode(), (openmp or "").encode()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(hashlib.sha256(part).digest())
+    return digest.hexdigest()[:20]
+
+
+def _cache_folder() -> Path:
+    from candelabra.core.weights.default_model import default_cache_dir
+
+    return default_cache_dir() / "native"
+
+
+def _compile(compiler: str, flags: tuple[str, ...], openmp: str | None, target: Path) -> str | None:
+    """Builds `target` (through a temporary file, renamed into place); returns the error, or None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
+        built = Path(work) / target.name
+        if openmp:
+            # compiled with -fopenmp, linked against torch's runtime file itself rather than the system's
+            steps = [[compiler, *flags, "-c", str(SOURCE), "-o", f"{built}.o"],
+                     [compiler, "-shared", f"{built}.o", openmp, f"-Wl,-rpath,{Path(openmp).parent}", "-lm",
+                      "-o", str(built)]]
+        else:
+            steps = [[compiler, *flags, "-shared", str(SOURCE), "-lm", "-o", str(built)]]
+        for step in steps:
+            try:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"{' '.join(step)}: {exc}"
+            if done.returncode != 0:
+                return f"{' '.join(step)}: {done.stderr.strip()[-2000:]}"
+        os.replace(built, target)
+    log.info("built the GGUF block kernels (%s) in %.1f s: %s", " ".join(flags), time.perf_counter() - started, target)
+    return None
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    i32, i64, pointer = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    library.gguf_blocks_matmul.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, i64, i32, i32]
+    library.gguf_blocks_matmul.restype = i32
+    library.gguf_blocks_decode.argtypes = [i32, pointer, i64, i64, pointer, i64, i64, pointer, i32, i32]
+    library.gguf_blocks_decode.restype = i32
+    library.gguf_blocks_describe.argtypes = []
+    library.gguf_blocks_describe.restype = ctypes.c_char_p
+    return library
+
+
+def _checked(status: int, what: str) -> None:
+    if status == -4:
+        raise IndexError(f"{what}: {_STATUS[status]}")
+    if status:
+        raise RuntimeError(f"{what}: {_STATUS.get(status, f'status {status}')}")
+
+
+def default_choice(dtype: torch.dtype) -> Choice:
+    """What a blocks weight runs at kernel_choice's bands (1, 4, 16, 64, 256 rows) until they are measured:
+    the kernel within the dtype's own error budget (int8 activations in bfloat16 and float16, the exact
+    float kernel in float32) up to 64 rows, and slices rebuilt for a float32 GEMM at 256. Medians on 2
+    cores of an AMD EPYC (Zen 3, AVX2), ms, blocks_int8 / blocks_float / dense float32 GEMM:
+    896 x 4864 Q6_K  1 row 0.22 / 0.49 / 1.0, 64 rows 5.2 / 9.0 / 5.4, 256 rows 33 / 50 / 17 (rebuilt: 24)."""
+    kernel = "blocks_float" if dtype == torch.float32 else "blocks_int8"
+    rebuild = "blocks_rebuild" if dtype == torch.float32 else "blocks_rebuild_f32"
+    return Choice("blocks", (kernel,) * 4 + (rebuild,))
+
+
+class NativeBlocksWeight(KeptWeight):
+    """A [N, K] weight kept in its GGUF blocks, exactly as stored, for x @ W.T on a CPU."""
+
+    form = "blocks"
+    rounds_activations = frozenset({"blocks_int8"})
+
+    def __init__(self, format: str, blocks: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        if format not in NATIVE_FORMATS:
+            raise ValueError(f"no kernel reads {format} blocks; it reads {sorted(NATIVE_FORMATS)}")
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"compute dtype {dtype} is not one of {sorted(map(str, _DTYPE_CODES))}")
+        values, size = GGML_QUANT_SIZES[GGMLQuantizationType[format]]
+        expected = shape[0] * (shape[1] // values) * size
+        if shape[1] % values or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.numel() != expected:
+            raise ValueError(f"{format} blocks of a {shape[0]} x {shape[1]} weight are {expected} contiguous bytes "
+                             f"(K a multiple of {values}), got {blocks.dtype} {list(blocks.shape)}")
+        build = _library()
+        if build.library is None:
+            raise RuntimeError(build.detail)
+        self.format = format
+        self.blocks = blocks  # uint8 [N, K / values_per_block * bytes_per_block], as the file stores them
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = dtype
+        self._matmul = build.library.gguf_blocks_matmul
+        self._decode = build.library.gguf_blocks_decode
+        self._codes = (_FORMAT_CODES[format], _DTYPE_CODES[dtype])
+
+    @classmethod
+    def from_quantized(cls, weight: QuantizedTensor, dtype: torch.dtype) -> NativeBlocksWeight:
+        """`weight`'s blocks, copied (so that a mapped checkpoint can be let go), multiplied in `dtype`."""
+        blocks = torch.from_numpy(np.array(weight.blocks, dtype=np.uint8, order="C", copy=True))
+        return cls(weight.format, blocks, weight.shape, dtype)
+
+    def default_choice(self) -> Choice:
+        return default_choice(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def kernels(self):
+        """blocks_float and blocks_int8 read the blocks; for prefill's many rows, blocks_rebuild decodes the
+        weight a slice at a time into dense values for a GEMM (in float32 too, where the compute dtype is not)."""
+        found = {"blocks_float": self._float, "blocks_int8": self._int8,
+                 "blocks_rebuild": lambda x: dense_matmul(x, self.shape, self.dense, REBUILD_SLICE_ELEMENTS)}
+        if self.dtype != torch.float32:
+            found["blocks_rebuild_f32"] = lambda x: dense_matmul(
+                x.float(), self.shape, self.dense, REBUILD_SLICE_ELEMENTS).to(self.dtype)
+        return found
+
+    def _float(self, x: torch.Tensor) -> torch.Tensor:
+        return self._multiply(x, _KERNEL_CODES["blocks_float"])
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        return self._multiply(x, _KERNEL_CODES["blocks_int8"])
+
+    def _multiply(self, x: torch.Tensor, kernel: int) -> torch.Tensor:
+        """x [M, K] contiguous in the compute dtype, on the CPU, to x @ W.T [M, N]."""
+        rows, columns = self.shape
+        if (x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != columns or not x.is_contiguous()
+                or x.device.type != "cpu"):
+            raise ValueError(f"x must be a contiguous CPU {self.dtype} [M, {columns}], got {x.dtype} {list(x.shape)}")
+        out = torch.empty((x.shape[0], rows), dtype=self.dtype)
+        format, dtype = self._codes
+        status = self._matmul(format, kernel, self.blocks.data_ptr(), rows, columns, x.data_ptr(), out.data_ptr(),
+                              x.shape[0], dtype, torch.get_num_threads())
+        if status:
+            _checked(status, f"{self.format} matmul")
+        return out
+
+    def dense(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows start:stop of the weight's values [stop - start, K] in the compute dtype, or written into
+        `out` (contiguous, of that shape) in its dtype."""
+        first, last, _ = slice(start, stop).indices(self.shape[0])
+        count = max(0, last - first)
+        if out is None:
+            out = torch.empty((count, self.shape[1]), dtype=self.dtype)
+        elif out.shape != (count, self.shape[1]) or not out.is_contiguous() or out.dtype not in _DTYPE_CODES:
+            raise ValueError(f"out must be a contiguous [{count}, {self.shape[1]}] tensor, got {list(out.shape)}")
+        _checked(self._decode(self._codes[0], self.blocks.data_ptr(), self.shape[0], self.shape[1], None, first,
+                              count, out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads()),
+                 f"{self.format} rows")
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [..., K] in the compute dtype (an embedding lookup)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.numel(), self.shape[1]), dtype=self.dtype)
+        _checked(self._decode(self._codes[0], self.blocks.data_ptr(), self.shape[0], self.shape[1], flat.data_ptr(),
+                              0, flat.numel(), out.data_ptr(), self._codes[1], torch.get_num_threads()),
+                 f"{self.format} rows")
+        return out.reshape(*ids.shape, self.shape[1])

@@ -1,0 +1,211 @@
+"""GGUF weights multiplied as stored by the C kernels of backends/torch/native_blocks.py, against a float64
+product of the weight gguf decodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.torch import native_blocks
+from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
+from candelabra.conformance.quantized_weights import random_quantized
+
+pytestmark = pytest.mark.skipif(native_blocks.find_compiler() is None,
+                                reason="no C compiler (cc, gcc or clang) to build the GGUF block kernels")
+
+# A float32 kernel's error is its rounding (about 1e-14 here); a wrong decode is far above this.
+FLOAT32_NMSE = 1e-9
+# bfloat16 and float16 round x @ W.T itself: about 3e-6 and 1e-8 NMSE
+ROUNDED_NMSE = {torch.bfloat16: 3e-5, torch.float16: 1e-6}
+OUT_ROWS = 91  # no multiple of a tile or a thread's share, and enough rows (x 768) for two threads
+
+
+def columns(format: str) -> int:
+    """A width that is not a multiple of 256 where the format's blocks allow it."""
+    return 768 if format.endswith("_K") else 800
+
+
+def nmse(output: torch.Tensor, reference: np.ndarray) -> float:
+    return float(np.sum(np.square(output.double().numpy() - reference)) / np.sum(np.square(reference)))
+
+
+def weight_and_values(format: str, seed: int, dtype: torch.dtype = torch.float32, rows: int = OUT_ROWS):
+    weight = random_quantized(np.random.default_rng(seed), format, rows, columns(format))
+    return NativeBlocksWeight.from_quantized(weight, dtype), weight.dequantize().astype(np.float64)
+
+
+def random_x(seed: int, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, width))).to(dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    available, detail = native_blocks_available()
+    assert available, detail  # a compiler exists (else skipped), so the build must succeed
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("format", sorted(NATIVE_FORMATS))
+def test_the_float_kernel_multiplies_to_float32_rounding(format, rows):
+    kept, values = weight_and_values(format, seed=rows)
+    x = random_x(100 + rows, rows, kept.shape[1])
+    assert nmse(kept.kernels()["blocks_float"](x), x.double().numpy() @ values.T) <= FLOAT32_NMSE
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("format", sorted(NATIVE_FORMATS))
+def test_the_int8_kernel_stays_within_the_formats_conformance_threshold(format, rows):
+    kept, values = weight_and_values(format, seed=rows)
+    x = random_x(100 + rows, rows, kept.shape[1])
+    error = nmse(kept.kernels()["blocks_int8"](x), x.double().numpy() @ values.T)
+    # rounding x to int8 in blocks of 32 costs about 3e-5 to 6e-5 on these weights: far from zero, as
+    # a kernel that silently ran in float would be
+    assert 1e-6 < error <= QUANTIZED_NMSE_THRESHOLDS[format]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("format", ["Q5_0", "Q6_K", "Q4_1"])
+def test_both_kernels_take_and_give_the_compute_dtype(format, dtype):
+    kept, values = weight_and_values(format, seed=5, dtype=dtype)
+    x = random_x(6, 5, kept.shape[1], dtype)
+    reference = x.double().numpy() @ values.T
+    for name, kernel in kept.kernels().items():
+        out = kernel(x)
+        assert out.dtype == dtype and out.shape == (5, OUT_ROWS)
+        budget = ROUNDED_NMSE[dtype] + (QUANTIZED_NMSE_THRESHOLDS[format] if name == "blocks_int8" else 0)
+        assert nmse(out, reference) <= budget, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rebuild_kernels_multiply_a_weight_decoded_slice_by_slice(dtype):
+    kept, values = weight_and_values("Q6_K", seed=15, dtype=dtype, rows=1500)  # 1.2 Mi values: two slices
+    assert kept.shape[0] * kept.shape[1] > native_blocks.REBUILD_SLICE_ELEMENTS
+    x = random_x(16, 20, kept.shape[1], dtype)
+    reference = x.double().numpy() @ values.T
+    rebuilds = {name: kernel for name, kernel in kept.kernels().items() if name.startswith("blocks_rebuild")}
+    expected = ["blocks_rebuild"] if dtype == torch.float32 else ["blocks_rebuild", "blocks_rebuild_f32"]
+    assert sorted(rebuilds) == expected
+    for name, kernel in rebuilds.items():
+        out = kernel(x)
+        assert out.dtype == dtype and nmse(out, reference) <= ROUNDED_NMSE.get(dtype, FLOAT32_NMSE), name
+
+
+@pytest.mark.parametrize("kernel", ["blocks_float", "blocks_int8"])
+def test_a_rows_product_depends_neither_on_its_batch_nor_on_the_thread_count(kernel):
+    kept, _ = weight_and_values("Q4_K", seed=7, rows=300)
+    x = random_x(8, 7, kept.shape[1])
+    multiply = kept.kernels()[kernel]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([multiply(x[i : i + 1]) for i in range(7)])
+        torch.set_num_threads(2)
+        together = multiply(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("format", sorted(NATIVE_FORMATS))
+def test_rows_and_dense_give_back_the_dequantized_values(format, dtype):
+    kept, values = weight_and_values(format, seed=9, dtype=dtype)
+    expected = torch.from_numpy(values.astype(np.float32)).to(dtype)
+    ids = torch.tensor([[3, 0], [66, 3]])
+    assert torch.equal(kept.rows(ids), expected[ids])
+    assert torch.equal(kept.dense(), expected)
+    assert torch.equal(kept.dense(10, 20), expected[10:20])
+    assert kept.dense(OUT_ROWS - 7, OUT_ROWS + 33).shape == (7, kept.shape[1])
+
+
+def test_a_row_outside_the_weight_is_an_index_error():
+    kept, _ = weight_and_values("Q8_0", seed=10)
+    with pytest.raises(IndexError):
+        kept.rows(torch.tensor([0, OUT_ROWS]))
+
+
+def test_the_weight_keeps_its_blocks_as_stored():
+    weight = random_quantized(np.random.default_rng(11), "Q5_0", 16, 256)
+    kept = NativeBlocksWeight.from_quantized(weight, torch.bfloat16)
+    assert kept.shape == (16, 256) and kept.dtype == torch.bfloat16 and kept.form == "blocks"
+    assert kept.nbytes == weight.blocks.nbytes == 16 * 8 * 22
+    assert np.array_equal(kept.blocks.numpy(), weight.blocks)
+    assert not np.shares_memory(kept.blocks.numpy(), weight.blocks)
+
+
+def test_x_of_another_dtype_or_width_is_refused_before_the_kernel_reads_it():
+    kept, _ = weight_and_values("Q8_0", seed=12)
+    with pytest.raises(ValueError, match="contiguous"):
+        kept.kernels()["blocks_float"](random_x(1, 2, kept.shape[1], torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        kept.kernels()["blocks_int8"](random_x(1, 2, kept.shape[1] - 32))
+
+
+def test_the_kernels_run_on_torchs_openmp_runtime():
+    available, detail = native_blocks_available()
+    if "openmp" not in detail:
+        pytest.skip(f"built without OpenMP here: {detail}")
+    library = detail.rsplit(": ", 1)[1]
+    assert native_blocks.library_of_symbol(library, "GOMP_parallel") == native_blocks.torch_openmp_library()
+
+
+def test_the_portable_c_agrees_with_the_oracle(tmp_path):
+    """The code that machines without AVX2 (or x86) run, built here with the vector code turned off."""
+    build = native_blocks._build_and_load(("-DGB_PORTABLE",), folder=tmp_path)
+    assert build.library is not None, build.detail
+    assert build.detail.startswith("portable C")
+    for format in sorted(NATIVE_FORMATS):
+        kept, values = weight_and_values(format, seed=13)
+        kept._matmul, kept._decode = build.library.gguf_blocks_matmul, build.library.gguf_blocks_decode
+        x = random_x(14, 5, kept.shape[1])
+        reference = x.double().numpy() @ values.T
+        assert nmse(kept.kernels()["blocks_float"](x), reference) <= FLOAT32_NMSE, format
+        assert nmse(kept.kernels()["blocks_int8"](x), reference) <= QUANTIZED_NMSE_THRESHOLDS[format], format
+        assert torch.equal(kept.dense(), torch.from_numpy(values.astype(np.float32))), format
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """native_blocks_available() answering afresh, building into an empty cache; the real build after."""
+    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
+    native_blocks._library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native_blocks._library.cache_clear()
+
+
+def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
+    monkeypatch.setattr(native_blocks, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
+    available, reason = native_blocks_available()
+    assert not available and "no-such-cc" in reason
+    with pytest.raises(RuntimeError, match="no-such-cc"):
+        NativeBlocksWeight.from_quantized(random_quantized(np.random.default_rng(1), "Q8_0", 4, 32), torch.float32)
+
+
+def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native_blocks, "SOURCE", broken)
+    available, reason = native_blocks_available()
+    assert not available and "did not compile" in reason and "error" in reason
+    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load
+    native_blocks._library.cache_clear()  # a later start remembers the failure instead of compiling again
+    monkeypatch.setattr(native_blocks, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
+    assert native_blocks_available() == (False, reason)
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "blocks_float"), (torch.bfloat16, "blocks_int8")])
+def test_matmul_runs_the_kernel_within_the_dtypes_budget_until_kernels_are_measured(dtype, kernel):
+    kept, _ = weight_and_values("Q5_0", seed=17, dtype=dtype)
+    x = random_x(18, 6, kept.shape[1], dtype).reshape(2, 3, -1)
+    assert kept.choice.kernel_for(1) == kernel and kept.choice.kernels[-1].startswith("blocks_rebuild")
+    assert torch.equal(kept.matmul(x), kept.kernels()[kernel](x.reshape(6, -1)).reshape(2, 3, -1))
+
+
+def test_blocks_of_the_wrong_size_are_refused_before_any_kernel_reads_them():
+    weight = random_quantized(np.random.default_rng(19), "Q6_K", 8, 256)
+    short = torch.from_numpy(weight.blocks.reshape(-1)[:-1].copy())
+    with pytest.raises(ValueError, match="Q6_K blocks of a 8 x 256 weight"):
+        NativeBlocksWeight("Q6_K", short, (8, 256), torch.float32)
