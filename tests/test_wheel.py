@@ -1,4 +1,5 @@
-"""A wheel built from the repository carries every module and the in-tree entry points."""
+"""A wheel built from the repository carries every module, the C sources built on first use, and the
+in-tree entry points."""
 
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def test_wheel_contains_every_module(tmp_path):
     expected = {
         f"{package}/{source.relative_to(REPO / folder).as_posix()}"
         for folder, package in PACKAGE_DIRS.items()
-        for source in (REPO / folder).rglob("*.py")
+        for pattern in ("*.py", "*.c")
+        for source in (REPO / folder).rglob(pattern)
         if "__pycache__" not in source.parts
     }
     assert expected, "no sources found"
