@@ -117,12 +117,14 @@ def test_a_quantized_weight_is_kept_in_the_form_measured_fastest_here(format, tm
     assert list((tmp_path / "kernels").glob("bfloat16-*.json")) == [chooser.path]
 
 
-def test_int8_formats_are_dequantized_in_float32(tmp_path, monkeypatch):
+def test_in_float32_int8_formats_keep_their_exact_values(tmp_path, monkeypatch):
+    """int8 rows would change the values: in float32 the weight is dense or its blocks as stored."""
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
     weight = random_quantized(np.random.default_rng(3), "Q5_0", 64, 256)
-    dense = TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "float32")
-    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.float32
-    assert np.array_equal(dense.numpy(), weight.dequantize())
+    kept = TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "float32")
+    assert getattr(kept, "form", "plain") in ("plain", "dense", "blocks")
+    values = kept if isinstance(kept, torch.Tensor) else kept.dense()
+    assert values.dtype == torch.float32 and np.array_equal(values.numpy(), weight.dequantize())
 
 
 def test_a_tied_lm_head_is_the_embedding_tensor_itself():
@@ -134,9 +136,9 @@ def test_a_tied_lm_head_is_the_embedding_tensor_itself():
     assert other is not embedding and torch.equal(other, embedding)
 
 
-@pytest.mark.parametrize("format, dtype, forms", [("Q8_0", "bfloat16", {"int8", "dense"}),
-                                                   ("Q4_K", "bfloat16", {"int4", "dense"}),
-                                                   ("Q8_0", "float32", {"plain"})])
+@pytest.mark.parametrize("format, dtype, forms", [("Q8_0", "bfloat16", {"blocks", "int8", "dense"}),
+                                                   ("Q4_K", "bfloat16", {"blocks", "int4", "dense"}),
+                                                   ("Q8_0", "float32", {"blocks", "plain"})])
 def test_a_quantized_embedding_is_kept_in_a_readable_form_and_shared_with_a_tied_lm_head(format, dtype, forms):
     backend = TorchBackend()
     assert WeightRole.EMBEDDING in backend.quantized_roles

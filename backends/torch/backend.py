@@ -184,10 +184,10 @@ class TorchBackend(Backend):
 
     def upload_weight(self, name, role, weight, dtype):
         # A tied LM head comes right after the embedding, as the same host array or QuantizedTensor:
-        # one tensor or handle for both.
+        # one tensor or handle for both, whose kernels are then timed for the LM head's matmuls.
         last, self._last_embedding = self._last_embedding, None
         if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
-            return last[2]
+            return self._time_as_lm_head(weight, last[2], dtype)
         if isinstance(weight, QuantizedTensor):
             tensor = self.upload_quantized(name, weight, dtype, role)
         else:
@@ -196,6 +196,16 @@ class TorchBackend(Backend):
             self._last_embedding = (weight, dtype, tensor)
         return tensor
 
+    def _time_as_lm_head(self, weight, kept, dtype):
+        """An embedding table is kept in its most compact readable form without timing anything (a lookup
+        reads a few rows); tied to the LM head it also multiplies, so its kernels are timed then."""
+        from candelabra.backends.torch.kernel_choice import Candidate
+        from candelabra.backends.torch.weight_forms import KeptWeight
+
+        if not isinstance(kept, KeptWeight) or not isinstance(weight, QuantizedTensor):
+            return kept
+        return self.kernel_chooser(dtype).keep(weight.format, weight.shape, [Candidate(kept.form, lambda: kept)])
+
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
         """A weight still in a GGUF format: on a CPU, kept in the form and multiplied by the kernels
         measured fastest here for its format and shape (kernel_choice.py), else dequantized. An
@@ -203,9 +213,10 @@ class TorchBackend(Backend):
         from candelabra.backends.torch.quantized import keep_quantized
 
         kept = None
-        if self.torch_device.type == "cpu":
-            kept = keep_quantized(weight, torch_dtype(dtype), self.kernel_chooser(dtype),
-                                  readable=role is WeightRole.EMBEDDING)
+        if self.torch_device.type == "cpu" and role is WeightRole.EMBEDDING:
+            kept = keep_quantized(weight, torch_dtype(dtype), readable=True)
+        elif self.torch_device.type == "cpu":
+            kept = keep_quantized(weight, torch_dtype(dtype), self.kernel_chooser(dtype))
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept

@@ -125,7 +125,15 @@ _INT4_DECODERS: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, n
 
 def candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool = False) -> list[Candidate]:
     """The forms `weight` may be kept in for compute dtype `dtype`; with `readable`, only forms whose rows
-    can be read back (an embedding table and the LM head tied to it)."""
+    can be read back (an embedding table and the LM head tied to it), the blocks as stored first, the
+    most compact."""
+    found = _candidates(weight, dtype, readable)
+    if readable:
+        found.sort(key=lambda c: c.form != "blocks" or bool(c.unavailable))
+    return found
+
+
+def _candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool) -> list[Candidate]:
     from candelabra.backends.torch.packed_int8 import PackedInt8Weight, onednn_int8_problem
 
     blocks = _blocks_candidate(weight, dtype)
@@ -163,8 +171,8 @@ def _blocks_candidate(weight: QuantizedTensor, dtype: torch.dtype) -> list[Candi
 def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, chooser: KernelChooser | None = None,
                    readable: bool = False) -> KeptWeight | None:
     """`weight` in the form `chooser` measured fastest for its format and shape (without one, the first
-    candidate, with its default kernels), or None where dense is the only candidate: the caller then
-    keeps a plain dense tensor."""
+    available candidate, with its default kernels), or None where dense is the only candidate: the
+    caller then keeps a plain dense tensor."""
     found = candidates(weight, dtype, readable)
     if [c.form for c in found if not c.unavailable] == ["dense"]:
         return None
