@@ -161,7 +161,7 @@ def test_a_kernel_with_wrong_results_is_dropped_with_its_error(tmp_path):
     assert "int8_mm" not in kept.choice.kernels
     dropped = [t for t in measuring.timings if t.kernel == "int8_mm"]
     assert dropped and all(t.dropped.startswith("wrong: NMSE") for t in dropped)
-    assert ("int8", "int8_mm", 1) not in times.calls  # a wrong kernel is never timed
+    assert times.calls.count(("int8", "int8_mm", 1)) == 1  # its first call is checked, and it goes no further
 
 
 def test_a_kernel_that_raises_is_dropped_with_its_error(tmp_path):

@@ -9,7 +9,7 @@ and each kernel that multiplies that form is timed at every band of rows a step 
 form's own values. The form kept is the one that comes closest to the fastest over all bands; each
 band then runs that form's fastest kernel (`choose`).
 
-Measuring stops once a budget of seconds is spent (`CANDELABRA_KERNEL_BUDGET_S`, 4 by default);
+Measuring stops once a budget of seconds is spent (`CANDELABRA_KERNEL_BUDGET_S`, 6 by default);
 a weight measured after that follows the nearest measured shape of its format. What was measured is
 kept in the cache directory, one file per CPU model, CPU flags, torch version, thread count and
 compute dtype (`cache_key`), so a second start on the same machine measures nothing, and another
@@ -36,7 +36,10 @@ log = logging.getLogger("candelabra")
 # Rows a step multiplies: one decode, a few, 16 and 64 decodes, and a prefill chunk. A call is timed
 # at the band nearest its rows (in log scale).
 ROW_BANDS = (1, 4, 16, 64, 256)
-BUDGET_VARIABLE, DEFAULT_BUDGET_S = "CANDELABRA_KERNEL_BUDGET_S", 4.0
+# The bands are timed most telling first: one decode and a batch decide most choices; a band left out
+# when the budget runs short takes the kernel of the nearest band that was timed.
+MEASURING_ORDER = (1, 64, 256, 16, 4)
+BUDGET_VARIABLE, DEFAULT_BUDGET_S = "CANDELABRA_KERNEL_BUDGET_S", 6.0
 # A kernel this many times slower than the best at one band is not timed at larger bands: a kernel
 # that multiplies row by row only falls further behind as rows grow.
 PRUNE_RATIO = 20.0
@@ -162,10 +165,10 @@ class Stopwatch:
 def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate], dtype: str,
             stopwatch: Callable[[str, str, Kernel, object], float], seconds_left: Callable[[], float],
             repeats: int = 2, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
-    """Every candidate form built and every kernel of it timed at the first band, and at each further
-    band while `seconds_left()` covers what the band before it took, four times over (it has four times
-    the rows); with the forms that were built. A kernel is timed `repeats` times after one untimed call
-    whose output is checked, and its best time kept."""
+    """Every candidate form built and every kernel of it timed at one row, then at the other bands in
+    MEASURING_ORDER while `seconds_left()` covers what a band is likely to take (the last band's time
+    per row); with the forms that were built. A kernel is timed `repeats` times, the first call's
+    output checked, and its best time kept."""
     import torch
 
     from candelabra.backends.torch.backend import torch_dtype
@@ -192,17 +195,17 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
                 continue
             budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET[dtype] if rounding else KERNEL_NMSE_BUDGET[dtype]
             kernels.append((candidate.form, name, kernel, values, budget))
-    slow: dict[str, str] = {}
-    last_band_s = 0.0
-    for rows in ROW_BANDS:
-        if rows > ROW_BANDS[0] and seconds_left() < 4 * last_band_s:
-            break
+    slow: dict[str, int] = {}  # kernel name: the rows it was found too slow at, not timed at more
+    cost_per_row_s = 0.0  # of the most recent band timed: a band costs about its rows times that
+    for rows in MEASURING_ORDER:
+        if rows > MEASURING_ORDER[0] and seconds_left() < rows * cost_per_row_s:
+            continue
         started = time.perf_counter()
         x = torch.from_numpy(rng.standard_normal((rows, shape[1]))).to(torch_dtype(dtype))
         references: dict[str, np.ndarray] = {}  # per form: x times its values, in float64
         band: list[Timing] = []
         for form, name, kernel, values, budget in kernels:
-            if name in slow:
+            if rows > slow.get(name, rows):
                 continue
             if form not in references:
                 references[form] = x.double().numpy() @ values.T
@@ -210,23 +213,24 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
                                   repeats))
         fastest = min((t.ms for t in band if t.usable), default=None)
         for t in band:
-            if t.usable and fastest and t.ms > PRUNE_RATIO * fastest:
-                slow[t.kernel] = f"slow: {t.ms / fastest:.0f}x the fastest at {rows} rows, not timed at more"
-                t = Timing(**{**asdict(t), "dropped": slow[t.kernel]})
+            if t.usable and fastest and t.ms > PRUNE_RATIO * fastest and rows < ROW_BANDS[-1]:
+                slow[t.kernel] = min(rows, slow.get(t.kernel, rows))
+                t = Timing(**{**asdict(t), "dropped": f"slow: {t.ms / fastest:.0f}x the fastest at {rows} rows, "
+                                                      "not timed at more"})
             timings.append(t)
-        last_band_s = time.perf_counter() - started
+        cost_per_row_s = (time.perf_counter() - started) / rows
     return timings, built
 
 
 def _time_one(format, shape, rows, form, name, kernel, reference, x, budget, stopwatch, repeats) -> Timing:
+    outputs = []
     try:
-        out = kernel(x)
+        seconds = stopwatch(form, name, lambda x: outputs.append(kernel(x)), x)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails on this CPU is dropped with its error
         return Timing(format, shape, rows, form, name, dropped=f"failed: {type(exc).__name__}: {exc}")
-    error = _nmse(out.double().numpy(), reference)
+    error = _nmse(outputs[0].double().numpy(), reference)
     if not error <= budget:
         return Timing(format, shape, rows, form, name, nmse=error, dropped=f"wrong: NMSE {error:.2g} > {budget:g}")
-    seconds = stopwatch(form, name, kernel, x)
     for _ in range(repeats - 1 if seconds < SLOW_CALL_S else 0):
         seconds = min(seconds, stopwatch(form, name, kernel, x))
     return Timing(format, shape, rows, form, name, ms=seconds * 1000, nmse=error)
