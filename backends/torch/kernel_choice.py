@@ -166,8 +166,8 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
             stopwatch: Callable[[str, str, Kernel, object], float], seconds_left: Callable[[], float],
             repeats: int = 2, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
     """Every candidate form built and every kernel of it timed at one row, then at the other bands in
-    MEASURING_ORDER while `seconds_left()` covers what a band is likely to take (the last band's time
-    per row); with the forms that were built. A kernel is timed `repeats` times, the first call's
+    MEASURING_ORDER while `seconds_left()` is positive (a band begun is finished); with the forms that
+    were built. A kernel is timed `repeats` times, the first call's
     output checked, and its best time kept."""
     import torch
 
@@ -196,11 +196,9 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
             budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET[dtype] if rounding else KERNEL_NMSE_BUDGET[dtype]
             kernels.append((candidate.form, name, kernel, values, budget))
     slow: dict[str, int] = {}  # kernel name: the rows it was found too slow at, not timed at more
-    cost_per_row_s = 0.0  # of the most recent band timed: a band costs about its rows times that
     for rows in MEASURING_ORDER:
-        if rows > MEASURING_ORDER[0] and seconds_left() < rows * cost_per_row_s:
-            continue
-        started = time.perf_counter()
+        if rows > MEASURING_ORDER[0] and seconds_left() <= 0:
+            break
         x = torch.from_numpy(rng.standard_normal((rows, shape[1]))).to(torch_dtype(dtype))
         references: dict[str, np.ndarray] = {}  # per form: x times its values, in float64
         band: list[Timing] = []
@@ -218,7 +216,6 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
                 t = Timing(**{**asdict(t), "dropped": f"slow: {t.ms / fastest:.0f}x the fastest at {rows} rows, "
                                                       "not timed at more"})
             timings.append(t)
-        cost_per_row_s = (time.perf_counter() - started) / rows
     return timings, built
 
 
