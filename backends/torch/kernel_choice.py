@@ -50,12 +50,14 @@ SLOW_CALL_S = 0.01
 # in float32, 1e-6 in bfloat16) and far below a wrong one's.
 KERNEL_NMSE_BUDGET = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
 # A kernel that rounds x to 8 bits per block of 32 first, as llama.cpp multiplies, measures about 3e-5 on
-# random inputs and 1.5e-4 with a few channels 100 times the rest; it may reach what the conformance
-# suite allows llama.cpp's own rounding of a legacy-format matmul, in bfloat16 only (in float32 and
-# float16 the models level compares with transformers far more tightly).
-ROUNDED_ACTIVATIONS_NMSE_BUDGET = {"bfloat16": 3e-4}
+# random inputs and 1.5e-4 with a few channels 100 times the rest, within what the conformance suite
+# allows llama.cpp's own rounding. It is not a candidate in any dtype for now: in bfloat16 it turned
+# Gemma 3 270M's greedy "0 degrees" into "0°C" (tests/test_real_models.py), so its effect on real
+# models is to be measured (bench/quality_vs_reference.py) before it serves by default. Per dtype, the
+# NMSE such a kernel may reach.
+ROUNDED_ACTIVATIONS_NMSE_BUDGET: dict[str, float] = {}
 # Version of the candidate set: a new kernel or form makes every cached table stale.
-CANDIDATES_VERSION = 2
+CANDIDATES_VERSION = 3
 
 Kernel = Callable[[object], object]
 
@@ -191,7 +193,7 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
             rounding = name in getattr(kept, "rounds_activations", ())
             if rounding and dtype not in ROUNDED_ACTIVATIONS_NMSE_BUDGET:
                 timings.append(Timing(format, shape, ROW_BANDS[0], candidate.form, name,
-                                      dropped=f"rounds activations to 8 bits: in bfloat16 only, not {dtype}"))
+                                      dropped=f"rounds activations to 8 bits: not a candidate in {dtype}"))
                 continue
             budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET[dtype] if rounding else KERNEL_NMSE_BUDGET[dtype]
             kernels.append((candidate.form, name, kernel, values, budget))
