@@ -20,6 +20,8 @@ from candelabra.backends.torch.kernel_choice import (
     band_index,
     choose,
     describe_cached,
+    filled_in,
+    format_choices,
 )
 from candelabra.backends.torch.weight_forms import DenseWeight, Int8Weight, KeptWeight
 
@@ -91,6 +93,23 @@ def test_a_band_not_timed_follows_the_nearest_band_that_was():
     choice = choose(timings({("int8", "int8_mm"): (1.0, 2.0, None, None, None),
                              ("int8", "rebuild"): (3.0, 1.0, None, None, None)}))
     assert choice.kernels == ("int8_mm", "rebuild", "rebuild", "rebuild", "rebuild")
+
+
+def test_bands_a_weight_was_not_timed_at_take_the_nearest_timed_shape_of_its_format_scaled():
+    """Past the budget a weight is timed at one row only; at 64 rows it must not keep the one-row kernel
+    where a shape of its format timed there shows the rebuild far faster."""
+    full = timings({("int8", "int8_mm"): (1.0, 2.0, 8.0, 32.0, 128.0), ("int8", "rebuild"): (3.0, 3.0, 3.5, 4.0, 8.0)},
+                   shape=(4096, 1024))
+    other_format = timings({("int8", "int8_mm"): (1.0,) * 5}, format="Q8_0", shape=(1024, 1024))
+    farther = timings({("int8", "int8_mm"): (0.1,) * 5}, shape=(64, 64))
+    one_row_only = (None,) * 4
+    partial = timings({("int8", "int8_mm"): (0.5, *one_row_only), ("int8", "rebuild"): (1.5, *one_row_only)},
+                      shape=(2048, 1024))
+    rows = filled_in(full + other_format + farther + partial, ("Q5_0", (2048, 1024)))
+    assert choose(rows).kernels == ("int8_mm", "int8_mm", "rebuild", "rebuild", "rebuild")
+    at_64 = {t.kernel: t for t in rows if t.rows == 64}
+    assert at_64["rebuild"].ms == pytest.approx(2.0) and at_64["rebuild"].scaled_from == (4096, 1024)
+    assert "~2.000 (as 4096x1024)" in format_choices(full + partial, [("Q5_0", (2048, 1024))])
 
 
 def test_dropped_and_untimed_kernels_are_never_chosen():

@@ -10,7 +10,8 @@ form's own values. The form kept is the one that comes closest to the fastest ov
 band then runs that form's fastest kernel (`choose`).
 
 Measuring stops once a budget of seconds is spent (`CANDELABRA_KERNEL_BUDGET_S`, 6 by default);
-a weight measured after that follows the nearest measured shape of its format. What was measured is
+a weight measured after that follows the nearest measured shape of its format, and a band a weight
+was not timed at takes the timings of the nearest shape of its format that was (`filled_in`). What was measured is
 kept in the cache directory, one file per CPU model, CPU flags, torch version, thread count and
 compute dtype (`cache_key`), so a second start on the same machine measures nothing, and another
 CPU measures afresh.
@@ -44,7 +45,9 @@ BUDGET_VARIABLE, DEFAULT_BUDGET_S = "CANDELABRA_KERNEL_BUDGET_S", 6.0
 # that multiplies row by row only falls further behind as rows grow.
 PRUNE_RATIO = 20.0
 # A call this slow is timed once: its time is not in doubt, and a second look costs as much again.
-SLOW_CALL_S = 0.01
+# Faster calls are timed twice, the best kept: on 2 cores one call in a few is preempted for 5 to 15 ms,
+# which made a 0.3 ms kernel look 50 times slower at one band than at the next.
+SLOW_CALL_S = 0.05
 # Largest NMSE of a kernel's output against the float64 product of its form's values, per compute
 # dtype: the conformance suite's general limits, far above a correct kernel's rounding (about 1e-14
 # in float32, 1e-6 in bfloat16) and far below a wrong one's.
@@ -74,6 +77,7 @@ class Timing:
     ms: float | None = None
     nmse: float | None = None
     dropped: str | None = None  # why not a candidate: wrong, failed, or too slow to time further
+    scaled_from: tuple[int, int] | None = None  # an estimate from this shape's timing, never measured itself
 
     @property
     def usable(self) -> bool:
@@ -132,6 +136,28 @@ def choose(timings: Iterable[Timing]) -> Choice:
         nearest = min(timed, key=lambda rows: abs(math.log2(rows) - math.log2(band)))
         kernels.append(best[(form, nearest)].kernel)
     return Choice(form, tuple(kernels))
+
+
+def filled_in(timings: Sequence[Timing], entry: tuple[str, tuple[int, int]]) -> list[Timing]:
+    """The timings of one weight (format, shape), and at each band it was not timed at, those of the
+    shape of its format nearest in size that was, scaled by the ratio of the sizes: past the budget a
+    weight is often timed at one row only, and the kernel that suits one row rarely suits 64."""
+    format, shape = entry
+    own = [t for t in timings if (t.format, t.shape) == entry]
+    timed_bands = {t.rows for t in own if t.usable}
+    size = shape[0] * shape[1]
+    estimates = []
+    for band in ROW_BANDS:
+        if band in timed_bands:
+            continue
+        others = {t.shape for t in timings if t.format == format and t.rows == band and t.usable and t.shape != shape}
+        if not others:
+            continue
+        nearest = min(others, key=lambda other: (abs(math.log(other[0] * other[1] / size)), other))
+        ratio = size / (nearest[0] * nearest[1])
+        estimates += [Timing(format, shape, band, t.form, t.kernel, ms=t.ms * ratio, scaled_from=nearest)
+                      for t in timings if t.shape == nearest and t.format == format and t.rows == band and t.usable]
+    return own + estimates
 
 
 # measuring
@@ -333,7 +359,7 @@ class KernelChooser:
             self.timings += timings
             entry = (format, shape)
             self._save()
-        choice = choose(t for t in self.timings if (t.format, t.shape) == entry and t.form in forms)
+        choice = choose(t for t in filled_in(self.timings, entry) if t.form in forms)
         self.used[entry] = self.used.get(entry, 0) + 1
         kept = built.get(choice.form) or next(c for c in candidates if c.form == choice.form).build()
         kept.choice = choice
@@ -400,7 +426,7 @@ def format_choices(timings: Sequence[Timing], entries: Iterable[tuple[str, tuple
 
     lines = []
     for entry in entries:
-        mine = [t for t in timings if (t.format, t.shape) == entry]
+        mine = filled_in(timings, entry)
         if not any(t.usable for t in mine):
             continue
         choice = choose(mine)
@@ -410,14 +436,20 @@ def format_choices(timings: Sequence[Timing], entries: Iterable[tuple[str, tuple
             others = [t for t in at_band if t is not chosen]
             lines.append((
                 f"{entry[0]} {entry[1][0]}x{entry[1][1]}", str(band), f"{choice.form}/{kernel}",
-                f"{chosen.ms:.3f}" if chosen else "(nearest band)",
-                f"{others[0].form}/{others[0].kernel} {others[0].ms:.3f}" if others else "-",
+                _shown_ms(chosen) if chosen else "(nearest band)",
+                f"{others[0].form}/{others[0].kernel} {_shown_ms(others[0])}" if others else "-",
             ))
         for t in mine:
             if t.dropped and not t.dropped.startswith("slow"):
                 lines.append((f"{entry[0]} {entry[1][0]}x{entry[1][1]}", str(t.rows), f"{t.form}/{t.kernel}",
                               "dropped", t.dropped))
     return format_table(("weight", "rows", "chosen", "ms", "runner-up ms"), lines)
+
+
+def _shown_ms(timing: Timing) -> str:
+    if timing.scaled_from:
+        return f"~{timing.ms:.3f} (as {timing.scaled_from[0]}x{timing.scaled_from[1]})"
+    return f"{timing.ms:.3f}"
 
 
 def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list[Timing]]]:
