@@ -60,7 +60,7 @@ KERNEL_NMSE_BUDGET = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
 # NMSE such a kernel may reach.
 ROUNDED_ACTIVATIONS_NMSE_BUDGET: dict[str, float] = {}
 # Version of the candidate set: a new kernel or form makes every cached table stale.
-CANDIDATES_VERSION = 3
+CANDIDATES_VERSION = 4
 
 Kernel = Callable[[object], object]
 
