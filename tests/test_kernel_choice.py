@@ -4,6 +4,7 @@ machine, all with injected timings: what is tested is the logic, never this mach
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -268,6 +269,26 @@ def test_past_the_budget_a_new_shape_follows_the_nearest_measured_shape_of_its_f
         Candidate("dense", lambda: DenseWeight(Int8Weight.from_rows(values, scales, torch.bfloat16).dense()))])
     assert times.calls == [] and kept.form == "dense" and kept.shape == wide
     assert measuring.used == {("Q5_0", SHAPE): 2}
+
+
+class SlowTimes(FakeTimes):
+    """Each timed call takes `seconds` of the budget's clock, as a large weight's do."""
+
+    def __init__(self, ms, seconds: float) -> None:
+        super().__init__(ms)
+        self.seconds = seconds
+
+    def __call__(self, form, name, kernel, x) -> float:
+        time.sleep(self.seconds)
+        return super().__call__(form, name, kernel, x)
+
+
+def test_one_weight_shape_spends_at_most_its_share_of_the_budget_past_the_first_band(tmp_path):
+    times = SlowTimes(ALL_FAST, seconds=0.05)  # 12 calls at one row: 0.6 s, past a quarter of 2 s
+    measuring = chooser(tmp_path, times, budget_s=2.0)
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert {rows for _, _, rows in times.calls} == {1}
+    assert measuring.spent_s < measuring.budget_s  # the rest is left to the other weights
 
 
 def test_the_report_names_the_chosen_kernel_its_time_and_the_runner_up(tmp_path):
