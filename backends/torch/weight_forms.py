@@ -11,6 +11,7 @@ measured choice runs `DEFAULT_CHOICES`, what an Intel CPU with AMX measured fast
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import numpy as np
@@ -46,7 +47,7 @@ DEFAULT_CHOICES = {
 }
 
 
-class KeptWeight:
+class KeptWeight(ABC):
     """What every form shares: the kernel chosen for a number of rows, and leading dims kept."""
 
     form: str
@@ -70,11 +71,14 @@ class KeptWeight:
         self._choice = choice
         self._by_band = tuple(kernels[name] for name in choice.kernels)
 
+    @abstractmethod
     def kernels(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-        raise NotImplementedError(f"{type(self).__name__} must name its kernels")
+        """Each kernel of the form by name: x [rows, K] to x @ W.T."""
 
     def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must give its values back")
+        """Rows start:stop of the weight in the compute dtype. A form that cannot give its values back
+        (oneDNN's packed int8) leaves this out, and its Candidate supplies them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give its values back")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] in the compute dtype to x @ W.T [..., N], by the kernel chosen for x's rows."""
