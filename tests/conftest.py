@@ -11,15 +11,21 @@ import pytest
 
 from candelabra.plugins import installed_plugins
 
-# Files that hold minutes of one core's work: collected first, so that under README's `-n auto
-# --dist loadfile` one worker starts them at once while the others run the rest, instead of the
-# whole run waiting on them at the end (test_cuda_backend.py's interpreter level: 8 minutes of its
-# 33 on 2 cores, which started last and ended the run 19 minutes after it began).
-LONGEST_FIRST = ("test_cuda_backend.py",)
+# Files in order of their time on 2 cores, longest first (pytest --durations), collected before the
+# rest so that under README's `-n auto --dist loadfile --no-loadscope-reorder` each worker takes a long
+# one while the short ones fill the end: with test_cuda_backend.py's 8 minutes started last (xdist's
+# own order, by the number of tests), two workers took 33 minutes for 40 minutes of serial work.
+LONGEST_FIRST = (
+    "test_cuda_backend.py", "test_real_models.py", "test_tensor_parallel_serving.py", "test_torch_backend.py",
+    "test_tensor_parallel_model.py", "test_gguf.py", "test_structured_output.py", "test_new_backend.py",
+    "test_serve_default_model.py", "test_gcu_backend.py", "test_conformance_cpu.py", "test_metal_backend.py",
+    "test_engine.py", "test_broken_backend.py", "test_conformance_models.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: Path(str(item.fspath)).name not in LONGEST_FIRST)
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(LONGEST_FIRST)))
 
 
 REPO = Path(__file__).resolve().parent.parent
