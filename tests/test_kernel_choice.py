@@ -4,7 +4,6 @@ machine, all with injected timings: what is tested is the logic, never this mach
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -272,20 +271,24 @@ def test_past_the_budget_a_new_shape_follows_the_nearest_measured_shape_of_its_f
 
 
 class SlowTimes(FakeTimes):
-    """Each timed call takes `seconds` of the budget's clock, as a large weight's do."""
+    """Each timed call advances the budget's clock by `seconds`, as a large weight's calls take it."""
 
     def __init__(self, ms, seconds: float) -> None:
         super().__init__(ms)
         self.seconds = seconds
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def __call__(self, form, name, kernel, x) -> float:
-        time.sleep(self.seconds)
+        self.now += self.seconds
         return super().__call__(form, name, kernel, x)
 
 
 def test_one_weight_shape_spends_at_most_its_share_of_the_budget_past_the_first_band(tmp_path):
     times = SlowTimes(ALL_FAST, seconds=0.05)  # 12 calls at one row: 0.6 s, past a quarter of 2 s
-    measuring = chooser(tmp_path, times, budget_s=2.0)
+    measuring = KernelChooser("bfloat16", 2, budget_s=2.0, folder=tmp_path, stopwatch=times, clock=times.clock)
     measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
     assert {rows for _, _, rows in times.calls} == {1}
     assert measuring.spent_s < measuring.budget_s  # the rest is left to the other weights

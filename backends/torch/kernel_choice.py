@@ -341,7 +341,8 @@ class KernelChooser:
     while the budget lasts, written back."""
 
     def __init__(self, dtype: str, threads: int, budget_s: float | None = None, folder: Path | None = None,
-                 stopwatch: Callable[[str, str, Kernel, object], float] | None = None) -> None:
+                 stopwatch: Callable[[str, str, Kernel, object], float] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.dtype = dtype
         self.key = cache_key(dtype, threads)
         self.path = cache_file(self.key, folder)
@@ -350,6 +351,7 @@ class KernelChooser:
         self.budget_s = budget_from_environment() if budget_s is None else budget_s
         self.spent_s = 0.0
         self._stopwatch = stopwatch
+        self._clock = clock  # what the budget is counted in
         self.used: dict[tuple[str, tuple[int, int]], int] = {}  # weights following each measured entry
         self._logged = False
 
@@ -361,14 +363,14 @@ class KernelChooser:
         entry = self._entry(format, shape, forms)
         built: dict[str, object] = {}
         if entry is None:  # measured now
-            started = time.perf_counter()
+            started = self._clock()
             stopwatch = self._stopwatch or Stopwatch()  # its cache-sized buffer lives while measuring only
             def seconds_left() -> float:
-                spent = time.perf_counter() - started
+                spent = self._clock() - started
                 return min(self.budget_s - self.spent_s - spent, ENTRY_SHARE * self.budget_s - spent)
 
             timings, built = measure(format, shape, candidates, self.dtype, stopwatch, seconds_left)
-            self.spent_s += time.perf_counter() - started
+            self.spent_s += self._clock() - started
             self.timings += timings
             entry = (format, shape)
             self._save()
