@@ -1,8 +1,8 @@
 """How far a served fast path's next-token distributions are from the float32 reference, and llama.cpp's.
 
     python bench/quality_vs_reference.py [--model PATH] [--backend torch] [--dtype DTYPE] [--window 512]
-                                         [--max-tokens N] [--text FILE] [--llama-server URL] [--top-n 64]
-                                         [--json FILE]
+                                         [--rows-per-step N] [--max-tokens N] [--text FILE]
+                                         [--llama-server URL] [--top-n 64] [--json FILE]
 
 A fixed text (bench/texts/quality.txt: prose, a dialogue, a list, Python, shell, JSON, numbers) is
 tokenized with the model's tokenizer and cut into windows of --window tokens, each read from its own
@@ -15,7 +15,10 @@ every window comes from
   llama.cpp   with --llama-server URL: a running llama-server on the same GGUF, asked for each position
               in turn (/completion, the window's token ids up to it as the prompt, n_predict 1, n_probs
               --top-n); its prompt cache holds the earlier tokens, so each answer is one decode step
-The candelabra backends compute a window in one prefill step, the logits of every position at once.
+The reference computes a window in one prefill step, the logits of every position at once. The tested
+path does too unless --rows-per-step N cuts the window into steps of N rows, each reading the earlier
+positions from the KV cache: at 1 every position is a decode step of one request, which is what a
+served answer runs (and what llama.cpp's numbers measure), through the kernels chosen for that band.
 
 Columns: positions scored; the mean and 99th percentile of KL(reference || tested) in nats, from
 log-softmax in float64; top-1 agreement, the share of positions where both put the same token first.
@@ -141,20 +144,28 @@ def table_row(summary: dict) -> list[str]:
 class CandelabraScorer:
     """A model on one backend, giving the log-probabilities of every position of a window in one step."""
 
-    def __init__(self, checkpoint, backend_name: str, dtype: str | None, window: int) -> None:
+    def __init__(self, checkpoint, backend_name: str, dtype: str | None, window: int,
+                 rows_per_step: int | None = None) -> None:
         self.backend = choose_backend(backend_name)()
         self.model = load_model(checkpoint, self.backend, dtype)
         self.runner = ModelRunner(self.model, num_blocks=-(-window // BLOCK_SIZE), block_size=BLOCK_SIZE)
+        self.rows_per_step = rows_per_step or window
 
     @property
     def label(self) -> str:
         return f"candelabra {self.backend.name} {self.model.dtype}"
 
     def logprobs(self, window_ids: np.ndarray) -> np.ndarray:
-        count = len(window_ids)
-        blocks = list(range(-(-count // BLOCK_SIZE)))
-        step = StepMetadata.build([count], [count], [blocks], BLOCK_SIZE, logits_rows=np.arange(count))
-        return log_softmax(self.backend.to_host(self.runner.logits(window_ids, step)))
+        """Every position's log-probabilities, in steps of `rows_per_step` positions over one sequence."""
+        blocks = list(range(-(-len(window_ids) // BLOCK_SIZE)))
+        steps = []
+        for start in range(0, len(window_ids), self.rows_per_step):
+            rows = window_ids[start:start + self.rows_per_step]
+            end = start + len(rows)
+            step = StepMetadata.build([len(rows)], [end], [blocks[:-(-end // BLOCK_SIZE)]], BLOCK_SIZE,
+                                      logits_rows=np.arange(len(rows)))
+            steps.append(log_softmax(self.backend.to_host(self.runner.logits(rows, step))))
+        return np.concatenate(steps)
 
 
 class LlamaServerScorer:
@@ -196,13 +207,15 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--dtype", help="the tested backend's compute dtype (default: its first, as serve picks)")
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score (default: %(default)s)")
     parser.add_argument("--window", type=int, default=512, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--rows-per-step", type=int, metavar="N",
+                        help="run the tested path N positions per step (1: as serve decodes; default: the window)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="score only the text's first N tokens")
     parser.add_argument("--llama-server", metavar="URL", help="a running llama-server on the same model to score too")
     parser.add_argument("--top-n", type=int, default=64,
                         help="probabilities asked of llama-server per position (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write every number as JSON")
     args = parser.parse_args()
-    for option in ("window", "max_tokens", "top_n"):
+    for option in ("window", "rows_per_step", "max_tokens", "top_n"):
         if getattr(args, option) is not None and getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
     return args
@@ -243,7 +256,7 @@ def main() -> None:
     with open_model(args.model) as checkpoint:
         started = time.perf_counter()
         reference = CandelabraScorer(checkpoint, "cpu", "float32", args.window)
-        tested = CandelabraScorer(checkpoint, args.backend, args.dtype, args.window)
+        tested = CandelabraScorer(checkpoint, args.backend, args.dtype, args.window, args.rows_per_step)
         checkpoint.release_pages()
         tokenizer = _tokenizer(checkpoint, reference.model)
         token_ids = tokenizer.encode(args.text.read_text(encoding="utf-8"))[:args.max_tokens]
@@ -256,13 +269,15 @@ def main() -> None:
     summaries = [path.summary() for path in scores]
     print(f"CPU {machine['cpu']}, AMX {'yes' if machine['amx'] else 'no'}; torch {machine['torch']}; "
           f"model {machine['model']}")
-    print(f"reference: candelabra cpu float32; {len(token_ids)} tokens, windows of {args.window}")
+    steps = f"{args.rows_per_step} positions per step" if args.rows_per_step else "one step per window"
+    print(f"reference: candelabra cpu float32; {len(token_ids)} tokens, windows of {args.window}; tested path in {steps}")
     print(format_table(HEADERS, [table_row(summary) for summary in summaries]))
     if llama is not None:
         print(f"top {args.top_n} + rest: KL over llama-server's top {args.top_n} tokens (the tested path's own, for "
               "candelabra) and one bucket for the rest of the mass on each side, a lower bound of the full KL")
     if args.json:
         record = {"machine": machine, "text": str(args.text), "tokens": len(token_ids), "window": args.window,
+                  "rows_per_step": args.rows_per_step or args.window,
                   "reference": reference.label, "llama_server": llama.describe() if llama else None,
                   "paths": summaries}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

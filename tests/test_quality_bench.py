@@ -149,3 +149,21 @@ def test_a_summary_pools_the_positions_of_every_window():
     assert summary["p99_kl"] == pytest.approx(np.percentile(every_kl, 99), rel=1e-12)
     assert summary["top1_agreement"] == pytest.approx(np.mean(np.concatenate([a for _, a in windows])))
     assert [window["positions"] for window in summary["windows"]] == [16, 16, 5]
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 5])
+def test_a_window_run_in_steps_through_the_cache_scores_as_one_prefill_step_does(tmp_path, rows_per_step):
+    """--rows-per-step: each step reads the earlier positions from the KV cache, as serve's decodes do, and
+    the log-probabilities of all 37 positions (blocks of 16, so steps cross blocks) are the one step's."""
+    from candelabra.conformance.engine_cases import write_tiny_checkpoint
+    from candelabra.core.llm import open_model
+
+    write_tiny_checkpoint(tmp_path, seed=29)
+    window = np.random.default_rng(30).integers(0, 160, size=37)
+    with open_model(str(tmp_path)) as checkpoint:
+        whole = quality.CandelabraScorer(checkpoint, "cpu", "float32", window=64).logprobs(window)
+        stepped = quality.CandelabraScorer(checkpoint, "cpu", "float32", window=64, rows_per_step=rows_per_step)
+        in_steps = stepped.logprobs(window)
+    assert in_steps.shape == whole.shape == (37, 160)
+    np.testing.assert_allclose(in_steps, whole, atol=1e-4)
+    assert quality.kl_divergence(whole, in_steps).max() < 1e-8
