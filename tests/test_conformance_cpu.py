@@ -33,7 +33,7 @@ def test_cpu_passes_every_op_case_with_table_and_json(tmp_path):
 def test_same_seed_draws_the_same_inputs(tmp_path):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     for path in (first, second):
-        run = run_candelabra("conformance", "--backend", "cpu", "--op", "linear", "--seed", "1234",
+        run = run_candelabra("conformance", "--backend", "cpu", "--level", "ops", "--op", "linear", "--seed", "1234",
                              "--json", str(path))
         assert run.returncode == 0, run.stdout + run.stderr
     nmse = [[c["worst_nmse"] for c in json.loads(p.read_text())["cases"]] for p in (first, second)]
