@@ -9,6 +9,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from candelabra.backends.cuda.availability import assume_multiprocessors  # noqa: E402
 from candelabra.backends.cuda.kernels import int4_matmul as kernel  # noqa: E402
 from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles  # noqa: E402
 from candelabra.backends.cuda.quantized import Int4CudaWeight  # noqa: E402
@@ -20,9 +21,9 @@ pytestmark = triton_interpreter_only
 
 FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-# float32: the general threshold; the kernel measures about 1e-13. float16: the dot takes each dequantized
-# weight rounded to float16, which a dense float16 weight never needs (hence above linear's 1e-8 op
-# threshold): 7e-8 to 1.5e-7 measured. Still far below QUANTIZED_NMSE_THRESHOLDS (3e-4, room for rounding x to
+# float32: the general threshold; the kernel measures about 1.5e-14. float16: the scales and zeros are kept
+# in float16 (quantized.py), which a dense float16 weight never needs (hence above linear's 1e-8 op
+# threshold): 5e-8 to 1.1e-7 measured. Still far below QUANTIZED_NMSE_THRESHOLDS (3e-4, room for rounding x to
 # 8 bits, which this kernel does not do) and below what scales rounded to bfloat16 cost (about 5e-6).
 THRESHOLDS = {"float32": NMSE_THRESHOLDS["float32"], "float16": 1e-6}
 # (M, N, K): decode rows and prefill-like tiles, widths inside one column tile, whole tiles and ragged ones
@@ -48,15 +49,31 @@ def test_matmul_matches_the_dequantized_product(format, dtype, shape):
     assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
 
 
+@pytest.mark.parametrize("scale_after_dot", [True, False], ids=["scale-after-dot", "dequantize-first"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_and_grouped_row_tiles(dtype):
+def test_split_k_and_grouped_row_tiles(dtype, scale_after_dot):
     # K = 768 in 12 steps of 64 split three ways; four row tiles walk the column tiles in groups of two
     rng = np.random.default_rng(7)
     weight, x, expected = _case(rng, "Q4_K", dtype, 64, 100, 768)
     kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
-    config = TileConfig(block_m=16, block_n=32, block_k=64, split_k=3, group_m=2)
+    config = TileConfig(block_m=16, block_n=32, block_k=64, split_k=3, group_m=2, scale_after_dot=scale_after_dot)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert out.dtype == x.dtype
+    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+    # the last split of each tile added the partial sums and reset its arrival count for the next launch
+    assert not kernel.arrival_counts(torch.device("cpu"), 1).any()
+    again = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("format", FORMATS)
+def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_product(format, dtype):
+    rng = np.random.default_rng([sum(map(ord, format)), len(dtype), 5])
+    weight, x, expected = _case(rng, format, dtype, 70, 96, 512)
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    config = TileConfig(block_m=32, block_n=64, block_k=128, scale_after_dot=False)
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
 
 
@@ -121,9 +138,9 @@ def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
                                    (200, 4096, 4096), (4096, 4096, 14336), (3, 40, 96)])
 def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
     monkeypatch.setattr(kernel, "interpreting", lambda: False)
-    monkeypatch.setattr(kernel, "_sm_count", lambda device: 132)
     rows, columns, width = shape
-    config = kernel.choose_config(rows, columns, width, torch.device("cuda"))
+    with assume_multiprocessors(132):
+        config = kernel.choose_config(rows, columns, width, torch.device("cuda"))
     steps = width // config.block_k
     assert width % config.block_k == 0 and config.block_k % 32 == 0
     if rows <= kernel.DECODE_ROWS:

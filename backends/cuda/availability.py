@@ -3,10 +3,18 @@ Triton interpreter (TRITON_INTERPRET=1), which runs every kernel slowly but exac
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 
 INTERPRETER_VARIABLE = "TRITON_INTERPRET"
+# Set while launch code is run for a GPU that is not here (compile_check): the SM count it plans for.
+_assumed_multiprocessors: int | None = None
+# What launch code on CPU tensors (the interpreter) plans for: an H100 SXM's SMs, so that the grids it
+# tests are the ones a GPU gets.
+NOMINAL_MULTIPROCESSORS = 132
 
 
 def interpreting() -> bool:
@@ -48,3 +56,31 @@ def cuda_missing(torch) -> str | None:
         seen = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
         return f"no CUDA device{seen} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     return None
+
+
+def multiprocessor_count(device) -> int:
+    """SMs of the CUDA `device` that launch code sizes its grids for: the device's own, the count
+    `assume_multiprocessors` names, or NOMINAL_MULTIPROCESSORS for CPU tensors."""
+    if _assumed_multiprocessors is not None:
+        return _assumed_multiprocessors
+    if device.type != "cuda":
+        return NOMINAL_MULTIPROCESSORS
+    return _device_multiprocessors(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _device_multiprocessors(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@contextlib.contextmanager
+def assume_multiprocessors(count: int) -> Iterator[None]:
+    """Launch code inside plans its grids for a GPU of `count` SMs, whatever the tensors' device."""
+    global _assumed_multiprocessors
+    previous, _assumed_multiprocessors = _assumed_multiprocessors, count
+    try:
+        yield
+    finally:
+        _assumed_multiprocessors = previous

@@ -18,7 +18,8 @@ from candelabra.core.contract.weights import QuantizedTensor
 # weight (0.625 instead of 0.75, a sixth of a decode's reads) and costs little: NMSE of x @ W.T against the
 # exact product, random 512 x 2048 weights, 8 rows, output rounded, float32 / compute-dtype scales: float16
 # 7.5e-8 / 7.5e-8 (Q4_0), 8.3e-8 / 1.2e-7 (Q4_1), 8.8e-8 / 1.5e-7 (Q4_K); bfloat16 5.4e-6 / 7.3e-6 (Q4_0),
-# 5.4e-6 / 8.3e-6 (Q4_1, Q4_K). Rounding the weights themselves to the dot's dtype dominates either way.
+# 5.4e-6 / 8.3e-6 (Q4_1, Q4_K), measured when the kernel still rounded each weight to the dot's dtype (it now
+# multiplies the exact q - 8 and applies scale and zero per group in float32).
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -1,15 +1,25 @@
 """x @ W.T for W stored as int4 groups of 32 along K, each with a scale and a zero, in one Triton GEMM.
 
-The weight's nibbles are packed two to a byte as uint8 [K / 2, N] (see `pack_nibbles`); each
-program loads packed tiles, dequantizes them in registers, w = (q - 8) * scale + zero in float32,
-rounds w to x's dtype and accumulates with tl.dot in float32. Decode batches (few rows) split K
-across programs so that enough of them stream the int4 bytes at once; their float32 partial sums
-are added afterwards.
+The weight's nibbles are packed two to a byte as uint8 [K / 2, N] (see `pack_nibbles`). A nibble becomes
+q - 8 in x's dtype with two bit operations and a subtraction, no integer-to-float conversion: ORed into
+the mantissa of a float with the right exponent it is that float plus q (1024 + q in float16, 128 + q in
+bfloat16, 8388608 + q in float32), and subtracting the float plus 8 leaves q - 8 exactly.
+
+Decode tiles (few rows: the work per weight is the cost) multiply x by the raw q - 8 per group of 32 and
+apply the group's scale and zero to that dot's result, w = (q - 8) * scale + zero giving
+
+    sum_k x[k] w[k] = scale * sum_k x[k] (q[k] - 8) + zero * sum_k x[k]
+
+Larger tiles, where the dot's work per weight is many rows', dequantize w = (q - 8) * scale + zero in
+registers and take one dot per step: a second accumulator per group would cost them registers.
+
+Decode batches (few rows) split K across programs so that enough of them stream the int4 bytes at once;
+the last program of an output tile to finish adds the splits' float32 partial sums, in split order, and
+writes the tile: one launch in all.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -17,13 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from candelabra.backends.cuda.availability import interpreting
+from candelabra.backends.cuda.availability import interpreting, multiprocessor_count
 
 GROUP_SIZE = 32
 # Byte row h of a group's 16 holds the group's value h in its low nibble and value h + 16 in its
-# high nibble (GGUF's own order within a Q4_0 block), so a tile's low and high nibbles are each a
-# plain [BLOCK_K / 2, BLOCK_N] operand and need no interleaving in registers.
+# high nibble (GGUF's own order within a Q4_0 block), so a group's low and high nibbles are each a
+# plain [16, BLOCK_N] operand and need no interleaving in registers.
 HALF_GROUP = GROUP_SIZE // 2
+# Per dtype of x: the bits of the float whose mantissa a nibble is ORed into (as the unsigned integer of
+# the dtype's width), and that float plus 8.
+MAGIC = {torch.float16: (0x6400, 1032.0), torch.bfloat16: (0x4300, 136.0), torch.float32: (0x4B000000, 8388616.0)}
+_BITS = {torch.float16: tl.uint16, torch.bfloat16: tl.uint16, torch.float32: tl.uint32}
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    scale_after_dot: bool = True  # per group of 32: dot with q - 8, then scale and zero; else dequantize first
 
 
 # Under the interpreter every program runs in numpy, so few, large tiles keep tests fast; block_n
@@ -53,23 +68,31 @@ MAX_SPLIT_K = 16
 MIN_STEPS_PER_SPLIT = 2
 
 
-@triton.jit
+# The rows and each split's steps are loop bounds and masks only: one kernel for every batch and K.
+@triton.jit(do_not_specialize=["M", "steps_per_split"])
 def _int4_matmul_kernel(
     x_ptr,
     packed_ptr,
     scales_ptr,
     zeros_ptr,
     out_ptr,
+    partials_ptr,
+    arrivals_ptr,
     M,
     N,
+    steps_per_split,
     x_row_stride,
     out_row_stride,
-    out_split_stride,
+    partials_split_stride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    STEPS_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
+    MAGIC_PLUS_8: tl.constexpr,
+    BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -88,38 +111,70 @@ def _int4_matmul_kernel(
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    byte_rows = tl.arange(0, HALF_K)
-    # K offset, within a step, of the value in each byte row's low nibble; its high nibble's is 16 on.
-    low_k = (byte_rows // 16) * 32 + byte_rows % 16
-    groups = tl.arange(0, GROUPS)
     weight_mask = col_mask[None, :]
 
+    GROUPS: tl.constexpr = BLOCK_K // 32
     x_rows = x_ptr + rows[:, None] * x_row_stride
-    k_start = split * STEPS_PER_SPLIT * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # A compile-time trip count: Triton's interpreter cannot loop to a runtime bound under numpy 2.4
-    # (it takes int() of a one-element array), and a model has only a few K and split counts.
-    for step in range(STEPS_PER_SPLIT):
-        k = k_start + step * BLOCK_K
-        packed = tl.load(packed_ptr + (k // 2 + byte_rows)[:, None] * N + cols[None, :], mask=weight_mask, other=0)
-        # one scale and zero per group, loaded once and repeated over its 16 byte rows in registers
-        group_offsets = (k // 32 + groups)[:, None] * N + cols[None, :]
-        scale = _repeat_rows(tl.load(scales_ptr + group_offsets, mask=weight_mask, other=0.0).to(tl.float32),
-                             GROUPS, 16, BLOCK_N)
-        zero = _repeat_rows(tl.load(zeros_ptr + group_offsets, mask=weight_mask, other=0.0).to(tl.float32),
-                            GROUPS, 16, BLOCK_N)
-        low = ((packed & 0xF).to(tl.float32) - 8.0) * scale + zero
-        high = ((packed >> 4).to(tl.float32) - 8.0) * scale + zero
-        x_low = tl.load(x_rows + (k + low_k)[None, :], mask=row_mask[:, None], other=0.0)
-        x_high = tl.load(x_rows + (k + 16 + low_k)[None, :], mask=row_mask[:, None], other=0.0)
-        acc = tl.dot(x_low, low.to(x_low.dtype), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(x_high, high.to(x_high.dtype), acc, input_precision=DOT_PRECISION)
+    k_start = split * steps_per_split * BLOCK_K
+    if SCALE_AFTER_DOT:
+        byte_rows = tl.arange(0, 16)
+        for step in range(steps_per_split):
+            for group in tl.static_range(GROUPS):
+                k = k_start + step * BLOCK_K + group * 32
+                packed = tl.load(packed_ptr + (k // 2 + byte_rows)[:, None] * N + cols[None, :], mask=weight_mask,
+                                 other=0).to(BITS)
+                x_low = tl.load(x_rows + (k + byte_rows)[None, :], mask=row_mask[:, None], other=0.0)
+                x_high = tl.load(x_rows + (k + 16 + byte_rows)[None, :], mask=row_mask[:, None], other=0.0)
+                low = ((packed & 0xF) | MAGIC_BITS).to(x_low.dtype, bitcast=True) - MAGIC_PLUS_8
+                high = ((packed >> 4) | MAGIC_BITS).to(x_low.dtype, bitcast=True) - MAGIC_PLUS_8
+                dot = tl.dot(x_low, low.to(x_low.dtype), input_precision=DOT_PRECISION)
+                dot = tl.dot(x_high, high.to(x_low.dtype), dot, input_precision=DOT_PRECISION)
+                x_sum = tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)
+                group_offsets = (k // 32) * N + cols
+                scale = tl.load(scales_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
+                zero = tl.load(zeros_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
+                acc += dot * scale[None, :] + x_sum[:, None] * zero[None, :]
+    else:
+        HALF_K: tl.constexpr = BLOCK_K // 2
+        byte_rows = tl.arange(0, HALF_K)
+        # K offset, within a step, of the value in each byte row's low nibble; its high nibble's is 16 on.
+        low_k = (byte_rows // 16) * 32 + byte_rows % 16
+        groups = tl.arange(0, GROUPS)
+        for step in range(steps_per_split):
+            k = k_start + step * BLOCK_K
+            packed = tl.load(packed_ptr + (k // 2 + byte_rows)[:, None] * N + cols[None, :], mask=weight_mask,
+                             other=0).to(BITS)
+            # one scale and zero per group, loaded once and repeated over its 16 byte rows in registers
+            group_offsets = (k // 32 + groups)[:, None] * N + cols[None, :]
+            scale = _repeat_rows(tl.load(scales_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
+            zero = _repeat_rows(tl.load(zeros_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
+            x_low = tl.load(x_rows + (k + low_k)[None, :], mask=row_mask[:, None], other=0.0)
+            x_high = tl.load(x_rows + (k + 16 + low_k)[None, :], mask=row_mask[:, None], other=0.0)
+            low = (((packed & 0xF) | MAGIC_BITS).to(x_low.dtype, bitcast=True) - MAGIC_PLUS_8) * scale + zero
+            high = (((packed >> 4) | MAGIC_BITS).to(x_low.dtype, bitcast=True) - MAGIC_PLUS_8) * scale + zero
+            acc = tl.dot(x_low, low.to(x_low.dtype), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_high, high.to(x_high.dtype), acc, input_precision=DOT_PRECISION)
 
-    out = out_ptr + split * out_split_stride + rows[:, None] * out_row_stride + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Each split leaves its partial sum; the program that arrives last at this output tile adds
+        # them all, in split order (the same sum whichever finishes first), writes the tile and
+        # resets the tile's arrival count for the next launch.
+        partial_offsets = rows[:, None] * N + cols[None, :]
+        tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in range(SPLIT_K):
+                total += tl.load(partials_ptr + other * partials_split_stride + partial_offsets, mask=out_mask,
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -157,54 +212,84 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         return out
     if width == 0:
         return out.zero_()
-    config = config or choose_config(rows, columns, width, x.device)
+    config = config or choose_config(rows, columns, width, x.device, x.dtype)
     if width % config.block_k:
         raise ValueError(f"block_k {config.block_k} does not divide K = {width}")
     steps = width // config.block_k
-    # every split takes the same number of steps: the kernel's loop then needs no bound of its own
+    # every split takes the same number of steps
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if steps % split == 0)
-    steps_per_split = steps // split_k
+    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
+    # without a split the kernel touches neither
     partials = out if split_k == 1 else torch.empty(split_k, rows, columns, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n), split_k)
-    _int4_matmul_kernel[grid](
-        x, packed, scales, zeros, partials,
-        rows, columns,
-        x.stride(0), columns, rows * columns,
+    arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
+    magic_bits, magic_plus_8 = MAGIC[x.dtype]
+    _int4_matmul_kernel[(tiles, split_k)](
+        x, packed, scales, zeros, out, partials, arrivals,
+        rows, columns, steps // split_k,
+        x.stride(0), out.stride(0), rows * columns,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        STEPS_PER_SPLIT=steps_per_split,
+        SPLIT_K=split_k,
+        SCALE_AFTER_DOT=config.scale_after_dot,
+        MAGIC_BITS=magic_bits,
+        MAGIC_PLUS_8=magic_plus_8,
+        BITS=_BITS[x.dtype],
         # tf32 is Triton's default and applies to float32 operands alone: float32 asks for exact products
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if split_k == 1:
-        return out
-    return partials.sum(dim=0).to(x.dtype)
+    return out
 
 
-def choose_config(rows: int, columns: int, width: int, device: torch.device) -> TileConfig:
-    """The tiling for an [rows, width] @ [width, columns] product on `device` (a fixed one under the
-    interpreter). Chosen for Hopper: decode batches stream the int4 bytes with narrow tiles and split
-    K; larger batches take the usual GEMM tiles with more warps."""
+# Per device, zeroed counters of the split programs that have finished each output tile; the last
+# one resets its tile's to zero. A buffer is never freed (a captured graph may point at it): a larger
+# launch takes a new, larger one.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_KEPT: list[torch.Tensor] = []
+MIN_ARRIVAL_COUNTERS = 4096
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for at least `tiles` output tiles on `device`, the same memory ever after."""
+    device = torch.device(device)
+    counts = _ARRIVALS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
+                             device=device)
+        _KEPT.append(counts)
+        _ARRIVALS[device] = counts
+    return counts
+
+
+def choose_config(rows: int, columns: int, width: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """The tiling for an [rows, width] @ [width, columns] product of x in `dtype` on `device` (a fixed one
+    under the interpreter). Chosen for Hopper: decode batches stream the int4 bytes with narrow tiles and
+    split K; larger batches take the usual GEMM tiles with more warps. float32 x multiplies on the FMA
+    units, whose operands take far more registers: tiles of at most 32 x 64, which ptxas builds without
+    spills (backends/cuda/compile_check.py)."""
     if interpreting():
         return _fitted(INTERPRETER_CONFIG, width)
-    if rows <= DECODE_ROWS:
+    if dtype == torch.float32:
+        config = TileConfig(block_m=min(32, max(16, triton.next_power_of_2(rows))), block_n=64, block_k=64,
+                            num_warps=4, num_stages=3)
+    elif rows <= DECODE_ROWS:
         # small block_n gives a decode more programs to spread the weight's bytes over
         config = TileConfig(block_m=max(16, triton.next_power_of_2(rows)), block_n=64, block_k=128,
                             num_warps=4, num_stages=4)
     elif rows <= 256:
-        config = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+        config = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_after_dot=False)
     else:
-        config = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        config = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_after_dot=False)
     config = _fitted(config, width)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
     # the float32 partial sums are written and read back: 8 bytes an output per split, which should stay
     # within half the weight's int4 bytes, N * K / 2
     most_splits = max(1, width // (32 * rows))
-    return _with_split_k(config, tiles, width // config.block_k, most_splits, _sm_count(device))
+    return _with_split_k(config, tiles, width // config.block_k, most_splits, multiprocessor_count(device))
 
 
 def _fitted(config: TileConfig, width: int) -> TileConfig:
@@ -222,10 +307,3 @@ def _with_split_k(config: TileConfig, tiles: int, steps: int, most_splits: int, 
                if steps % split == 0 and (split == 1 or steps // split >= MIN_STEPS_PER_SPLIT)]
     enough = [split for split in allowed if tiles * split >= PROGRAMS_PER_SM * sm_count]
     return replace(config, split_k=enough[0] if enough else allowed[-1])
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
