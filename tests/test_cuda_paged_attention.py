@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from candelabra.backends.cuda.availability import NOMINAL_MULTIPROCESSORS, assume_multiprocessors  # noqa: E402
 from candelabra.backends.cuda.kernels.paged_attention import (  # noqa: E402
     decode_segments,
     decode_workspace,
@@ -85,8 +86,23 @@ def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
     seq_lens = [1, 17, 70, 200]
     case = Case(1, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
     # at 64 keys a step, the longest sequence fills 4 segments, the others fewer
-    assert decode_segments(len(seq_lens), 2) > triton.cdiv(max(seq_lens), 16)
+    assert decode_segments(len(seq_lens), 2, NOMINAL_MULTIPROCESSORS) > triton.cdiv(max(seq_lens), 16)
     case.run(scale=0.125)
+
+
+def test_a_decode_batch_that_fills_every_sm_is_not_split():
+    assert decode_segments(66, 2, 132) == 1 and decode_segments(64, 8, 132) == 1
+    assert decode_segments(65, 2, 132) == 8  # 130 programs, two short of filling the SMs: 4 an SM wanted
+    assert decode_segments(1, 8, 132) == 16 and decode_segments(8, 4, 132) == 16 and decode_segments(16, 8, 132) == 8
+    assert decode_segments(3, 2, 108) == 16 and decode_segments(40, 2, 108) == 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_batch_that_fills_the_gpu_runs_unsplit(dtype):
+    with assume_multiprocessors(4):  # 4 sequences x 2 KV heads fill 4 SMs: one segment, no merge
+        case = Case(3, [1, 1, 1, 1], [1, 17, 70, 200], num_heads=8, num_kv_heads=2, dtype=dtype)
+        assert decode_segments(4, 2, 4) == 1
+        case.run(scale=0.125)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -141,7 +157,7 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     num_heads, num_kv_heads, head_dim = 4, 2, 64
     first = Case(9, [1, 1, 1], [3, 40, 100], num_heads, num_kv_heads, head_dim, max_blocks=8)
     first.run(scale=0.125)
-    segments = decode_segments(3, num_kv_heads)
+    segments = decode_segments(3, num_kv_heads, NOMINAL_MULTIPROCESSORS)
     workspace = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
     pointers = [t.data_ptr() for t in (workspace.partial_out, workspace.partial_max, workspace.partial_sum)]
 

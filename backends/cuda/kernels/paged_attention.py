@@ -17,11 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.step import CudaStep
 
 LOG2_E = math.log2(math.e)
 # tl.dot needs at least 16 rows (and 16 columns) per operand.
 MIN_DOT_SIZE = 16
+# A split decode aims at this many programs an SM, so that each keeps a few blocks of keys in flight.
+DECODE_PROGRAMS_PER_SM = 4
 _TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -64,11 +67,15 @@ def release_decode_workspaces() -> None:
     _WORKSPACES.clear()
 
 
-def decode_segments(num_seqs: int, num_kv_heads: int) -> int:
-    """Key segments per (sequence, KV head) in a decode step: many when the batch alone leaves
-    most of a GPU's SMs idle, fewer when it fills them, since each segment adds a merge read."""
+def decode_segments(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """Key segments per (sequence, KV head) in a decode step: none when the batch's programs alone
+    fill every SM (a split would only add partial sums and a merge), else enough for about
+    DECODE_PROGRAMS_PER_SM programs an SM, 2 to 16."""
     programs = num_seqs * num_kv_heads
-    return min(16, max(4, triton.next_power_of_2(triton.cdiv(1024, programs))))
+    if programs >= multiprocessors:
+        return 1
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * multiprocessors, programs)
+    return min(16, max(2, triton.next_power_of_2(wanted)))
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,10 @@ class Tiling:
 
 
 def choose_tiling(max_query_len: int, group: int, head_dim_pad: int, float32_dot: bool) -> Tiling:
-    """Tile shapes for sm_90, chosen where ptxas reports no spills: 16-bit operands go to the
-    tensor cores (wgmma from 64 rows); float32 ones multiply exactly on the FMA units, whose
-    operand layouts take far more registers, hence their narrow key steps and 8 warps."""
+    """Tile shapes for sm_90: 16-bit operands go to the tensor cores (wgmma from 64 rows), and ptxas
+    builds every such variant without spills; float32 ones multiply exactly on the FMA units, whose
+    operand layouts take far more registers, hence their narrow key steps and 8 warps, and a few of
+    those variants still spill a few words (backends/cuda/compile_check.py watches both)."""
     group_pad = triton.next_power_of_2(group)
     decode = max_query_len == 1
     if float32_dot:
@@ -128,7 +136,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                             and key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
     tiling = choose_tiling(step.max_query_len, group, head_dim_pad, dot_dtype == torch.float32)
     num_seqs = step.num_seqs
-    segments = decode_segments(num_seqs, num_kv_heads) if step.max_query_len == 1 else 1
+    segments = (decode_segments(num_seqs, num_kv_heads, multiprocessor_count(q.device))
+                if step.max_query_len == 1 else 1)
     if tiling.queries == 1:
         tiles = num_tokens
     else:
@@ -193,7 +202,9 @@ def _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES
     return low
 
 
-@triton.jit
+# The batch's size and window are plain run-time values: specializing on them (Triton does for a 1 and
+# for multiples of 16) would compile another kernel for batch 1 and for some windows, for nothing.
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "sliding_window", "stride_block_tables"])
 def _attention_tile_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr,
