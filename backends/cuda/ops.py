@@ -42,7 +42,7 @@ class CudaOps(TorchOps):
         return cache
 
     def rotary_and_write_kv(self, q, k, v, positions, cos_sin, cache: KVCache, slot_mapping, style="neox"):
-        q, _ = rotary.rotary_write_kv(q, k, v, positions, cos_sin, style, cache.key, cache.value, slot_mapping)
+        q = rotary.rotary_write_kv(q, k, v, positions, cos_sin, style, cache.key, cache.value, slot_mapping)
         return q, cache
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):

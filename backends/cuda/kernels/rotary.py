@@ -71,17 +71,19 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, src_stride_h, dst_stride_h, heads, cols_a, cols_b, mask, cos, sin):
-    """Rotate pairs (a, b) of heads [BLOCK_H] of one token, store them in dst, and return them
-    rounded to dst's dtype."""
+def _rotate_heads(src_ptr, dst_ptr, src_stride_h, dst_stride_h, heads, cols_a, cols_b, mask, cos, sin,
+                  STORE: tl.constexpr = True):
+    """Rotate pairs (a, b) of heads [BLOCK_H] of one token, store them in dst (unless STORE is False),
+    and return them rounded to dst's dtype."""
     src = src_ptr + heads[:, None] * src_stride_h
     dst = dst_ptr + heads[:, None] * dst_stride_h
     a = tl.load(src + cols_a[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(src + cols_b[None, :], mask=mask, other=0.0).to(tl.float32)
     new_a = (a * cos[None, :] - b * sin[None, :]).to(dst_ptr.dtype.element_ty)
     new_b = (b * cos[None, :] + a * sin[None, :]).to(dst_ptr.dtype.element_ty)
-    tl.store(dst + cols_a[None, :], new_a, mask=mask)
-    tl.store(dst + cols_b[None, :], new_b, mask=mask)
+    if STORE:
+        tl.store(dst + cols_a[None, :], new_a, mask=mask)
+        tl.store(dst + cols_b[None, :], new_b, mask=mask)
     return new_a, new_b
 
 
@@ -165,7 +167,9 @@ def _rotary_kernel(
         dst = k_out_ptr + token * k_out_stride_t
         slot = tl.load(slot_ptr + token).to(tl.int64)
         mask = head_mask & pair_mask[None, :]
-        new_a, new_b = _rotate_heads(src, dst, k_stride_h, k_out_stride_h, heads, cols_a, cols_b, mask, cos, sin)
+        # With the cache write, the rotated k goes to the cache alone: no caller reads it back.
+        new_a, new_b = _rotate_heads(src, dst, k_stride_h, k_out_stride_h, heads, cols_a, cols_b, mask, cos, sin,
+                                     not WRITE_KV)
         if WRITE_KV:
             _write_heads(key_cache_ptr, slot, heads, cols_a, new_a, mask,
                          key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
@@ -174,7 +178,8 @@ def _rotary_kernel(
         if HAS_PASS:
             mask = head_mask & pass_col_mask
             rest = tl.load(src + heads[:, None] * k_stride_h + pass_cols[None, :], mask=mask)
-            tl.store(dst + heads[:, None] * k_out_stride_h + pass_cols[None, :], rest, mask=mask)
+            if not WRITE_KV:
+                tl.store(dst + heads[:, None] * k_out_stride_h + pass_cols[None, :], rest, mask=mask)
             if WRITE_KV:
                 _write_heads(key_cache_ptr, slot, heads, pass_cols, rest, mask,
                              key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
@@ -277,7 +282,8 @@ def _rotary(q, k, positions, cos_sin, style, value=None, key_cache=None, value_c
             )
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # with the cache write the kernel stores no k of its own (k stands in, for its dtype and strides)
+    k_out = k if write else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
     cos_sin = _last_axis_dense(cos_sin)
@@ -351,6 +357,8 @@ def rotary_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary`, and in the same launch `write_kv` of the rotated k and of v. Returns (q, k) rotated."""
-    return _rotary(q, k, positions, cos_sin, style, v, key_cache, value_cache, slot_mapping)
+) -> torch.Tensor:
+    """`rotary`, and in the same launch `write_kv` of the rotated k and of v. Returns q rotated; the rotated
+    k is only in the cache."""
+    q_out, _ = _rotary(q, k, positions, cos_sin, style, v, key_cache, value_cache, slot_mapping)
+    return q_out
