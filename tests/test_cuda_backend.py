@@ -134,3 +134,14 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tmp_
 
     np.testing.assert_allclose(logprobs(ours), logprobs(reference), rtol=1e-4, atol=1e-5)
 
+
+def test_tensor_parallel_steps_and_the_flag_run_without_graphs_and_say_why():
+    from types import SimpleNamespace
+
+    from candelabra.backends.cuda.backend import why_no_graphs
+
+    assert why_no_graphs("cuda", False, None) is None
+    assert why_no_graphs("cuda", False, SimpleNamespace(world_size=1)) is None
+    assert "--disable-cuda-graph" in why_no_graphs("cuda", True, None)
+    assert "tensor parallelism over 2 ranks" in why_no_graphs("cuda", False, SimpleNamespace(world_size=2))
+    assert "interpreter" in why_no_graphs("cpu", False, None)

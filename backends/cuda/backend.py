@@ -86,13 +86,29 @@ class CudaBackend(TorchBackend):
     # the step
 
     def step_executor(self, model: Any) -> StepExecutor:
-        if self.torch_device.type == "cuda" and not self.eager_steps:
+        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None))
+        if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
             return CudaGraphExecutor(self, model)
+        if self.torch_device.type == "cuda":
+            log.info("cuda backend: every step runs op by op, no CUDA graphs: %s", why_not)
         return TorchStepExecutor(self, model)
 
     def prepare_step(self, meta: StepMetadata):
         from candelabra.backends.cuda.step import CudaStep
 
         return CudaStep.prepare(meta, self.torch_device)
+
+
+def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any) -> str | None:
+    """Why decode steps are not replayed from CUDA graphs, or None when they are."""
+    if device_type != "cuda":
+        return "CPU tensors through the Triton interpreter"
+    if eager_steps:
+        return "--disable-cuda-graph"
+    if communicator is not None and communicator.world_size > 1:
+        # NCCL can be captured, but the all-reduces inside the step and the per-step broadcast of the
+        # schedule have not been run under capture on a GPU yet: until then tensor-parallel steps stay eager.
+        return f"tensor parallelism over {communicator.world_size} ranks (collectives inside a graph are unverified)"
+    return None

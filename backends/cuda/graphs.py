@@ -52,25 +52,62 @@ def is_plain_decode(inputs: StepInputs) -> bool:
 
 class StaticDecode:
     """Persistent device buffers of one capture size: the step's tokens and metadata, refilled in
-    place for every step, so a graph captured over them reads each new step's values."""
+    place for every step, so a graph captured over them reads each new step's values.
+
+    The int32 fields (tokens, positions, sequence lengths, block tables) are views of one device buffer
+    and the int64 ones (slots, rotary positions) of another, each staged in a host buffer of the same
+    layout (pinned on a GPU): a step is two host-to-device copies. Of the block tables, only the columns
+    the step's longest sequence uses are copied; the kernels read no column past a sequence's length."""
 
     def __init__(self, size: int, block_table_width: int, block_size: int, device) -> None:
         self.size, self.width, self.block_size = size, block_table_width, block_size
-        self.token_ids = torch.zeros(size, dtype=torch.int32, device=device)
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        narrow = 3 * size + size * block_table_width  # tokens, positions, seq_lens, then the tables
+        self._narrow_host = torch.zeros(narrow, dtype=torch.int32, pin_memory=pinned)
+        self._wide_host = torch.zeros(2 * size, dtype=torch.int64, pin_memory=pinned)  # slots, rope positions
+        self._narrow = torch.zeros(narrow, dtype=torch.int32, device=device)
+        self._wide = torch.zeros(2 * size, dtype=torch.int64, device=device)
+        # the host buffers are refilled only once the previous step's copies out of them are done
+        self._copied = torch.cuda.Event() if pinned else None
         self.step = CudaStep.prepare(_empty_decode(size, block_table_width, block_size), device)
+        views = self._views(self._narrow, self._wide)
+        self.token_ids = views["token_ids"]
+        views["token_positions"].copy_(self.step.token_positions)
+        views["seq_lens"].copy_(self.step.seq_lens)
+        views["block_tables"].copy_(self.step.block_tables)
+        views["slot_mapping"].copy_(self.step.slot_mapping)
+        views["rope_positions"].copy_(self.step.rope_positions)
+        for name in ("token_positions", "seq_lens", "block_tables", "slot_mapping", "rope_positions"):
+            setattr(self.step, name, views[name])
         self.logits = None  # the graph's output, once captured
+
+    def _views(self, narrow, wide) -> dict:
+        size, width = self.size, self.width
+        return {"token_ids": narrow[:size], "token_positions": narrow[size:2 * size],
+                "seq_lens": narrow[2 * size:3 * size], "block_tables": narrow[3 * size:].view(size, width),
+                "slot_mapping": wide[:size], "rope_positions": wide[size:]}
 
     def load(self, inputs: StepInputs) -> StepInputs:
         """Copy `inputs`, padded to this size, into the buffers; the padded inputs."""
         padded = pad_step_inputs(inputs, self.size, self.size, self.size)
         meta = padded.step
-        tables = np.zeros((self.size, self.width), dtype=np.int32)
-        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
-        step = self.step
-        for buffer, values in ((self.token_ids, padded.token_ids), (step.token_positions, meta.positions),
-                               (step.slot_mapping, meta.slot_mapping), (step.rope_positions, meta.rope_positions),
-                               (step.seq_lens, meta.seq_lens), (step.block_tables, tables)):
-            buffer.copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buffer.dtype), non_blocking=True)
+        used = meta.block_tables.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._views(self._narrow_host, self._wide_host)
+        for name, values in (("token_ids", padded.token_ids), ("token_positions", meta.positions),
+                             ("seq_lens", meta.seq_lens), ("slot_mapping", meta.slot_mapping),
+                             ("rope_positions", meta.rope_positions)):
+            host[name].numpy()[:] = values
+        # the used columns, packed at the front of the tables' host space, then spread on the device
+        packed = self._narrow_host[3 * self.size:3 * self.size + self.size * used]
+        packed.numpy()[:] = np.asarray(meta.block_tables, dtype=np.int32).reshape(-1)
+        self._narrow[:3 * self.size].copy_(self._narrow_host[:3 * self.size], non_blocking=True)
+        self._wide.copy_(self._wide_host, non_blocking=True)
+        self.step.block_tables[:, :used].copy_(packed.view(self.size, used), non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return padded
 
 
