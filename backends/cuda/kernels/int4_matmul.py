@@ -269,8 +269,9 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
     """The tiling for an [rows, width] @ [width, columns] product of x in `dtype` on `device` (a fixed one
     under the interpreter). Chosen for Hopper: decode batches stream the int4 bytes with narrow tiles and
     split K; larger batches take the usual GEMM tiles with more warps. float32 x multiplies on the FMA
-    units, whose operands take far more registers: tiles of at most 32 x 64, which ptxas builds without
-    spills (backends/cuda/compile_check.py)."""
+    units, whose operands take far more registers: tiles of at most 32 x 64. ptxas builds every tile
+    here for sm_90a without spills (compile_check.SPILL_FREE holds it to that); on sm_80 the 128 x 128
+    tile spills 28 bytes in bfloat16."""
     if interpreting():
         return _fitted(INTERPRETER_CONFIG, width)
     if dtype == torch.float32:

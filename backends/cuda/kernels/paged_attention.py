@@ -89,9 +89,10 @@ class Tiling:
 
 def choose_tiling(max_query_len: int, group: int, head_dim_pad: int, float32_dot: bool) -> Tiling:
     """Tile shapes for sm_90: 16-bit operands go to the tensor cores (wgmma from 64 rows), and ptxas
-    builds every such variant without spills; float32 ones multiply exactly on the FMA units, whose
-    operand layouts take far more registers, hence their narrow key steps and 8 warps, and a few of
-    those variants still spill a few words (backends/cuda/compile_check.py watches both)."""
+    builds every such variant for sm_90a without spills (compile_check.SPILL_FREE holds it to that);
+    float32 ones multiply exactly on the FMA units, whose operand layouts take far more registers,
+    hence their narrow key steps and 8 warps, and a few of those variants spill a few words. On sm_80
+    some 16-bit variants with groups of 7 or 8 query heads spill 4 to 8 bytes too."""
     group_pad = triton.next_power_of_2(group)
     decode = max_query_len == 1
     if float32_dot:

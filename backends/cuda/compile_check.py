@@ -1,0 +1,497 @@
+"""The cuda backend's Triton kernels compiled for a GPU that need not be here.
+
+    python -m candelabra.backends.cuda.compile_check [--target sm_90a sm_80] [--config FILE ...]
+                                                     [--dtype bfloat16 ...] [--json FILE]
+
+Every specialization the backend launches for the given models (default: bench/configs/*) is built for
+each target by Triton and assembled by the ptxas inside Triton's wheel, and a table says, per kernel and
+variant: registers per thread, bytes spilled to local memory, shared memory, and the matrix instruction
+its dots became (wgmma on sm_90a's tensor cores, mma.sync on sm_80's, fma where none was used).
+
+The variants are found, not listed: each kernel's own launch code runs on CPU tensors of a model's shapes
+(one decoder layer's ops at the batch shapes serving uses: decode steps of every CUDA-graph size, prefill
+chunks, mixed steps; sampling; the int4 GEMM at every band of rows) with Triton's launcher replaced by a
+recorder, planning its grids for the target's SM count. What is compiled is what those wrappers would
+launch on that GPU. Needs TRITON_INTERPRET unset: under the interpreter nothing is compiled.
+
+A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
+or needs more shared memory than one block may have on the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from candelabra.backends.cuda.availability import assume_multiprocessors, interpreting
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # what ptxas is told: sm_90a, sm_80
+    capability: int  # 90, 80
+    multiprocessors: int  # of the GPU the grids are planned for
+    shared_memory_per_block: int  # bytes one block may use once it opts in
+
+
+# H100 SXM (132 SMs, 227 KiB per block) and A100 (108 SMs, 163 KiB per block).
+TARGETS = {
+    "sm_90a": Target("sm_90a", 90, 132, 227 * 1024),
+    "sm_80": Target("sm_80", 80, 108, 163 * 1024),
+}
+DEFAULT_CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
+
+
+@dataclass(frozen=True)
+class SpillFreeClaim:
+    """A kernel's docstring says ptxas builds these variants without spills on this target."""
+
+    target: str
+    markers: tuple[str, ...]  # a variant is claimed when its description holds one of them; () for all
+    where: str  # the docstring that says so
+
+
+# Spills are reported for every variant and fail the check where a docstring claims there are none.
+SPILL_FREE: dict[str, SpillFreeClaim] = {
+    "_attention_tile_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16", "DOT_DTYPE=fp16"),
+                                             "kernels/paged_attention.py choose_tiling"),
+    "_int4_matmul_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
+}
+
+
+# Decode steps are replayed at these batch sizes (graphs.CAPTURE_SIZES up to 64 covers every decode
+# split the attention kernel chooses); prefill and mixed steps at these query lengths.
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_LENGTHS = (2, 5, 17, 100, 2048)
+INT4_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048)
+BLOCK_SIZE = 16
+
+
+# Recording launches.
+
+@dataclass
+class Launch:
+    kernel: object  # a triton JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@contextlib.contextmanager
+def recording_launches(target: Target) -> Iterator[list[Launch]]:
+    """Inside, a Triton kernel launch is recorded instead of run, and grids are planned for `target`."""
+    if interpreting():
+        raise RuntimeError("TRITON_INTERPRET=1: the kernels are interpreted, not compiled; unset it to compile them")
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        with assume_multiprocessors(target.multiprocessors):
+            yield launches
+    finally:
+        JITFunction.run = original
+
+
+# One model's launches.
+
+@dataclass(frozen=True)
+class Workload:
+    """What a model asks of the kernels: its ModelConfig's shapes and its class's choices."""
+
+    label: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    intermediate: int
+    vocab: int
+    windows: tuple[int | None, ...]  # per attention kind in the model: None is full attention
+    softcap: float | None
+    norm: str  # "rms" or "layer"
+    mlp: str  # "silu_and_mul", "gelu_and_mul" or "gelu"
+    gelu_approximation: str
+    rotary_style: str
+
+    @classmethod
+    def from_hf_config(cls, label: str, config: dict) -> Workload:
+        from candelabra.core.models.base import _gelu_approximation
+        from candelabra.core.models.config import ModelConfig
+        from candelabra.plugins import installed_plugins
+
+        model = ModelConfig.from_hf(config)
+        model_class = installed_plugins().model_architectures.get(model.architecture)
+        act = model.hidden_act
+        mlp = ("silu_and_mul" if act == "silu" else "gelu_and_mul") if model_class.gated_mlp else "gelu"
+        windows = tuple(sorted({model.window_of(layer) for layer in range(model.num_layers)},
+                               key=lambda window: window or 0))
+        return cls(label=label, hidden=model.hidden_size, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                   head_dim=model.head_dim, rotary_dim=model.rotary_dim, intermediate=model.intermediate_size,
+                   vocab=model.vocab_size, windows=windows, softcap=model.attn_logit_softcapping,
+                   norm=model_class.norm_kind, mlp=mlp,
+                   gelu_approximation="none" if act == "silu" else _gelu_approximation(act),
+                   rotary_style=model_class.rotary_style)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of each linear layer: qkv, attention out, gate/up (or up), down, LM head."""
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp_in = 2 * self.intermediate if self.mlp != "gelu" else self.intermediate
+        return [(q_width + 2 * kv_width, self.hidden), (self.hidden, q_width), (mlp_in, self.hidden),
+                (self.hidden, self.intermediate), (self.vocab, self.hidden)]
+
+
+def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) -> None:
+    """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses,
+    then sampling and the int4 GEMMs (inside `recording_launches`, nothing runs)."""
+    import torch
+
+    from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
+    from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul
+    from candelabra.backends.cuda.kernels.paged_attention import paged_attention
+    from candelabra.backends.torch.backend import torch_dtype
+
+    compute = torch_dtype(dtype)
+    w = workload
+    for rows in (1, 64):
+        x = torch.empty(rows, w.hidden, dtype=compute)
+        if w.norm == "rms":
+            weight = torch.empty(w.hidden, dtype=compute)
+            norms.rms_norm(x, weight, 1e-6)
+            norms.add_rms_norm(x, torch.empty_like(x), weight, 1e-6)
+        projected = torch.empty(rows, w.intermediate * (1 if w.mlp == "gelu" else 2), dtype=compute)
+        if w.mlp == "silu_and_mul":
+            activations.silu_and_mul(projected)
+        elif w.mlp == "gelu_and_mul":
+            activations.gelu_and_mul(projected, w.gelu_approximation)
+        else:
+            activations.gelu(projected, w.gelu_approximation)
+
+    for kv_dtype in kv_dtypes:
+        for query_lens in _step_shapes():
+            step = _cuda_step(query_lens)
+            tokens = step.num_tokens
+            blocks = int(step.block_tables.max()) + 1
+            key_cache = torch.empty(blocks, BLOCK_SIZE, w.kv_heads, w.head_dim, dtype=torch_dtype(kv_dtype))
+            value_cache = torch.empty_like(key_cache)
+            q = torch.empty(tokens, w.heads, w.head_dim, dtype=compute)
+            k = torch.empty(tokens, w.kv_heads, w.head_dim, dtype=compute)
+            cos_sin = torch.empty(max(query_lens) * 4, w.rotary_dim, dtype=torch.float32)
+            rotary.rotary_write_kv(q, k, torch.empty_like(k), step.rope_positions, cos_sin, w.rotary_style,
+                                   key_cache, value_cache, step.slot_mapping)
+            rotary.write_kv(key_cache, value_cache, k, torch.empty_like(k), step.slot_mapping)
+            for window in w.windows:
+                paged_attention(q, key_cache, value_cache, step, w.head_dim ** -0.5, window, w.softcap)
+
+    sampling_rows = 4
+    logits = torch.empty(sampling_rows, w.vocab, dtype=torch.float32)
+    for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (0.7, 0.9)):
+        sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_p))
+
+    for columns, width in w.linear_shapes():
+        if width % GROUP_SIZE:
+            continue
+        packed = torch.empty(width // 2, columns, dtype=torch.uint8)
+        scales = torch.empty(width // GROUP_SIZE, columns, dtype=compute)
+        for rows in INT4_ROWS:
+            int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
+
+
+def _step_shapes() -> list[list[int]]:
+    """Query lengths per sequence: plain decodes of every graph size, one prefill chunk of each length,
+    and a chunk beside three decodes."""
+    return ([[1] * batch for batch in DECODE_BATCHES] + [[length] for length in PREFILL_LENGTHS]
+            + [[length, 1, 1, 1] for length in PREFILL_LENGTHS[:-1]])
+
+
+def _cuda_step(query_lens: list[int]):
+    import torch
+
+    from candelabra.backends.cuda.step import CudaStep
+    from candelabra.core.contract.step_metadata import StepMetadata
+
+    seq_lens = [length + 300 if length == 1 else length for length in query_lens]
+    tables, next_block = [], 0
+    for seq_len in seq_lens:
+        count = -(-seq_len // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    meta = StepMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+    return CudaStep.prepare(meta, torch.device("cpu"))
+
+
+def _sampling(rows: int, vocab: int, temperature: float, top_p: float):
+    import torch
+
+    from candelabra.backends.torch.sampling import TorchSampling
+    from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+
+    empty = pad_token_lists([[] for _ in range(rows)])
+    meta = SamplingMetadata(
+        temperature=np.full(rows, temperature, np.float32), top_k=np.zeros(rows, np.int32),
+        top_p=np.full(rows, top_p, np.float32), min_p=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32), penalty_tokens=empty, output_tokens=empty,
+        bias_token_ids=empty, bias_values=np.zeros(empty.shape, np.float32),
+        uniform=np.full(rows, 0.5, np.float32), num_top_logprobs=0, allowed_token_mask=None)
+    return TorchSampling.prepare(meta, torch.device("cpu"))
+
+
+# Compiling a launch.
+
+@dataclass
+class Compiled:
+    kernel: str
+    variant: str
+    target: str
+    registers: int | None = None
+    spilled: int | None = None  # bytes stored to local memory for spills
+    shared: int | None = None
+    mma: str = "-"
+    seconds: float = 0.0
+    error: str | None = None
+    models: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        if self.error:
+            found.append(f"does not compile: {self.error}")
+        claim = SPILL_FREE.get(self.kernel)
+        if self.spilled and claim and claim.target == self.target and (
+                not claim.markers or any(marker in self.variant for marker in claim.markers)):
+            found.append(f"spills {self.spilled} bytes, where {claim.where} says it does not")
+        limit = TARGETS[self.target].shared_memory_per_block
+        if self.shared is not None and self.shared > limit:
+            found.append(f"needs {self.shared} bytes of shared memory, more than the {limit} a block may have")
+        return found
+
+
+@dataclass
+class Specialization:
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: object
+
+    def identity(self, kernel: str) -> str:
+        return repr((kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
+                     sorted(self.attrs.items()), sorted(self.options.__dict__.items())))
+
+
+def specialization(launch: Launch, target: Target) -> Specialization:
+    """What Triton would compile this launch as on `target`."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(_gpu_target(target))
+    kwargs = dict(launch.kwargs, debug=launch.kwargs.get("debug", False) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    bound, specialized, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound, specialized, options)
+    return Specialization(signature, constexprs, attrs, options)
+
+
+def describe(spec: Specialization) -> str:
+    """The variant in words: its constexprs (integer arguments of 1 among them), the integer arguments
+    Triton specialized as multiples of 16, its pointer element types, warps and stages."""
+    signature, constexprs, options = spec.signature, spec.constexprs, spec.options
+    names = list(signature)
+    constants = [f"{names[path[0]]}={_short(value)}" for path, value in sorted(constexprs.items())
+                 if len(path) == 1 and signature[names[path[0]]] == "constexpr"]
+    multiples = [names[path[0]] for path in sorted(spec.attrs) if len(path) == 1
+                 and not signature[names[path[0]]].startswith("*")]
+    pointers = sorted({kind[1:] for kind in signature.values() if kind.startswith("*")})
+    return " ".join(constants + ([f"mult16={','.join(multiples)}"] if multiples else [])
+                    + ["/".join(pointers), f"w{options.num_warps}s{options.num_stages}"])
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text.removeprefix("triton.language.").removeprefix("tl.")
+
+
+def compile_launch(launch: Launch, spec: Specialization, target: Target) -> Compiled:
+    """Build one specialization for `target`; ptxas's report of it is the one Triton's own build printed."""
+    from triton import knobs
+    from triton.compiler import ASTSource, compile
+
+    compiled = Compiled(launch.name, describe(spec), target.name)
+    started = time.perf_counter()
+    report = io.StringIO()
+    previous = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(report):
+            kernel = compile(ASTSource(launch.kernel, spec.signature, spec.constexprs, spec.attrs),
+                             target=_gpu_target(target), options=spec.options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is the finding
+        lines = str(exc).strip().splitlines()
+        compiled.error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        return compiled
+    finally:
+        knobs.nvidia.dump_ptxas_log = previous
+    compiled.seconds = time.perf_counter() - started
+    compiled.shared = int(kernel.metadata.shared)
+    ptx = kernel.asm["ptx"]
+    compiled.mma = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "-"
+    compiled.registers, compiled.spilled = parse_ptxas_report(report.getvalue())
+    return compiled
+
+
+def parse_ptxas_report(report: str) -> tuple[int | None, int | None]:
+    """(registers per thread, bytes of spill stores) from `ptxas -v`'s report of one kernel."""
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return (int(registers.group(1)) if registers else None), (int(spills.group(1)) if spills else None)
+
+
+def _gpu_target(target: Target):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", target.capability, 32)
+
+
+# The whole check.
+
+def check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
+          progress: Callable[[str], None] = lambda line: None) -> list[Compiled]:
+    """Every distinct specialization the workloads launch, compiled for each target (in a Triton cache of
+    their own, so that every build runs ptxas and reports)."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as cache:
+        previous, knobs.cache.dir = knobs.cache.dir, cache
+        try:
+            return _check(workloads, targets, dtypes, progress)
+        finally:
+            knobs.cache.dir = previous
+
+
+def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
+           progress: Callable[[str], None]) -> list[Compiled]:
+    results: list[Compiled] = []
+    for target in targets:
+        found: dict[str, tuple[Launch, Specialization, list[str]]] = {}
+        with recording_launches(target) as launches:
+            for workload in workloads:
+                for dtype in dtypes:
+                    start = len(launches)
+                    launch_workload(workload, dtype, kv_dtypes=(dtype,))
+                    for launch in launches[start:]:
+                        spec = specialization(launch, target)
+                        entry = found.setdefault(spec.identity(launch.name), (launch, spec, []))
+                        if workload.label not in entry[2]:
+                            entry[2].append(workload.label)
+        progress(f"{target.name}: {len(found)} specializations")
+        for number, (launch, spec, models) in enumerate(found.values(), 1):
+            compiled = compile_launch(launch, spec, target)
+            compiled.models = models
+            results.append(compiled)
+            progress(f"{target.name} {number}/{len(found)} {compiled.kernel} {compiled.variant}: "
+                     f"{compiled.seconds:.1f} s{' ' + compiled.error if compiled.error else ''}")
+    return results
+
+
+HEADERS = ("kernel", "variant", "target", "registers", "spilled B", "shared B", "mma", "models")
+
+
+def table_rows(results: list[Compiled]) -> list[list[str]]:
+    return [[r.kernel, r.variant, r.target, _or_dash(r.registers), _or_dash(r.spilled), _or_dash(r.shared), r.mma,
+             ", ".join(r.models)] for r in sorted(results, key=lambda r: (r.kernel, r.target, r.variant))]
+
+
+SUMMARY_HEADERS = ("kernel", "target", "variants", "registers", "most spilled B", "most shared B", "mma")
+
+
+def summary_rows(results: list[Compiled]) -> list[list[str]]:
+    """Per kernel and target: how many variants, their registers (least to most), the most any spilled
+    and the most shared memory any needs, and the matrix instructions seen."""
+    grouped: dict[tuple[str, str], list[Compiled]] = {}
+    for result in results:
+        grouped.setdefault((result.kernel, result.target), []).append(result)
+    rows = []
+    for (kernel, target), group in sorted(grouped.items()):
+        registers = [r.registers for r in group if r.registers is not None]
+        rows.append([kernel, target, str(len(group)),
+                     f"{min(registers)}-{max(registers)}" if registers else "-",
+                     str(max((r.spilled or 0) for r in group)), str(max((r.shared or 0) for r in group)),
+                     ", ".join(sorted({r.mma for r in group}))])
+    return rows
+
+
+def markdown_table(headers, rows) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def workloads_from(paths: list[Path]) -> list[Workload]:
+    """A workload per config.json (a file, or a folder holding one per model)."""
+    files: list[Path] = []
+    for path in paths:
+        files += sorted(path.glob("*/config.json")) + sorted(path.glob("*.json")) if path.is_dir() else [path]
+    return [Workload.from_hf_config(file.parent.name if file.name == "config.json" else file.stem,
+                                    json.loads(file.read_text(encoding="utf-8"))) for file in files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from candelabra.core.text_table import format_table
+
+    parser = argparse.ArgumentParser(prog="python -m candelabra.backends.cuda.compile_check",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--target", nargs="+", choices=sorted(TARGETS), default=["sm_90a", "sm_80"])
+    parser.add_argument("--config", nargs="+", type=Path, default=[DEFAULT_CONFIGS],
+                        help="config.json files, or folders of them (default: bench/configs)")
+    parser.add_argument("--dtype", nargs="+", choices=("bfloat16", "float16", "float32"),
+                        default=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", type=Path, help="also write every result as JSON")
+    parser.add_argument("--markdown", type=Path, help="also write the summary and every variant as Markdown tables")
+    parser.add_argument("--quiet", action="store_true", help="no line per compile")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    results = check(workloads_from(args.config), [TARGETS[name] for name in args.target], tuple(args.dtype),
+                    progress=(lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr,
+                                                                                      flush=True)))
+    print(format_table(HEADERS, table_rows(results)))
+    print(format_table(SUMMARY_HEADERS, summary_rows(results)))
+    failures = [(r, problem) for r in results for problem in r.problems]
+    print(f"{len(results)} specializations compiled in {time.perf_counter() - started:.0f} s; "
+          f"{len(failures)} problems")
+    for result, problem in failures:
+        print(f"FAIL {result.kernel} [{result.variant}] on {result.target}: {problem}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n", encoding="utf-8")
+    if args.markdown:
+        args.markdown.write_text(f"{markdown_table(SUMMARY_HEADERS, summary_rows(results))}\n\n"
+                                 f"{markdown_table(HEADERS, table_rows(results))}\n", encoding="utf-8")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

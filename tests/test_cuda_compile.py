@@ -1,0 +1,128 @@
+"""Every Triton kernel of the cuda backend, compiled for Hopper (sm_90a) and Ampere (sm_80) without a GPU:
+the specializations serving launches for bench/configs' models and the conformance suite's test models,
+each checked for compile errors, spills and shared memory (backends/cuda/compile_check.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from candelabra.backends.cuda.compile_check import SPILL_FREE, TARGETS, Compiled, parse_ptxas_report
+
+REPO = Path(__file__).resolve().parents[1]
+PTXAS_REPORT = """ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function '_attention_tile_kernel' for 'sm_90a'
+ptxas info    : Function properties for _attention_tile_kernel
+    24 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 24 bytes cumulative stack size
+"""
+
+
+def test_the_ptxas_report_gives_registers_and_spill_stores():
+    assert parse_ptxas_report(PTXAS_REPORT) == (255, 12)
+    assert parse_ptxas_report("no report: the build came from a cache") == (None, None)
+
+
+def test_a_variant_fails_on_a_compile_error_a_spill_or_too_much_shared_memory():
+    fine = Compiled("_rms_norm_kernel", "BLOCK=1024", "sm_90a", registers=25, spilled=0, shared=16)
+    assert fine.problems == []
+    assert Compiled("_rms_norm_kernel", "v", "sm_90a", error="CompilationError: x").problems == [
+        "does not compile: CompilationError: x"]
+    # a spill fails where a docstring claims none: 16-bit attention on sm_90a, but not float32's, nor sm_80's
+    assert "spills 12 bytes, where kernels/paged_attention.py" in Compiled(
+        "_attention_tile_kernel", "DOT_DTYPE=bf16", "sm_90a", registers=64, spilled=12).problems[0]
+    assert Compiled("_attention_tile_kernel", "DOT_DTYPE=fp32", "sm_90a", registers=64, spilled=12).problems == []
+    assert Compiled("_attention_tile_kernel", "DOT_DTYPE=bf16", "sm_80", registers=64, spilled=12).problems == []
+    assert Compiled("_int4_matmul_kernel", "DOT_PRECISION=ieee", "sm_90a", registers=255, spilled=8).problems
+    limit = TARGETS["sm_80"].shared_memory_per_block
+    too_much = Compiled("_rms_norm_kernel", "v", "sm_80", registers=32, spilled=0, shared=limit + 1)
+    assert "more than the 166912 a block may have" in too_much.problems[0]
+    assert Compiled("_rms_norm_kernel", "v", "sm_90a", shared=limit + 1).problems == []  # 227 KiB there
+
+
+def test_the_recorder_refuses_to_run_under_the_interpreter():
+    script = ("from candelabra.backends.cuda.compile_check import TARGETS, recording_launches\n"
+              "with recording_launches(TARGETS['sm_90a']): pass\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode != 0 and "TRITON_INTERPRET=1" in run.stderr
+
+
+def test_launch_code_plans_its_grids_for_the_targets_sm_count():
+    """The int4 GEMM splits K for a decode by the SMs it has to fill: 132 on sm_90a, 108 on sm_80."""
+    script = """
+import torch
+from candelabra.backends.cuda.compile_check import TARGETS, recording_launches
+from candelabra.backends.cuda.kernels.int4_matmul import int4_matmul
+for name in ("sm_90a", "sm_80"):
+    with recording_launches(TARGETS[name]) as launches:
+        int4_matmul(torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(2048, 4096, dtype=torch.uint8),
+                    torch.empty(128, 4096, dtype=torch.bfloat16), torch.empty(128, 4096, dtype=torch.bfloat16))
+    print(name, len(launches), launches[0].name)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["sm_90a", "1", "_int4_matmul_kernel", "sm_80", "1", "_int4_matmul_kernel"]
+
+
+def test_model_configs(folder: Path) -> Path:
+    """The conformance models level's architectures, as config.json files."""
+    import transformers
+
+    from candelabra.conformance.model_cases import _COMMON, MODEL_CASES
+
+    for case in MODEL_CASES:
+        config = getattr(transformers, case.config_class)(**(_COMMON | case.settings))
+        record = config.to_dict()
+        record["architectures"] = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        (folder / case.name).mkdir(parents=True)
+        (folder / case.name / "config.json").write_text(json.dumps(record), encoding="utf-8")
+    return folder
+
+
+test_model_configs.__test__ = False
+
+
+# What CI compiles, a few minutes on one core: every model of bench/configs in bfloat16 (the dtype they
+# serve in) for Hopper and Ampere; the conformance test models in float16 (the interpreter's 16-bit
+# dtype) and Llama-3-8B in float32 (the paths that spill first) for Hopper. The whole grid, every dtype
+# on both targets, is `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md).
+CI_PLAN = """
+import json, sys
+from pathlib import Path
+from candelabra.backends.cuda.compile_check import DEFAULT_CONFIGS, TARGETS, check, workloads_from
+configs, test_models = workloads_from([DEFAULT_CONFIGS]), workloads_from([Path(sys.argv[1])])
+llama = [w for w in configs if w.label == "llama-3-8b"]
+results = (check(configs, [TARGETS["sm_90a"], TARGETS["sm_80"]], ("bfloat16",))
+           + check(test_models, [TARGETS["sm_90a"]], ("float16",)) + check(llama, [TARGETS["sm_90a"]], ("float32",)))
+Path(sys.argv[2]).write_text(json.dumps([vars(r) | {"problems": r.problems} for r in results]))
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_shared_memory(tmp_path):
+    models = test_model_configs(tmp_path / "test-models")
+    results = tmp_path / "compiled.json"
+    compiler_env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", CI_PLAN, str(models), str(results)], capture_output=True, text=True,
+                         timeout=1800, env=compiler_env)
+    assert run.returncode == 0, run.stderr[-5000:]
+    compiled = json.loads(results.read_text())
+    for entry in sorted(compiled, key=lambda e: (e["kernel"], e["target"], e["variant"])):
+        print(f"{entry['kernel']:24} {entry['target']:7} regs {entry['registers']} spilled {entry['spilled']} "
+              f"shared {entry['shared']} {entry['mma']:5} {entry['variant']}")
+    problems = [f"{e['kernel']} [{e['variant']}] on {e['target']}: {p}" for e in compiled for p in e["problems"]]
+    assert not problems, "\n".join(problems)
+    assert {entry["target"] for entry in compiled} == {"sm_90a", "sm_80"}
+    kernels = {entry["kernel"] for entry in compiled}
+    assert kernels >= {"_attention_tile_kernel", "_merge_segments_kernel", "_rms_norm_kernel", "_gated_kernel",
+                       "_elementwise_kernel", "_rotary_kernel", "_write_kv_kernel", "_sample_rows",
+                       "_int4_matmul_kernel"}
+    assert all(entry["registers"] for entry in compiled)
+    attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
+    assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}
+    assert not set(SPILL_FREE) - kernels
