@@ -2,9 +2,10 @@
 
     python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
                                 [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
-                                [--skip-transformers] [--skip-int4] [--json FILE]
+                                [--parts bfloat16 int4 transformers] [--json FILE]
 
-One run, one GPU, everything measured in it:
+One run, one GPU, everything measured in it (--parts picks some of it, for runs of a few minutes each:
+bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 to compare with):
 - the device-to-device copy bandwidth (a 2 GiB copy, read plus write), and from it the roofline of
   a decode step: the bytes of weights it reads (every weight but the embedding table) over that
   bandwidth, so batch B decodes at most B * bandwidth / bytes tokens a second;
@@ -33,6 +34,7 @@ from candelabra.core.llm import LLM
 from candelabra.core.text_table import format_table
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"
+PARTS = ("bfloat16", "int4", "transformers")
 
 
 def copy_bandwidth(torch, gib: float = 2.0, repeats: int = 20) -> float:
@@ -111,7 +113,7 @@ def time_to_first_token(llm: LLM, prompt_tokens: int, rng) -> float:
     return best
 
 
-def candelabra_run(args, quantization: str | None, batches: list[int], rng) -> dict:
+def candelabra_run(args, quantization: str | None, batches: list[int], rng, ttft: bool = False) -> dict:
     import torch
 
     llm = LLM(str(args.config), backend="cuda", dtype="bfloat16", load_format="dummy",
@@ -122,7 +124,7 @@ def candelabra_run(args, quantization: str | None, batches: list[int], rng) -> d
     decode_speed(llm, 1, 16, 8, rng)  # warm-up: kernel compilation, the batch-1 graph
     result["decode"] = {batch: decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
                         for batch in batches}
-    if quantization is None:
+    if ttft:
         result["ttft"] = time_to_first_token(llm, args.ttft_prompt, rng)
     del llm
     gc.collect()
@@ -170,8 +172,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--ttft-prompt", type=int, default=2048, help="prompt tokens of the time-to-first-token run")
     parser.add_argument("--kv-cache-mb", type=float, default=16384)
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--skip-int4", action="store_true")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="what to measure (default: all of it)")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
 
@@ -181,30 +183,37 @@ def main() -> None:
         raise SystemExit("bench/cuda_decode.py needs a CUDA device; torch sees none")
     rng = np.random.default_rng(0)
     bandwidth = copy_bandwidth(torch)
-    bf16 = candelabra_run(args, None, args.batches, rng)
-    int4 = None if args.skip_int4 else candelabra_run(args, "Q4_K", [1], rng)
-    reference = {} if args.skip_transformers else transformers_speed(args, args.batches, rng)
+    bf16 = None
+    if "bfloat16" in args.parts or "int4" in args.parts:
+        bf16 = candelabra_run(args, None, args.batches if "bfloat16" in args.parts else [1], rng,
+                              ttft="bfloat16" in args.parts)
+    int4 = candelabra_run(args, "Q4_K", [1], rng) if "int4" in args.parts else None
+    reference = transformers_speed(args, args.batches, rng) if "transformers" in args.parts else {}
 
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name} "
-          f"in bfloat16 reads {bf16['weight_bytes'] / 1e9:.2f} GB of weights a step; "
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}; "
           f"{args.prompt_tokens} tokens in, {args.output_tokens} out")
+    if bf16:
+        print(f"in bfloat16 a decode step reads {bf16['weight_bytes'] / 1e9:.2f} GB of weights")
     rows = []
     for batch in args.batches:
-        roofline = batch * bandwidth / bf16["weight_bytes"]
-        ours = bf16["decode"][batch]
+        ours = bf16["decode"].get(batch) if bf16 else None
+        roofline = batch * bandwidth / bf16["weight_bytes"] if bf16 else None
         theirs = reference.get(batch)
-        rows.append((batch, f"{ours:.1f}", f"{roofline:.1f}", f"{ours / roofline:.0%}",
-                     f"{theirs:.1f}" if theirs else "-", f"{ours / theirs:.1f}x" if theirs else "-"))
+        rows.append((batch, f"{ours:.1f}" if ours else "-", f"{roofline:.1f}" if roofline else "-",
+                     f"{ours / roofline:.0%}" if ours else "-", f"{theirs:.1f}" if theirs else "-",
+                     f"{ours / theirs:.1f}x" if ours and theirs else "-"))
     print(format_table(("batch", "candelabra tok/s", "roofline tok/s", "of roofline", "transformers tok/s",
                         "candelabra/transformers"), rows))
-    print(f"time to first token, {args.ttft_prompt}-token prompt: {bf16['ttft'] * 1e3:.0f} ms")
+    if bf16 and "ttft" in bf16:
+        print(f"time to first token, {args.ttft_prompt}-token prompt: {bf16['ttft'] * 1e3:.0f} ms")
     if int4:
         ratio = int4["decode"][1] / bf16["decode"][1]
         print(f"int4 (Q4_K) batch 1: {int4['decode'][1]:.1f} tok/s, {int4['weight_bytes'] / 1e9:.2f} GB a step; "
               f"{ratio:.2f}x bfloat16 (goal 1.6x)")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
-                                         "bfloat16": bf16, "int4": int4, "transformers": reference}, indent=2))
+                                         "config": args.config.name, "bfloat16": bf16, "int4": int4,
+                                         "transformers": reference}, indent=2))
 
 
 if __name__ == "__main__":

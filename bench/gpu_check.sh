@@ -1,20 +1,52 @@
 #!/usr/bin/env bash
-# The cuda backend on a machine with an NVIDIA GPU, from this checkout, in two runs of a few minutes:
+# The cuda backend on a machine with an NVIDIA GPU, from this checkout, in named steps, each sized to end
+# inside 9 minutes from a cold Triton cache (sized from the work each does; no GPU has timed them yet):
 #
-#   bash bench/gpu_check.sh conformance   # every level: ops at every dtype, models and engine in float16
-#                                         # and then in bfloat16, at the suite's real shapes
-#   bash bench/gpu_check.sh bench         # bench/cuda_decode.py: decode tok/s against the roofline and
-#                                         # transformers, TTFT, int4 against bfloat16
+#   bash bench/gpu_check.sh STEP [STEP ...]      in the order given; `all` is every step in order
 #
-# It installs this checkout without dependencies when candelabra is not importable, for machines that
-# have torch, Triton and transformers but no network; any wheel in .whl/ (gguf, which such a machine
-# lacks) is installed first. Results go to $OUT when set, else to the current folder.
-set -euo pipefail
+#   env                 nvidia-smi, versions, `candelabra backends`, the sm_90a compile table
+#   ops                 conformance ops level at every dtype the backend declares (bfloat16, float16,
+#                       float32), at the suite's real shapes
+#   models-fp16         conformance models level in float16
+#   models-bf16         conformance models level in bfloat16
+#   engine              conformance engine level in float16 and bfloat16
+#   bench-bf16          bench/cuda_decode.py: batch 1/16/64 decode beside the roofline measured in the
+#                       same run, TTFT at 2,048 tokens (Llama-3-8B shapes, dummy weights, bfloat16)
+#   bench-int4          bench/cuda_decode.py: Q4_K (int4) batch 1 against bfloat16 batch 1
+#   bench-transformers  bench/cuda_decode.py: transformers' generate at batch 1/16/64
+#   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
+#                       top-p sampling against greedy at 152k and 128k vocabularies
+#
+# Each step writes STEP.log (everything it printed) and its JSON under the output folder: the first
+# argument after --out, else $OUT, else ./gpu-check. A step that fails says so and the next still runs;
+# the exit status is that of the last failure.
+#
+# On a machine with torch (CUDA), Triton and transformers but no network, candelabra is installed from
+# this checkout without dependencies, after the wheels in .whl/ (gguf, which such machines lack:
+# `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in
-    conformance|bench) ;;
-    *) echo "usage: bash bench/gpu_check.sh conformance|bench" >&2; exit 2 ;;
-esac
+STEPS=(env ops models-fp16 models-bf16 engine bench-bf16 bench-int4 bench-transformers profile)
+
+results=${OUT:-./gpu-check}
+steps=()
+while (($#)); do
+    case "$1" in
+        --out) results=$2; shift 2 ;;
+        all) steps+=("${STEPS[@]}"); shift ;;
+        *)
+            if [[ " ${STEPS[*]} " != *" $1 "* ]]; then
+                echo "unknown step '$1'; the steps are: ${STEPS[*]} (or all)" >&2
+                exit 2
+            fi
+            steps+=("$1"); shift ;;
+    esac
+done
+if ((${#steps[@]} == 0)); then
+    echo "usage: bash bench/gpu_check.sh [--out FOLDER] STEP [STEP ...]; the steps are: ${STEPS[*]} (or all)" >&2
+    exit 2
+fi
+mkdir -p "$results"
 
 if ! python3 -c "import candelabra.backends.cuda" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
@@ -22,18 +54,46 @@ if ! python3 -c "import candelabra.backends.cuda" 2>/dev/null; then
     fi
     python3 -m pip install -q --no-deps --no-build-isolation -e .
 fi
+python3 -c "import gguf" 2>/dev/null || echo "warning: gguf is not installed; steps that read GGUF files fail" >&2
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-results=${OUT:-.}
 candelabra() { python3 -m candelabra.core.cli "$@"; }
 
-case "${1:-}" in
-    conformance)
-        candelabra backends
-        candelabra conformance --backend cuda --dtype float16 --json "$results/cuda-conformance-float16.json"
-        candelabra conformance --backend cuda --level models --level engine --dtype bfloat16 \
-            --json "$results/cuda-conformance-bfloat16.json"
-        ;;
-    bench)
-        python3 bench/cuda_decode.py --json "$results/cuda-decode.json"
-        ;;
-esac
+run_step() {
+    case "$1" in
+        env)
+            nvidia-smi
+            python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__)"
+            candelabra backends
+            python3 -m candelabra.backends.cuda.compile_check --quiet --target sm_90a --dtype bfloat16 \
+                --config bench/configs/llama-3-8b --json "$results/compile-sm_90a.json" ;;
+        ops)
+            candelabra conformance --backend cuda --level ops --json "$results/ops.json" ;;
+        models-fp16)
+            candelabra conformance --backend cuda --level models --dtype float16 --json "$results/models-fp16.json" ;;
+        models-bf16)
+            candelabra conformance --backend cuda --level models --dtype bfloat16 --json "$results/models-bf16.json" ;;
+        engine)
+            candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" &&
+            candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" ;;
+        bench-bf16)
+            python3 bench/cuda_decode.py --parts bfloat16 --json "$results/bench-bf16.json" ;;
+        bench-int4)
+            python3 bench/cuda_decode.py --parts int4 --batches 1 --json "$results/bench-int4.json" ;;
+        bench-transformers)
+            python3 bench/cuda_decode.py --parts transformers --json "$results/bench-transformers.json" ;;
+        profile)
+            python3 bench/cuda_profile.py --out "$results/profile" ;;
+    esac
+}
+
+status=0
+for step in "${steps[@]}"; do
+    started=$SECONDS
+    echo "== $step"
+    run_step "$step" 2>&1 | tee "$results/$step.log"
+    code=${PIPESTATUS[0]}
+    echo "== $step: exit $code after $((SECONDS - started)) s" | tee -a "$results/$step.log"
+    ((code)) && status=$code
+done
+exit $status

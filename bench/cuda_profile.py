@@ -1,0 +1,161 @@
+"""Where a decode step's time goes on a GPU: a torch.profiler trace of a few steps, the host's share of
+each step, and the sampling kernel with top-p on against greedy.
+
+    python bench/cuda_profile.py [--config bench/configs/llama-3-8b] [--batches 1 64] [--steps 8]
+                                 [--vocab 151936 128256] [--out FOLDER] [--backend cuda]
+
+For each batch, requests of random ids (--load-format dummy weights in bfloat16) are prefilled, a few
+decode steps warm up (graphs captured, kernels compiled), then --steps decode steps run under
+torch.profiler. Printed per batch: the wall time of a step, the time the GPU was busy inside it (the
+union of its kernels' intervals), the rest (the host's work while the GPU waits: step preparation,
+copies, sampling's launches, the engine), and the ten kernels that took the most GPU time. The trace is
+written to --out as Chrome JSON (open it in chrome://tracing or ui.perfetto.dev).
+
+Then `Ops.sample` alone, on random logits of each --vocab at each batch: greedy, and temperature 1 with
+top-p 0.9, median of 50 calls timed with CUDA events. bench/gpu_check.sh's `profile` step runs this.
+
+--backend torch runs the same on a CPU (no graphs, no CUDA events: wall time), to try the script out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.llm import LLM
+from candelabra.core.text_table import format_table
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the [start, end) intervals, overlaps counted once."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        covered += end - max(start, reach)
+        reach = end
+    return covered
+
+
+def device_kernels(profile, on_gpu: bool) -> list:
+    """The profile's device kernels (on a GPU), or its top-level CPU ops (on a CPU)."""
+    events = profile.events()
+    if on_gpu:
+        return [event for event in events if event.device_type.name == "CUDA"]
+    return [event for event in events if event.cpu_parent is None]
+
+
+def profile_decode(llm: LLM, batch: int, steps: int, rng, out: Path, on_gpu: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"profile-{batch}-{index}", rng.integers(0, vocab, 64).tolist(), params)
+    for _ in range(6):  # the prefills, then decodes that capture and compile
+        engine.step()
+    llm.backend.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as trace:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        llm.backend.synchronize()
+        wall = (time.perf_counter() - started) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace.export_chrome_trace(str(out / f"decode-batch{batch}.trace.json"))
+    kernels = device_kernels(trace, on_gpu)
+    busy = busy_union([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6 / steps
+    totals: dict[str, float] = {}
+    for kernel in kernels:
+        totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() / 1e3 / steps
+    top = sorted(totals.items(), key=lambda item: -item[1])[:10]
+    return {"batch": batch, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "host_ms": max(0.0, wall - busy) * 1e3,
+            "top": top}
+
+
+def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: float, on_gpu: bool) -> float:
+    """Median ms of one `Ops.sample` call over random logits [batch, vocab]."""
+    import torch
+
+    from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+
+    rng = np.random.default_rng(vocab + batch)
+    empty = pad_token_lists([[] for _ in range(batch)])
+    meta = SamplingMetadata(
+        temperature=np.full(batch, temperature, np.float32), top_k=np.zeros(batch, np.int32),
+        top_p=np.full(batch, top_p, np.float32), min_p=np.zeros(batch, np.float32),
+        repetition_penalty=np.ones(batch, np.float32), presence_penalty=np.zeros(batch, np.float32),
+        frequency_penalty=np.zeros(batch, np.float32), penalty_tokens=empty, output_tokens=empty,
+        bias_token_ids=empty, bias_values=np.zeros(empty.shape, np.float32),
+        uniform=rng.random(batch, dtype=np.float32), num_top_logprobs=0, allowed_token_mask=None)
+    backend = llm.backend
+    prepared = backend.prepare_sampling(meta)
+    logits = backend.to_device(rng.standard_normal((batch, vocab)).astype(np.float32) * 4, "float32")
+    times = []
+    for _ in range(53):
+        if on_gpu:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            backend.ops.sample(logits, prepared)
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            started = time.perf_counter()
+            backend.ops.sample(logits, prepared)
+            times.append((time.perf_counter() - started) * 1e3)
+    return float(np.median(times[3:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a folder with a config.json")
+    parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
+    parser.add_argument("--kv-cache-mb", type=float, default=8192)
+    parser.add_argument("--out", type=Path, default=Path("."), help="where the traces and profile.json go")
+    args = parser.parse_args()
+    if args.steps < 1 or min(args.batches) < 1:
+        parser.error("--steps and --batches must be at least 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    llm = LLM(str(args.config), backend=args.backend, dtype=args.dtype, load_format="dummy",
+              kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0, max_num_seqs=max(args.batches))
+    on_gpu = llm.backend.name == "cuda" and getattr(llm.backend, "torch_device", None) is not None \
+        and llm.backend.torch_device.type == "cuda"
+    rng = np.random.default_rng(0)
+    steps = [profile_decode(llm, batch, args.steps, rng, args.out, on_gpu) for batch in args.batches]
+    print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().device}; {args.steps} decode steps profiled")
+    print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms"),
+                       [(s["batch"], f"{s['step_ms']:.2f}", f"{s['busy_ms']:.2f}", f"{s['host_ms']:.2f}")
+                        for s in steps]))
+    for s in steps:
+        print(f"batch {s['batch']}, most time a step:")
+        print(format_table(("kernel", "ms a step"), [(name[:90], f"{ms:.3f}") for name, ms in s["top"]]))
+
+    sampling = []
+    for vocab in args.vocab:
+        for batch in args.batches:
+            greedy = time_sampling(llm, vocab, batch, 1.0, 0.0, on_gpu)
+            top_p = time_sampling(llm, vocab, batch, 0.9, 1.0, on_gpu)
+            sampling.append({"vocab": vocab, "batch": batch, "greedy_ms": greedy, "top_p_ms": top_p})
+    print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms"),
+                       [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}") for s in sampling]))
+    (args.out / "profile.json").write_text(json.dumps({"device": llm.backend.probe().device, "steps": steps,
+                                                       "sampling": sampling}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
