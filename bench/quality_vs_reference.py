@@ -270,7 +270,8 @@ def main() -> None:
     print(f"CPU {machine['cpu']}, AMX {'yes' if machine['amx'] else 'no'}; torch {machine['torch']}; "
           f"model {machine['model']}")
     steps = f"{args.rows_per_step} positions per step" if args.rows_per_step else "one step per window"
-    print(f"reference: candelabra cpu float32; {len(token_ids)} tokens, windows of {args.window}; tested path in {steps}")
+    print(f"reference: candelabra cpu float32; {len(token_ids)} tokens, windows of {args.window}; "
+          f"tested path in {steps}")
     print(format_table(HEADERS, [table_row(summary) for summary in summaries]))
     if llama is not None:
         print(f"top {args.top_n} + rest: KL over llama-server's top {args.top_n} tokens (the tested path's own, for "

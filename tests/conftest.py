@@ -11,16 +11,28 @@ import pytest
 
 from candelabra.plugins import installed_plugins
 
+# Under xdist each worker's torch (and every server or rank a test starts) sizes its OpenMP team to all
+# the cores, so teams outnumber cores; waiting threads then sleep at once instead of spinning on a core
+# another team needs. Set before any test imports torch; children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Files in order of their time on 2 cores, longest first (pytest --durations), collected before the
 # rest so that under README's `-n auto --dist loadfile --no-loadscope-reorder` each worker takes a long
 # one while the short ones fill the end: with test_cuda_backend.py's 8 minutes started last (xdist's
 # own order, by the number of tests), two workers took 33 minutes for 40 minutes of serial work.
 LONGEST_FIRST = (
-    "test_cuda_backend.py", "test_real_models.py", "test_tensor_parallel_serving.py", "test_torch_backend.py",
-    "test_tensor_parallel_model.py", "test_gguf.py", "test_structured_output.py", "test_new_backend.py",
-    "test_serve_default_model.py", "test_gcu_backend.py", "test_conformance_cpu.py", "test_metal_backend.py",
-    "test_engine.py", "test_broken_backend.py", "test_conformance_models.py",
+    "test_cuda_backend.py", "test_real_models.py", "test_cuda_compile.py", "test_tensor_parallel_serving.py",
+    "test_torch_backend.py", "test_tensor_parallel_model.py", "test_gguf.py", "test_structured_output.py",
+    "test_new_backend.py", "test_serve_default_model.py", "test_gcu_backend.py", "test_conformance_cpu.py",
+    "test_metal_backend.py", "test_engine.py", "test_broken_backend.py", "test_conformance_models.py",
 )
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker more than there are cores. Many tests spend seconds waiting on a server or a
+    rank they started; the extra worker runs another file meanwhile. On 2 cores: 1686 s for the suite
+    with three workers, 1767 s with two and less work (2026-11-25)."""
+    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
 
 
 def pytest_collection_modifyitems(config, items):
