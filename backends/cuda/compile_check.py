@@ -16,6 +16,9 @@ launch on that GPU. Needs TRITON_INTERPRET unset: under the interpreter nothing 
 
 A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
 or needs more shared memory than one block may have on the target.
+
+The specialization of a launch is computed the way `JITFunction.run` computes it, through Triton's own
+binder and `_pack_args`, which are internal to Triton 3.5 and 3.6 (the versions the `cuda` extra allows).
 """
 
 from __future__ import annotations
