@@ -86,17 +86,10 @@ def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: f
     """Median ms of one `Ops.sample` call over random logits [batch, vocab]."""
     import torch
 
-    from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+    from candelabra.core.contract.step_metadata import plain_sampling
 
     rng = np.random.default_rng(vocab + batch)
-    empty = pad_token_lists([[] for _ in range(batch)])
-    meta = SamplingMetadata(
-        temperature=np.full(batch, temperature, np.float32), top_k=np.zeros(batch, np.int32),
-        top_p=np.full(batch, top_p, np.float32), min_p=np.zeros(batch, np.float32),
-        repetition_penalty=np.ones(batch, np.float32), presence_penalty=np.zeros(batch, np.float32),
-        frequency_penalty=np.zeros(batch, np.float32), penalty_tokens=empty, output_tokens=empty,
-        bias_token_ids=empty, bias_values=np.zeros(empty.shape, np.float32),
-        uniform=rng.random(batch, dtype=np.float32), num_top_logprobs=0, allowed_token_mask=None)
+    meta = plain_sampling(temperature, top_p, rng.random(batch, dtype=np.float32))
     backend = llm.backend
     prepared = backend.prepare_sampling(meta)
     logits = backend.to_device(rng.standard_normal((batch, vocab)).astype(np.float32) * 4, "float32")

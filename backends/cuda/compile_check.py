@@ -246,17 +246,9 @@ def _sampling(rows: int, vocab: int, temperature: float, top_p: float):
     import torch
 
     from candelabra.backends.torch.sampling import TorchSampling
-    from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+    from candelabra.core.contract.step_metadata import plain_sampling
 
-    empty = pad_token_lists([[] for _ in range(rows)])
-    meta = SamplingMetadata(
-        temperature=np.full(rows, temperature, np.float32), top_k=np.zeros(rows, np.int32),
-        top_p=np.full(rows, top_p, np.float32), min_p=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32), penalty_tokens=empty, output_tokens=empty,
-        bias_token_ids=empty, bias_values=np.zeros(empty.shape, np.float32),
-        uniform=np.full(rows, 0.5, np.float32), num_top_logprobs=0, allowed_token_mask=None)
-    return TorchSampling.prepare(meta, torch.device("cpu"))
+    return TorchSampling.prepare(plain_sampling(temperature, top_p, np.full(rows, 0.5)), torch.device("cpu"))
 
 
 # Compiling a launch.

@@ -217,3 +217,17 @@ def pad_token_lists(lists: Sequence[Sequence[int]], min_width: int = 1) -> np.nd
     for row, tokens in enumerate(lists):
         out[row, : len(tokens)] = tokens
     return out
+
+
+def plain_sampling(temperature: float, top_p: float, uniform: np.ndarray) -> SamplingMetadata:
+    """Sampling for len(uniform) rows at one temperature and top-p, with no other filter, penalty, bias
+    or logprobs: what benchmarks and compile checks sample with."""
+    rows = len(uniform)
+    empty = pad_token_lists([[] for _ in range(rows)])
+    return SamplingMetadata(
+        temperature=np.full(rows, temperature, np.float32), top_k=np.zeros(rows, np.int32),
+        top_p=np.full(rows, top_p, np.float32), min_p=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32), penalty_tokens=empty, output_tokens=empty,
+        bias_token_ids=empty, bias_values=np.zeros(empty.shape, np.float32),
+        uniform=np.asarray(uniform, np.float32), num_top_logprobs=0, allowed_token_mask=None)
