@@ -28,6 +28,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker more than there are cores. Many tests spend seconds waiting on a server or a
     rank they started; the extra worker runs another file meanwhile. On 2 cores: 1686 s for the suite
