@@ -112,7 +112,9 @@ class ModelResult:
 
 
 def make_reference(case: ModelCase, seed: int):
-    """A transformers model of `case`'s family with fresh random weights, in float32."""
+    """A transformers model of `case`'s family with fresh random weights, in float32, attending in plain
+    eager math: a fused attention may leave out what the family defines (transformers 5.17 gave Gemma-2
+    its SDPA path, which drops the attention logits' soft-cap)."""
     import torch
     import transformers
 
@@ -121,7 +123,7 @@ def make_reference(case: ModelCase, seed: int):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():  # larger than the default init, so logits spread and greedy rarely ties
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.15)
