@@ -267,3 +267,23 @@ def test_qwen_tokenizer_streams_multilingual_text_and_emoji(qwen, skip):
     for _ in range(100):
         generated = [rng.randrange(qwen.vocab_size) for _ in range(rng.randrange(1, 24))]
         assert_matches_full_decode("qwen", qwen, prompt, generated, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_calls_the_rust_tokenizer_only_where_it_says_what_transformers_says(named_tokenizer, clean_up):
+    """Tokenizer.decode skips transformers' Python wrapper, except where the wrapper cleans up spaces."""
+    name, tokenizer = named_tokenizer
+    hf = tokenizer.hf_tokenizer
+    original, hf.clean_up_tokenization_spaces = hf.clean_up_tokenization_spaces, clean_up
+    try:
+        wrapped = Tokenizer(hf)
+        assert (wrapped._rust_decode is None) == clean_up
+        rng = random.Random(99)
+        texts = MULTILINGUAL + ["a , b . c ! d ? e n't it 's"]
+        for _ in range(200):
+            ids = [rng.randrange(len(hf)) for _ in range(rng.randrange(0, 20))]
+            ids += hf.encode(rng.choice(texts), add_special_tokens=False)
+            for skip in (True, False):
+                assert wrapped.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+    finally:
+        hf.clean_up_tokenization_spaces = original
