@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from candelabra.backends.torch.batched_upload import upload
 from candelabra.core.contract.step_metadata import StepMetadata
 
 
@@ -32,19 +33,15 @@ class CudaStep:
     @classmethod
     def prepare(cls, meta: StepMetadata, device: torch.device) -> CudaStep:
         query_lens = np.diff(meta.query_start_loc)
-        return cls(
-            host=meta,
-            token_positions=_tensor(meta.positions, np.int32, device),
-            token_seq=_tensor(np.repeat(np.arange(meta.num_seqs), query_lens), np.int32, device),
-            slot_mapping=_tensor(meta.slot_mapping, np.int64, device),
-            rope_positions=_tensor(meta.rope_positions, np.int64, device),
-            logits_rows=_tensor(meta.logits_rows, np.int64, device),
-            query_start_loc=_tensor(meta.query_start_loc, np.int32, device),
-            seq_lens=_tensor(meta.seq_lens, np.int32, device),
-            block_tables=_tensor(meta.block_tables, np.int32, device),
-            block_size=meta.block_size,
-            max_query_len=int(meta.max_query_len),
-        )
+        names = ("token_positions", "token_seq", "slot_mapping", "rope_positions", "logits_rows", "query_start_loc",
+                 "seq_lens", "block_tables")
+        tensors = upload([(meta.positions, torch.int32),
+                          (np.repeat(np.arange(meta.num_seqs), query_lens), torch.int32),
+                          (meta.slot_mapping, torch.int64), (meta.rope_positions, torch.int64),
+                          (meta.logits_rows, torch.int64), (meta.query_start_loc, torch.int32),
+                          (meta.seq_lens, torch.int32), (meta.block_tables, torch.int32)], device)
+        return cls(host=meta, **dict(zip(names, tensors)), block_size=meta.block_size,
+                   max_query_len=int(meta.max_query_len))
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +50,3 @@ class CudaStep:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
-
-
-def _tensor(array: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from candelabra.backends.torch.batched_upload import upload
 from candelabra.core.contract.ops import SampleResult, TokenLogprobs
 from candelabra.core.contract.step_metadata import SamplingMetadata
 
@@ -55,32 +56,33 @@ class TorchSampling:
 
     @classmethod
     def prepare(cls, meta: SamplingMetadata, device: torch.device) -> TorchSampling:
-        def put(array, dtype):
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
-
         random_rows = np.flatnonzero(meta.temperature > 0)
         has_top_k = bool(np.any(meta.top_k[random_rows] > 0))
         has_top_p = bool(np.any(meta.top_p[random_rows] < 1))
+        arrays = {"temperature": (meta.temperature, torch.float32), "top_k": (meta.top_k, torch.int64),
+                  "top_p": (meta.top_p, torch.float64), "min_p": (meta.min_p, torch.float32),
+                  "repetition_penalty": (meta.repetition_penalty, torch.float32),
+                  "presence_penalty": (meta.presence_penalty, torch.float32),
+                  "frequency_penalty": (meta.frequency_penalty, torch.float32),
+                  "penalty_tokens": (meta.penalty_tokens, torch.int64),
+                  "output_tokens": (meta.output_tokens, torch.int64),
+                  "bias_token_ids": (meta.bias_token_ids, torch.int64),
+                  "bias_values": (meta.bias_values, torch.float32), "uniform": (meta.uniform, torch.float64)}
+        if random_rows.size:
+            arrays["random_rows"] = (random_rows, torch.int64)
+        if meta.allowed_token_mask is not None:
+            arrays["allowed_token_mask"] = (meta.allowed_token_mask, torch.int32)
+        tensors = dict(zip(arrays, upload(list(arrays.values()), device)))
         return cls(
-            host=meta,            temperature=put(meta.temperature, torch.float32),
-            top_k=put(meta.top_k, torch.int64),
-            top_p=put(meta.top_p, torch.float64),
-            min_p=put(meta.min_p, torch.float32),
-            repetition_penalty=put(meta.repetition_penalty, torch.float32),
-            presence_penalty=put(meta.presence_penalty, torch.float32),
-            frequency_penalty=put(meta.frequency_penalty, torch.float32),
-            penalty_tokens=put(meta.penalty_tokens, torch.int64),
-            output_tokens=put(meta.output_tokens, torch.int64),
-            bias_token_ids=put(meta.bias_token_ids, torch.int64),
-            bias_values=put(meta.bias_values, torch.float32),
-            uniform=put(meta.uniform, torch.float64),
+            host=meta,
+            **{name: tensors[name] for name in arrays if name not in ("random_rows", "allowed_token_mask")},
             num_top_logprobs=meta.num_top_logprobs,
-            allowed_token_mask=None if meta.allowed_token_mask is None else put(meta.allowed_token_mask, torch.int32),
+            allowed_token_mask=tensors.get("allowed_token_mask"),
             has_bias=bool(np.any(meta.bias_token_ids >= 0)),
             has_repetition_penalty=bool(np.any(meta.penalty_tokens >= 0) and np.any(meta.repetition_penalty != 1)),
             has_count_penalties=bool(np.any(meta.output_tokens >= 0)
                                      and np.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0))),
-            random_rows=put(random_rows, torch.int64) if random_rows.size else None,
+            random_rows=tensors.get("random_rows"),
             all_random=random_rows.size == meta.num_rows,
             needs_sort=has_top_k or has_top_p,
             has_top_k=has_top_k,
