@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from candelabra.backends.cuda.kernels import sampling as sampling_kernel  # noqa: E402
 from candelabra.backends.cuda.kernels.sampling import ROW_BLOCK, sample  # noqa: E402
 from candelabra.backends.torch.sampling import TorchSampling  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
@@ -235,7 +236,9 @@ def _host_synchronisation_forbidden():
             setattr(owner, name, value)
 
 
-def test_no_host_synchronisation():
+@pytest.mark.parametrize("candidates", [64, sampling_kernel.CANDIDATES])
+def test_no_host_synchronisation(monkeypatch, candidates):
+    monkeypatch.setattr(sampling_kernel, "CANDIDATES", candidates)
     rng = np.random.default_rng(11)
     meta = _metadata(rng, 6, 1000, "penalties", 5, top_k=rng.integers(1, 50, 6), top_p=np.full(6, 0.8),
                      min_p=np.full(6, 0.05))
@@ -246,3 +249,25 @@ def test_no_host_synchronisation():
             torch.ones(2).sum().item()  # the guard itself works
         result = sample(logits, params)
     assert result.token_ids.shape == (6,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_whose_filter_reaches_past_the_candidates_search_the_whole_row(monkeypatch, dtype):
+    """With 64 candidates over 1,000 tokens: rows whose top-k or top-p keeps fewer tokens draw among
+    the candidates, the rest (top_k past them, a top_p that needs the long tail, a tie across the
+    least candidate) search their whole row, all in one launch."""
+    monkeypatch.setattr(sampling_kernel, "CANDIDATES", 64)
+    rng = np.random.default_rng([13, list(DTYPES).index(dtype)])
+    rows, vocab = 8, 1000
+    logits = _logits(rng, rows, vocab, dtype)
+    logits[6] = 0.5  # every token ties
+    logits[7, :200] = 12.0  # a tie of 200 at the top
+    meta = _metadata(rng, rows, vocab, "temperature", 3,
+                     temperature=[1.0, 1.0, 2.0, 0.7, 1.0, 0.0, 1.0, 1.0],
+                     top_k=[5, 100, 0, 0, 20, 0, 10, 30],
+                     top_p=[1.0, 1.0, 0.999, 0.5, 0.8, 1.0, 1.0, 0.9],
+                     min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0])
+    reference = oracle.sample(logits.double().numpy(), meta)
+    kept = reference["candidates"].sum(axis=1)
+    assert (kept[[0, 3, 4]] < 64).all() and (kept[[1, 2, 6, 7]] >= 64).all(), kept
+    _run_and_compare(logits, meta)

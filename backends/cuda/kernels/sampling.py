@@ -2,8 +2,14 @@
 
 Logit bias and penalties are sparse scatters left to torch. The kernel streams each row to find
 its maximum, log-sum-exp and greedy choice; rows that draw at random then find their top-k and
-top-p thresholds by a many-way search over probability values instead of sorting the vocabulary,
-and draw by inverse CDF in increasing id order. Nothing here waits for the device.
+top-p thresholds and draw by inverse CDF in increasing id order.
+
+A row with a top-k or top-p filter first looks among its CANDIDATES most probable tokens (torch.topk,
+before the kernel): when the filter's threshold lies strictly above the least of them, every token it
+keeps is among them, and the threshold and the draw take a few passes over them alone. Otherwise the
+row searches its whole vocabulary: a many-way search over probability values instead of a sort, each
+pass a stream over the row (on an H200, 0.8 ms a step at a 152k vocabulary, against 0.09 greedy).
+Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from candelabra.core.contract.ops import SampleResult
 
 # Elements per step of the passes that touch each element once (row statistics, the draw).
 ROW_BLOCK = 2048
+# Most probable tokens a filtered row looks among first (a power of two); a vocabulary no larger
+# than this goes straight to the whole-row search.
+CANDIDATES = 1024
 # Elements per step of a threshold search pass, which compares each element with every pivot.
 SEARCH_BLOCK = 512
 # Trial thresholds per search pass: each pass narrows the bracket 16-fold, so a float32 value
@@ -35,10 +44,11 @@ _BELOW_ANY_LOGIT = tl.constexpr(-1e30)  # below any logit but -inf, and far from
 
 
 @triton.jit
-def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
-    """The row's maximum, the lowest id holding it, its minimum, and log(sum(exp(x))).
+def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr, scale, SCALED_SUM: tl.constexpr):
+    """The row's maximum, the lowest id holding it, its minimum, log(sum(exp(x))), and with
+    SCALED_SUM sum(exp((x - max) * scale / log2(e))): the weights' total at the row's temperature.
 
-    Each lane keeps its own running maximum, first id and rescaled sum across the blocks, so
+    Each lane keeps its own running maximum, first id and rescaled sums across the blocks, so
     that the row is reduced across lanes once, at the end.
     """
     offsets = tl.arange(0, BLOCK)
@@ -47,11 +57,15 @@ def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
     lane_min = tl.full([BLOCK], float("inf"), tl.float32)
     lane_id = tl.zeros([BLOCK], tl.int32)
     lane_sum = tl.zeros([BLOCK], tl.float32)  # sum of exp(x - lane_max)
+    lane_scaled_sum = tl.zeros([BLOCK], tl.float32)  # sum of exp2((x - lane_max) * scale)
     for start in range(0, VOCAB, BLOCK):
         ids = start + offsets
         x = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
         lane_sum = lane_sum * tl.exp2((lane_max - new_max) * _LOG2E) + tl.exp2((x - new_max) * _LOG2E)
+        if SCALED_SUM:
+            lane_scaled_sum = (lane_scaled_sum * tl.exp2((lane_max - new_max) * scale)
+                               + tl.exp2((x - new_max) * scale))
         lane_id = tl.where(x > lane_max, ids, lane_id)  # strictly greater: a lane keeps its first maximum
         lane_max = new_max
         lane_min = tl.minimum(lane_min, tl.where(ids < VOCAB, x, float("inf")))
@@ -60,7 +74,11 @@ def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
     # NaN equals no maximum: such a row keeps id 0 rather than read past its end.
     row_max_id = tl.where(row_max_id == _NO_ID, 0, row_max_id)
     lane_share = lane_sum * tl.exp2((lane_max - row_max) * _LOG2E)
-    return row_max, row_max_id, tl.min(lane_min, axis=0), row_max + tl.log(tl.sum(lane_share, axis=0))
+    scaled_total = 0.0
+    if SCALED_SUM:
+        scaled_total = tl.sum((lane_scaled_sum * tl.exp2((lane_max - row_max) * scale)).to(tl.float64), axis=0)
+    return (row_max, row_max_id, tl.min(lane_min, axis=0), row_max + tl.log(tl.sum(lane_share, axis=0)),
+            scaled_total)
 
 
 @triton.jit
@@ -151,38 +169,90 @@ def _inverse_cdf(row_ptr, VOCAB: tl.constexpr, row_max, scale, threshold, unifor
 
 
 @triton.jit
+def _among_candidates(by_weight_ptr, by_id_ptr, ids_ptr, row_max, scale, scaled_total, top_k, top_p, min_p,
+                      uniform, VOCAB: tl.constexpr, CANDIDATES: tl.constexpr):
+    """The draw among a row's CANDIDATES most probable tokens (their logits by decreasing value, and
+    again in increasing id order beside their ids), and whether it stands: whether the top-k and
+    top-p threshold lies strictly above the least candidate's weight, so that every token at or above
+    it is a candidate. Thresholds are as in _threshold: the k-th largest weight, then the largest
+    weight at or above which the weights reach top_p of the mass left by top-k."""
+    slot = tl.arange(0, CANDIDATES)
+    weight = tl.exp2((tl.load(by_weight_ptr + slot).to(tl.float32) - row_max) * scale)
+    least = tl.min(weight, axis=0)
+    threshold = least
+    found = tl.full([], 1, tl.int1)
+    mass = scaled_total
+    if (top_k > 0) & (top_k < VOCAB):
+        found = top_k <= CANDIDATES
+        threshold = tl.sum(tl.where(slot == top_k - 1, weight, 0.0), axis=0)
+        mass = tl.sum(tl.where(weight >= threshold, weight, 0.0).to(tl.float64), axis=0)
+    if top_p < 1.0:
+        kept = weight >= threshold
+        running = tl.cumsum(tl.where(kept, weight, 0.0).to(tl.float64), axis=0)
+        reaching = tl.min(tl.where(kept & (running >= top_p.to(tl.float64) * mass), slot, CANDIDATES), axis=0)
+        found = found & (reaching < CANDIDATES)
+        threshold = tl.maximum(threshold, tl.sum(tl.where(slot == reaching, weight, 0.0), axis=0))
+    stands = found & (threshold > least)
+    threshold = tl.maximum(threshold, tl.minimum(min_p, 1.0))
+
+    ids = tl.load(ids_ptr + slot).to(tl.int32)
+    weight = tl.exp2((tl.load(by_id_ptr + slot).to(tl.float32) - row_max) * scale)
+    candidate = weight >= threshold
+    running = tl.cumsum(tl.where(candidate, weight, 0.0).to(tl.float64), axis=0)
+    target = uniform * tl.max(running, axis=0)
+    first = tl.min(tl.where(candidate & (running > target), ids, _NO_ID), axis=0)
+    last = tl.max(tl.where(candidate, ids, -1), axis=0)
+    return tl.where(first != _NO_ID, first, last), stands
+
+
+@triton.jit
 def _sample_rows(
     logits_ptr, row_stride,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniform_ptr,
     token_ids_ptr, logprobs_ptr, normaliser_ptr,
+    by_weight_ptr, by_id_ptr, candidate_ids_ptr,
     VOCAB: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    PIVOTS: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr,
-    ANY_RANDOM: tl.constexpr, ANY_RANK_FILTER: tl.constexpr,
+    PIVOTS: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, CANDIDATES: tl.constexpr,
+    ANY_RANDOM: tl.constexpr, ANY_RANK_FILTER: tl.constexpr, USE_CANDIDATES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    row_max, chosen, row_min, normaliser = _row_statistics(row_ptr, VOCAB, ROW_BLOCK)
+    temperature = 0.0
     if ANY_RANDOM:
         temperature = tl.load(temperature_ptr + row)
+    scale = tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
+    row_max, chosen, row_min, normaliser, scaled_total = _row_statistics(row_ptr, VOCAB, ROW_BLOCK, scale,
+                                                                         USE_CANDIDATES)
+    if ANY_RANDOM:
         if temperature > 0:
-            scale = _LOG2E / temperature
             # The smallest weight: every token is a candidate until a filter raises the threshold.
             threshold = tl.exp2((row_min - row_max) * scale)
+            min_p = tl.load(min_p_ptr + row).to(tl.float32)
+            uniform = tl.load(uniform_ptr + row).to(tl.float64)
+            searching = tl.full([], 1, tl.int1)
             if ANY_RANK_FILTER:
                 top_k = tl.load(top_k_ptr + row)
-                if (top_k > 0) & (top_k < VOCAB):
-                    threshold = _threshold(row_ptr, VOCAB, row_max, scale, threshold, top_k.to(tl.float64),
-                                           False, SEARCH_BLOCK, PIVOTS, MAX_SEARCH_PASSES)
                 top_p = tl.load(top_p_ptr + row)
-                if top_p < 1.0:
-                    threshold = _threshold(row_ptr, VOCAB, row_max, scale, threshold, top_p.to(tl.float64),
-                                           True, SEARCH_BLOCK, PIVOTS, MAX_SEARCH_PASSES)
-            # min_p relative to the top weight, which is 1; capped so that the top token stays.
-            min_p = tl.load(min_p_ptr + row).to(tl.float32)
-            threshold = tl.maximum(threshold, tl.minimum(min_p, 1.0))
-            uniform = tl.load(uniform_ptr + row).to(tl.float64)
-            chosen = _inverse_cdf(row_ptr, VOCAB, row_max, scale, threshold, uniform, chosen,
-                                  ROW_BLOCK, NUM_ROW_BLOCKS)
+                if USE_CANDIDATES:
+                    if (top_k > 0) & (top_k < VOCAB) | (top_p < 1.0):
+                        offset = row.to(tl.int64) * CANDIDATES
+                        drawn, stands = _among_candidates(
+                            by_weight_ptr + offset, by_id_ptr + offset, candidate_ids_ptr + offset, row_max, scale,
+                            scaled_total, top_k, top_p, min_p, uniform, VOCAB, CANDIDATES)
+                        chosen = tl.where(stands, drawn, chosen)
+                        searching = ~stands
+                if searching:
+                    if (top_k > 0) & (top_k < VOCAB):
+                        threshold = _threshold(row_ptr, VOCAB, row_max, scale, threshold, top_k.to(tl.float64),
+                                               False, SEARCH_BLOCK, PIVOTS, MAX_SEARCH_PASSES)
+                    if top_p < 1.0:
+                        threshold = _threshold(row_ptr, VOCAB, row_max, scale, threshold, top_p.to(tl.float64),
+                                               True, SEARCH_BLOCK, PIVOTS, MAX_SEARCH_PASSES)
+            if searching:
+                # min_p relative to the top weight, which is 1; capped so that the top token stays.
+                threshold = tl.maximum(threshold, tl.minimum(min_p, 1.0))
+                chosen = _inverse_cdf(row_ptr, VOCAB, row_max, scale, threshold, uniform, chosen,
+                                      ROW_BLOCK, NUM_ROW_BLOCKS)
     chosen_logit = tl.load(row_ptr + chosen).to(tl.float32)
     tl.store(token_ids_ptr + row, chosen)
     tl.store(logprobs_ptr + row, chosen_logit - normaliser)
@@ -203,18 +273,27 @@ def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
     normaliser = torch.empty(rows, dtype=torch.float32, device=device)
     if rows:
         row_block = min(ROW_BLOCK, triton.next_power_of_2(vocab))
+        use_candidates = params.needs_sort and vocab > CANDIDATES
+        by_weight = by_id = candidate_ids = x
+        if use_candidates:
+            by_weight, by_weight_ids = torch.topk(x, CANDIDATES, dim=1)
+            candidate_ids, order = torch.sort(by_weight_ids, dim=1)
+            by_id = torch.gather(by_weight, 1, order)
         _sample_rows[(rows,)](
             x, x.stride(0),
             params.temperature, params.top_k, params.top_p, params.min_p, params.uniform,
             token_ids, logprobs, normaliser,
+            by_weight, by_id, candidate_ids,
             VOCAB=vocab,
             ROW_BLOCK=row_block,
             NUM_ROW_BLOCKS=triton.next_power_of_2(triton.cdiv(vocab, row_block)),
             SEARCH_BLOCK=min(SEARCH_BLOCK, triton.next_power_of_2(vocab)),
             PIVOTS=PIVOTS,
             MAX_SEARCH_PASSES=MAX_SEARCH_PASSES,
+            CANDIDATES=CANDIDATES,
             ANY_RANDOM=params.random_rows is not None,
             ANY_RANK_FILTER=params.needs_sort,
+            USE_CANDIDATES=use_candidates,
             num_warps=NUM_WARPS,
         )
     top_ids, top_logprobs = _top_logprobs(x, normaliser[:, None], params.num_top_logprobs)
