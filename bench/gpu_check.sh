@@ -16,6 +16,7 @@
 #   bench-transformers  bench/cuda_decode.py: transformers' generate at batch 1/16/64
 #   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
 #                       top-p sampling against greedy at 152k and 128k vocabularies
+#                       and bench/cuda_mixed_attention.py: a mixed step's decodes tiled apart against in one launch
 #
 # Each step writes STEP.log (everything it printed) and its JSON under the output folder: the first
 # argument after --out, else $OUT, else ./gpu-check. A step that fails says so and the next still runs;
@@ -83,7 +84,8 @@ run_step() {
         bench-transformers)
             python3 bench/cuda_decode.py --parts transformers --json "$results/bench-transformers.json" ;;
         profile)
-            python3 bench/cuda_profile.py --out "$results/profile" ;;
+            python3 bench/cuda_profile.py --out "$results/profile" &&
+            python3 bench/cuda_mixed_attention.py ;;
     esac
 }
 

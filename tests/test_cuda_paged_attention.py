@@ -167,3 +167,14 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     second.run(scale=0.125)
     again = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
     assert [t.data_ptr() for t in (again.partial_out, again.partial_max, again.partial_sum)] == pointers
+
+
+@pytest.mark.parametrize("query_lens, decode_tokens", [([1, 5, 1, 3, 1], [0, 6, 10]), ([1, 1, 1], None),
+                                                       ([4, 2], None), ([7, 1], [7])])
+def test_a_step_lists_its_decodes_only_beside_longer_queries(query_lens, decode_tokens):
+    """Attention tiles the decodes of a mixed step apart from its longer queries."""
+    tables = [[i] * 2 for i in range(len(query_lens))]
+    step = CudaStep.prepare(StepMetadata.build(query_lens, [max(q, 9) for q in query_lens], tables, 16),
+                            torch.device("cpu"))
+    listed = None if step.decode_tokens is None else step.decode_tokens.tolist()
+    assert listed == decode_tokens

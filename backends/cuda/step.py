@@ -29,18 +29,24 @@ class CudaStep:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     block_size: int
     max_query_len: int
+    # [D] int32: in a step that also has longer queries, the tokens of its one-token sequences (decodes),
+    # which attention tiles apart from the rest; None where there are none, or only those
+    decode_tokens: torch.Tensor | None = None
 
     @classmethod
     def prepare(cls, meta: StepMetadata, device: torch.device) -> CudaStep:
         query_lens = np.diff(meta.query_start_loc)
-        names = ("token_positions", "token_seq", "slot_mapping", "rope_positions", "logits_rows", "query_start_loc",
-                 "seq_lens", "block_tables")
-        tensors = upload([(meta.positions, torch.int32),
-                          (np.repeat(np.arange(meta.num_seqs), query_lens), torch.int32),
-                          (meta.slot_mapping, torch.int64), (meta.rope_positions, torch.int64),
-                          (meta.logits_rows, torch.int64), (meta.query_start_loc, torch.int32),
-                          (meta.seq_lens, torch.int32), (meta.block_tables, torch.int32)], device)
-        return cls(host=meta, **dict(zip(names, tensors)), block_size=meta.block_size,
+        names = ["token_positions", "token_seq", "slot_mapping", "rope_positions", "logits_rows", "query_start_loc",
+                 "seq_lens", "block_tables"]
+        arrays = [(meta.positions, torch.int32), (np.repeat(np.arange(meta.num_seqs), query_lens), torch.int32),
+                  (meta.slot_mapping, torch.int64), (meta.rope_positions, torch.int64),
+                  (meta.logits_rows, torch.int64), (meta.query_start_loc, torch.int32),
+                  (meta.seq_lens, torch.int32), (meta.block_tables, torch.int32)]
+        decodes = query_lens == 1
+        if decodes.any() and not decodes.all():
+            names.append("decode_tokens")
+            arrays.append((meta.query_start_loc[:-1][decodes], torch.int32))
+        return cls(host=meta, **dict(zip(names, upload(arrays, device))), block_size=meta.block_size,
                    max_query_len=int(meta.max_query_len))
 
     @property

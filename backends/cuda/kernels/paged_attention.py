@@ -6,6 +6,11 @@ head), so even a single decode token fills a tensor-core tile. In a decode step 
 keys are split into a fixed number of segments whose partial results land in a workspace that is
 reused across calls: the launch depends only on the step's shapes, never on its lengths, so a
 decode step captured in a CUDA graph replays correctly with any sequence lengths.
+
+A step that mixes decodes with longer queries (prefill chunks beside running sequences) launches
+twice: its decodes tiled as a decode step (a tile of one token's group of heads, keys split into
+segments) and the longer queries tiled for prefill. In one launch each decode would take a prefill
+tile of up to 128 rows for its few heads and walk its whole context alone.
 """
 
 from __future__ import annotations
@@ -135,52 +140,90 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     # a cache dtype other than q's) is multiplied in float32, exactly.
     dot_dtype = q.dtype if (q.dtype in (torch.float16, torch.bfloat16)
                             and key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
-    tiling = choose_tiling(step.max_query_len, group, head_dim_pad, dot_dtype == torch.float32)
-    num_seqs = step.num_seqs
-    segments = (decode_segments(num_seqs, num_kv_heads, multiprocessor_count(q.device))
-                if step.max_query_len == 1 else 1)
-    if tiling.queries == 1:
-        tiles = num_tokens
+    launch = _AttentionLaunch(out, q, key_cache, value_cache, step, group, head_dim_pad, dot_dtype,
+                              sliding_window, logit_softcap, scale)
+    if step.max_query_len == 1:
+        launch.decodes(num_tokens, None)
+    elif step.decode_tokens is not None:
+        launch.decodes(int(step.decode_tokens.shape[0]), step.decode_tokens)
+        launch.longer_queries(skip_decodes=True)
     else:
-        # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
-        tiles = num_tokens // tiling.queries + num_seqs
-
-    if segments > 1:
-        workspace = decode_workspace(q.device, q.dtype, num_tokens, num_heads, head_dim, segments)
-        partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
-    else:
-        partials = (out, out, out)  # never touched when there is a single segment
-
-    if logit_softcap is None:
-        score_scale, capped_scale = scale * LOG2_E, 0.0
-    else:
-        score_scale, capped_scale = scale / logit_softcap, logit_softcap * LOG2_E
-
-    _attention_tile_kernel[(tiles, num_kv_heads, segments)](
-        out, *partials,
-        q, key_cache, value_cache,
-        step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
-        num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
-        score_scale, capped_scale, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        step.block_tables.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows, BLOCK_N=tiling.keys,
-        BLOCK_SIZE=step.block_size, NUM_SEGMENTS=segments,
-        USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_DTYPE=_TRITON_DTYPES[dot_dtype],
-        num_warps=tiling.warps, num_stages=tiling.stages,
-    )
-    if segments > 1:
-        _merge_segments_kernel[(num_tokens, num_heads)](
-            out, *partials, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=segments,
-            num_warps=4 if head_dim_pad >= 128 else 2,
-        )
+        launch.longer_queries(skip_decodes=False)
     return out
+
+
+@dataclass
+class _AttentionLaunch:
+    """The arguments every launch of one paged_attention call shares."""
+
+    out: torch.Tensor
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    step: CudaStep
+    group: int
+    head_dim_pad: int
+    dot_dtype: torch.dtype
+    sliding_window: int | None
+    logit_softcap: float | None
+    scale: float
+
+    def decodes(self, count: int, tokens: torch.Tensor | None) -> None:
+        """One tile per decode token (all of the step's tokens, or those listed in `tokens`), its keys
+        split into segments when the tiles alone leave SMs idle, then the segments merged."""
+        q, num_kv_heads = self.q, self.key_cache.shape[2]
+        tiling = choose_tiling(1, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
+        segments = decode_segments(count, num_kv_heads, multiprocessor_count(q.device))
+        num_tokens, num_heads, head_dim = q.shape
+        if segments > 1:
+            workspace = decode_workspace(q.device, q.dtype, num_tokens, num_heads, head_dim, segments)
+            partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
+        else:
+            partials = (self.out, self.out, self.out)  # never touched when there is a single segment
+        self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False)
+        if segments > 1:
+            _merge_segments_kernel[(count, num_heads)](
+                self.out, *partials, self.out.stride(0), self.out.stride(1),
+                tokens if tokens is not None else self.out,
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, NUM_SEGMENTS=segments,
+                TOKEN_LIST=tokens is not None,
+                num_warps=4 if self.head_dim_pad >= 128 else 2,
+            )
+
+    def longer_queries(self, skip_decodes: bool) -> None:
+        """Tiles of several query tokens of one sequence each, unsplit."""
+        step = self.step
+        tiling = choose_tiling(step.max_query_len, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
+        # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
+        tiles = self.q.shape[0] // tiling.queries + step.num_seqs
+        self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 3, None, skip_decodes)
+
+    def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool) -> None:
+        q, out, key_cache, value_cache, step = self.q, self.out, self.key_cache, self.value_cache, self.step
+        if self.logit_softcap is None:
+            score_scale, capped_scale = self.scale * LOG2_E, 0.0
+        else:
+            score_scale, capped_scale = self.scale / self.logit_softcap, self.logit_softcap * LOG2_E
+        num_seqs, num_heads, head_dim = step.num_seqs, q.shape[1], q.shape[2]
+        _attention_tile_kernel[grid](
+            out, *partials,
+            q, key_cache, value_cache,
+            step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
+            tokens if tokens is not None else step.token_seq,
+            num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
+            score_scale, capped_scale, self.sliding_window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            step.block_tables.stride(0),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad,
+            GROUP=self.group, GROUP_PAD=triton.next_power_of_2(self.group),
+            QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows, BLOCK_N=tiling.keys,
+            BLOCK_SIZE=step.block_size, NUM_SEGMENTS=grid[2],
+            USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
+            DOT_DTYPE=_TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
+            num_warps=tiling.warps, num_stages=tiling.stages,
+        )
 
 
 @triton.jit
@@ -209,7 +252,7 @@ def _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES
 def _attention_tile_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
     num_seqs, search_steps,
     score_scale, capped_scale, sliding_window,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
@@ -221,14 +264,21 @@ def _attention_tile_kernel(
     QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):
+    """A tile of query rows against its sequence's keys (or one segment of them). With
+    QUERIES_PER_TILE 1 tile t is one token: token t, or with TOKEN_LIST the t-th of tile_tokens.
+    Otherwise tiles follow the sequences' queries in order, and with SKIP_DECODES those of one-token
+    sequences (tiled by another launch) do nothing."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
     if QUERIES_PER_TILE == 1:
-        seq = tl.load(token_seq_ptr + tile)
         first_token = tile
+        if TOKEN_LIST:
+            first_token = tl.load(tile_tokens_ptr + tile)
+        seq = tl.load(token_seq_ptr + first_token)
         tile_queries = 1
     else:
         seq = _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE)
@@ -237,6 +287,9 @@ def _attention_tile_kernel(
         first_query = (tile - seq_first_token // QUERIES_PER_TILE - seq) * QUERIES_PER_TILE
         if first_query >= query_len:
             return
+        if SKIP_DECODES:
+            if query_len == 1:
+                return
         first_token = seq_first_token + first_query
         tile_queries = tl.minimum(query_len - first_query, QUERIES_PER_TILE)
 
@@ -318,10 +371,13 @@ def _attention_tile_kernel(
 @triton.jit
 def _merge_segments_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    stride_out_token, stride_out_head,
+    stride_out_token, stride_out_head, tile_tokens_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    TOKEN_LIST: tl.constexpr,
 ):
     token = tl.program_id(0)
+    if TOKEN_LIST:
+        token = tl.load(tile_tokens_ptr + token)
     head = tl.program_id(1)
     partial = (token * NUM_HEADS + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
     dims = tl.arange(0, HEAD_DIM_PAD)
