@@ -3,6 +3,7 @@ each step, and the sampling kernel with top-p on against greedy.
 
     python bench/cuda_profile.py [--config bench/configs/llama-3-8b] [--batches 1 64] [--steps 8]
                                  [--vocab 151936 128256] [--out FOLDER] [--backend cuda]
+                                 [--quantization Q4_K] [--no-sampling]
 
 For each batch, requests of random ids (--load-format dummy weights in bfloat16) are prefilled, a few
 decode steps warm up (graphs captured, kernels compiled), then --steps decode steps run under
@@ -118,6 +119,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
     parser.add_argument("--kv-cache-mb", type=float, default=8192)
+    parser.add_argument("--quantization", choices=["Q4_K"],
+                        help="dummy linear weights in this GGUF format (Q4_K: int4 on the GPU) instead of --dtype")
+    parser.add_argument("--no-sampling", action="store_true", help="skip the sampling timings")
     parser.add_argument("--out", type=Path, default=Path("."), help="where the traces and profile.json go")
     args = parser.parse_args()
     if args.steps < 1 or min(args.batches) < 1:
@@ -125,6 +129,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     llm = LLM(str(args.config), backend=args.backend, dtype=args.dtype, load_format="dummy",
+              dummy_quantization=args.quantization,
               kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0, max_num_seqs=max(args.batches))
     on_gpu = llm.backend.name == "cuda" and getattr(llm.backend, "torch_device", None) is not None \
         and llm.backend.torch_device.type == "cuda"
@@ -139,13 +144,15 @@ def main() -> None:
         print(format_table(("kernel", "ms a step"), [(name[:90], f"{ms:.3f}") for name, ms in s["top"]]))
 
     sampling = []
-    for vocab in args.vocab:
+    for vocab in [] if args.no_sampling else args.vocab:
         for batch in args.batches:
             greedy = time_sampling(llm, vocab, batch, 1.0, 0.0, on_gpu)
             top_p = time_sampling(llm, vocab, batch, 0.9, 1.0, on_gpu)
             sampling.append({"vocab": vocab, "batch": batch, "greedy_ms": greedy, "top_p_ms": top_p})
-    print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms"),
-                       [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}") for s in sampling]))
+    if sampling:
+        print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms"),
+                           [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}")
+                            for s in sampling]))
     (args.out / "profile.json").write_text(json.dumps({"device": llm.backend.probe().device, "steps": steps,
                                                        "sampling": sampling}, indent=2) + "\n")
 

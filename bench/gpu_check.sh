@@ -17,6 +17,7 @@
 #   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
 #                       top-p sampling against greedy at 152k and 128k vocabularies
 #                       and bench/cuda_mixed_attention.py: a mixed step's decodes tiled apart against in one launch
+#   profile-int4        bench/cuda_profile.py at batch 1 with Q4_K (int4) weights: where an int4 step's time goes
 #
 # Each step writes STEP.log (everything it printed) and its JSON under the output folder: the first
 # argument after --out, else $OUT, else ./gpu-check. A step that fails says so and the next still runs;
@@ -27,7 +28,7 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env ops models-fp16 models-bf16 engine bench-bf16 bench-int4 bench-transformers profile)
+STEPS=(env ops models-fp16 models-bf16 engine bench-bf16 bench-int4 bench-transformers profile profile-int4)
 
 results=${OUT:-./gpu-check}
 steps=()
@@ -86,6 +87,8 @@ run_step() {
         profile)
             python3 bench/cuda_profile.py --out "$results/profile" &&
             python3 bench/cuda_mixed_attention.py ;;
+        profile-int4)
+            python3 bench/cuda_profile.py --quantization Q4_K --no-sampling --batches 1 --out "$results/profile-int4" ;;
     esac
 }
 
