@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 from candelabra.core.contract.device import Device
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
 from candelabra.core.worker.topology import Topology
 

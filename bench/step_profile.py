@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from candelabra.core.contract.ops import Ops
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
 
 

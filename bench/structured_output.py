@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from candelabra.core.engine.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.text_table import format_table
 
 CONSTRAINTS = {

@@ -25,8 +25,8 @@ def measure(mode: str, steps: int) -> dict:
     import numpy as np
     import torch
 
-    from candelabra.core.engine.sampling_params import SamplingParams
     from candelabra.core.llm import LLM
+    from candelabra.core.requests.sampling_params import SamplingParams
 
     llm = LLM(None, backend="torch", kvcache_mem_gpu=256, kvcache_mem_cpu=0)
     if mode == "ops":

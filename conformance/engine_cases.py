@@ -166,7 +166,7 @@ def run_engine_case(backend, case: EngineCase, seed: int, dtype: str = "float32"
 
 
 def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
-    from candelabra.core.engine.sampling_params import SamplingParams
+    from candelabra.core.requests.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

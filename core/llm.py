@@ -9,10 +9,11 @@ from tqdm import tqdm
 
 from candelabra.core.contract.device import Device
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.kv_cache_size import blocks_in, device_cache_size, one_block
+from candelabra.core.loading.open import open_model
 from candelabra.core.models import load_model
+from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.core.worker.tensor_parallel import (
@@ -22,49 +23,9 @@ from candelabra.core.worker.tensor_parallel import (
     WorkerSpec,
 )
 from candelabra.core.worker.topology import Topology
+from candelabra.plugins import choose_backend
 
 log = logging.getLogger("candelabra")
-
-def choose_backend(name: str = "auto"):
-    """The backend class for `name`; "auto" picks the available one of highest priority, saying
-    which and what it passed over."""
-    from candelabra.plugins import auto_choice, backend_class, ranked_backends
-
-    if name != "auto":
-        cls = backend_class(name)
-        probe = cls.probe()
-        if not probe.available:
-            raise RuntimeError(f"backend {name!r} is not available: {probe.reason}")
-        return cls
-    ranked = ranked_backends()
-    chosen = auto_choice(ranked)
-    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.device}" if c.probe.available else
-                   f"{c.name}: not available, {c.probe.reason}" for c in ranked if c is not chosen]
-    log.info("backend auto: chose %s, priority %d, the highest available, on %s (passed over: %s)", chosen.name,
-             chosen.probe.priority, chosen.probe.device, "; ".join(passed_over) or "none")
-    return chosen.backend
-
-
-def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
-               revision: str | None = None, load_format: str = "auto",
-               dummy_quantization: str | None = None) -> Checkpoint:
-    """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named.
-    `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint)."""
-    from candelabra.core.weights import CheckpointError
-    from candelabra.core.weights.default_model import default_model_path
-    from candelabra.core.weights.open import check_load_format, open_checkpoint
-
-    check_load_format(load_format, dummy_quantization)
-    formats = {"load_format": load_format, "dummy_quantization": dummy_quantization}
-    if model is None and model_id is None and weight_file is None:
-        if load_format == "dummy":
-            raise CheckpointError("--load-format dummy", "needs a config.json to shape the weights; pass "
-                                  "--weight-path FOLDER (holding config.json) or --model-id ORG/NAME")
-        model = default_model_path()
-    path = Path(model) if model is not None else None
-    if path is not None and path.is_file() and weight_file is None:
-        return open_checkpoint(weight_path=path.parent, weight_file=path.name, **formats)
-    return open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id, revision=revision, **formats)
 
 
 class LLM:

@@ -2,7 +2,7 @@
 
 from candelabra.plugins.hookspecs import hookimpl
 from candelabra.plugins.manager import BrokenPlugin, Plugins, backend_class, discover, installed_plugins
-from candelabra.plugins.ranking import Candidate, auto_choice, ranked_backends
+from candelabra.plugins.ranking import Candidate, auto_choice, choose_backend, ranked_backends
 from candelabra.plugins.registry import PluginSource, Registration, Registry, RegistryError
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "RegistryError",
     "auto_choice",
     "backend_class",
+    "choose_backend",
     "discover",
     "hookimpl",
     "installed_plugins",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from candelabra.core.contract.backend import Probe
-from candelabra.plugins.manager import Plugins, _one_line, installed_plugins
+from candelabra.plugins.manager import Plugins, _one_line, backend_class, installed_plugins
 from candelabra.plugins.registry import RegistryError
+
+log = logging.getLogger("candelabra")
 
 
 @dataclass(frozen=True)
@@ -51,3 +54,21 @@ def _probe(backend: type) -> Probe:
         return backend.probe()
     except Exception as exc:  # noqa: BLE001 - a probe must not raise; one that does only rules itself out
         return Probe(False, f"its probe raised {_one_line(exc)}")
+
+
+def choose_backend(name: str = "auto"):
+    """The backend class for `name`; "auto" picks the available one of highest priority, saying
+    which and what it passed over."""
+    if name != "auto":
+        cls = backend_class(name)
+        probe = cls.probe()
+        if not probe.available:
+            raise RuntimeError(f"backend {name!r} is not available: {probe.reason}")
+        return cls
+    ranked = ranked_backends()
+    chosen = auto_choice(ranked)
+    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.device}" if c.probe.available else
+                   f"{c.name}: not available, {c.probe.reason}" for c in ranked if c is not chosen]
+    log.info("backend auto: chose %s, priority %d, the highest available, on %s (passed over: %s)", chosen.name,
+             chosen.probe.priority, chosen.probe.device, "; ".join(passed_over) or "none")
+    return chosen.backend

@@ -8,8 +8,8 @@ import pytest
 
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.engine.async_engine import AsyncEngine
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 23, 42], [7, 11, 13], [40, 41, 42, 43, 44, 45]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -107,8 +107,8 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tmp_
     and every token matches the numpy reference's."""
     from candelabra.backends.cuda.graphs import CudaGraphExecutor
     from candelabra.conformance.engine_cases import write_tiny_checkpoint
-    from candelabra.core.engine.sampling_params import SamplingParams
     from candelabra.core.llm import LLM
+    from candelabra.core.requests.sampling_params import SamplingParams
 
     write_tiny_checkpoint(tmp_path, seed=13)
     options = dict(kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)

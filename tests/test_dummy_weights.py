@@ -18,13 +18,13 @@ from candelabra.conformance.model_cases import MODEL_CASES, ModelCase, make_refe
 from candelabra.core import cli
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.loading import dummy as dummy_module
+from candelabra.core.loading.dummy import STD, DummyCheckpoint
 from candelabra.core.models import load_model
 from candelabra.core.models.config import ModelConfig
+from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import CheckpointError
-from candelabra.core.weights import dummy as dummy_module
-from candelabra.core.weights.dummy import STD, DummyCheckpoint
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins

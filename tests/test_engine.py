@@ -5,8 +5,8 @@ import json
 import pytest
 
 from candelabra.conformance.engine_cases import ENGINE_CASES, write_tiny_checkpoint
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams
 from conftest import available_backends, run_candelabra
 
 PROMPT = [5, 9, 23, 42, 7, 11]
@@ -243,6 +243,6 @@ def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
 def _sequence(tokens, temperature):
     import numpy as np
 
-    from candelabra.core.engine.sequence import Sequence
+    from candelabra.core.requests.sequence import Sequence
 
     return Sequence("r", 0, tokens, SamplingParams(temperature=temperature, logprobs=3), 0, np.random.default_rng(1))

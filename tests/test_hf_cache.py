@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from candelabra.core.loading.open import open_checkpoint
 from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.hf_cache import hub_cache_dir, resolve_snapshot
-from candelabra.core.weights.open import open_checkpoint
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

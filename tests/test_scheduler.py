@@ -4,8 +4,8 @@ the scheduled tokens computed and appending one sampled token per finished prefi
 import numpy as np
 import pytest
 
-from candelabra.core.engine.sampling_params import SamplingParams
-from candelabra.core.engine.sequence import Sequence, SequenceStatus
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.sequence import Sequence, SequenceStatus
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
 

@@ -10,8 +10,8 @@ import numpy as np
 import openai
 import pytest
 
-from candelabra.core.engine.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.llm import LLM
+from candelabra.core.requests.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.server.protocol import ChatCompletionRequest, ConstraintError
 from conftest import available_backends
 

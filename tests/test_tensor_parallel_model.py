@@ -18,6 +18,7 @@ from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES, VO
 from candelabra.conformance.parallel_cases import greedy_decode, run_communicator_checks, run_parallel_cases
 from candelabra.core.contract import Communicator
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
+from candelabra.core.loading.dummy import DummyCheckpoint
 from candelabra.core.models import load_model
 from candelabra.core.models.sharding import (
     LM_HEAD_LAYOUTS,
@@ -31,7 +32,6 @@ from candelabra.core.models.sharding import (
     take_rows,
     vocab_rows,
 )
-from candelabra.core.weights.dummy import DummyCheckpoint
 from candelabra.core.weights.random_quantized import random_quantized
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from candelabra.core.engine.engine import LLMEngine, RequestOutput
-from candelabra.core.engine.failure import EngineFailure
 from candelabra.core.engine.output_processor import OutputProcessor
-from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.worker.failure import EngineFailure
 
 log = logging.getLogger("candelabra")
 Result = TypeVar("Result")

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from candelabra.core.engine.sampling_params import SamplingParams
-from candelabra.core.engine.sequence import Sequence, sample_rng
-from candelabra.core.engine.structured_output import Grammar
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.sequence import Sequence, sample_rng
+from candelabra.core.requests.structured_output import Grammar
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
 from candelabra.core.worker.model_runner import ModelRunner
@@ -137,7 +137,7 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
-        sampled, scored = self.runner.execute(plan)  # block moves happen even when nothing runs
+        output = self.runner.execute(plan)  # block moves happen even when nothing runs
         if not plan.scheduled:
             if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
                 raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
@@ -145,7 +145,7 @@ class EngineCore:
         self.stats["steps"] += 1
         for child in plan.forked:
             self.requests[child.request_id].sequences.append(child)
-        return self._outputs(self.scheduler.update_from_output(plan, sampled, scored))
+        return self._outputs(self.scheduler.update_from_output(plan, output.sampled, output.scored))
 
     def _outputs(self, accepted) -> list[EngineOutput]:
         outputs: dict[str, EngineOutput] = {}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from candelabra.core.engine.core import CheckedRequest, EngineConfig, EngineCore, EngineOutput
 from candelabra.core.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
-from candelabra.core.engine.sampling_params import SamplingParams
-from candelabra.core.engine.structured_output import GrammarCompiler
 from candelabra.core.engine.tokenizer import Tokenizer
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.structured_output import GrammarCompiler
 from candelabra.core.worker.model_runner import ModelRunner
 
 __all__ = ["CheckedRequest", "CompletionOutput", "EngineConfig", "EngineOutput", "LLMEngine", "RequestOutput"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from candelabra.core.engine.core import EngineOutput, SampleUpdate
 from candelabra.core.engine.detokenizer import IncrementalDetokenizer
 from candelabra.core.engine.prompt_logprobs import Logprob, prompt_logprobs
-from candelabra.core.engine.sampling_params import SamplingParams
 from candelabra.core.engine.stop_strings import StopStringMatcher
 from candelabra.core.engine.tokenizer import Tokenizer
+from candelabra.core.requests.sampling_params import SamplingParams
 
 
 @dataclass

@@ -12,56 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
-from candelabra.core.engine.sequence import Sequence, SequenceStatus
+from candelabra.core.requests.sequence import Sequence, SequenceStatus
+from candelabra.core.requests.tokens import SampledToken, ScoredToken
 from candelabra.core.scheduling.block_manager import BlockManager
+from candelabra.core.scheduling.output import ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger("candelabra")
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # tokens fed to the model for this sequence in this step
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan: the sequences to run and how many tokens each feeds the model, the block
-    moves to make first, and the sequences that get a token sampled at the end of the step."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # (index into `scheduled` whose last token's logits are sampled, the sequence that gets the
-    # token): one row per sampled sequence, the n samples of a prompt sharing its item.
-    sampled: list[tuple[int, Sequence]] = field(default_factory=list)
-    forked: list[Sequence] = field(default_factory=list)  # samples 1 .. n-1 born in this step
-    block_tables: list[list[int]] = field(default_factory=list)  # of each scheduled sequence
-
-
-@dataclass
-class SampledToken:
-    """What the model runner drew for one sampled sequence."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first; empty without logprobs
-
-
-@dataclass
-class ScoredToken:
-    """A prompt token as the model scored it, given the tokens before it."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 for the most likely token
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 class Scheduler:

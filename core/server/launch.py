@@ -160,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
-    from candelabra.core.engine.sampling_params import SamplingParams
     from candelabra.core.kv_cache_size import check_kv_fraction
-    from candelabra.core.weights.open import check_load_format
+    from candelabra.core.loading.open import check_load_format
+    from candelabra.core.requests.sampling_params import SamplingParams
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
@@ -407,7 +407,7 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
 
 
 def _weights_source(llm) -> str:
-    from candelabra.core.weights.dummy import DummyCheckpoint
+    from candelabra.core.loading.dummy import DummyCheckpoint
 
     checkpoint = llm.checkpoint
     if not isinstance(checkpoint, DummyCheckpoint):

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from candelabra.core.engine.async_engine import AsyncEngine, EngineStopping, RequestStream
 from candelabra.core.engine.engine import CompletionOutput, RequestOutput
 from candelabra.core.engine.prompt_logprobs import PIECE_CONTEXT, Logprob, token_piece
-from candelabra.core.engine.sampling_params import SamplingParams
-from candelabra.core.engine.structured_output import StructuredOutputError
 from candelabra.core.engine.tokenizer import ChatTemplateError
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.structured_output import StructuredOutputError
 from candelabra.core.server.errors import APIError, bad_request, error_body
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
 from candelabra.core.server.protocol import (

@@ -4,7 +4,7 @@ transfer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -12,9 +12,10 @@ from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.executor import PromptScoring, StepInputs, StepResult
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata, pad_token_lists
-from candelabra.core.engine.sequence import Sequence
 from candelabra.core.models.base import DecoderModel
-from candelabra.core.scheduling.scheduler import SampledToken, SchedulerOutput, ScoredToken
+from candelabra.core.requests.sequence import Sequence
+from candelabra.core.requests.tokens import SampledToken, ScoredToken
+from candelabra.core.scheduling.output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,15 @@ class StepOrder:
     block_copies: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
     inputs: StepInputs | None = None
+
+
+@dataclass
+class RunnerOutput:
+    """What one step gave back, on the host: the token drawn for each of the plan's sampled sequences,
+    in order, and the prompt tokens scored, by index into the plan's scheduled sequences."""
+
+    sampled: list[SampledToken] = field(default_factory=list)
+    scored: dict[int, list[ScoredToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -51,20 +61,19 @@ class ModelRunner:
         self.swap_space = self.backend.allocate_swap_space(replace(self.kv_spec, num_blocks=num_host_blocks))
         self.num_host_blocks = num_host_blocks
 
-    def execute(self, plan: SchedulerOutput) -> tuple[list[SampledToken], dict[int, list[ScoredToken]]]:
-        """Run one scheduled step: the token drawn for each of `plan.sampled`, in order, and the
-        prompt tokens scored, by index into `plan.scheduled`."""
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step and bring what it sampled and scored to the host."""
         order = self.order(plan)
         result = self.run(order)
         if result is None:
-            return [], {}
+            return RunnerOutput()
         host = iter(self.backend.fetch(*(tensor for part in result if part is not None for tensor in part)))
 
         def on_host(part):  # a part's tensors as fetched, in order
             return None if part is None else [next(host) for _ in part]
 
         sampled, scored = on_host(result.sampled), on_host(result.scored)
-        return _sampled_tokens(plan, sampled), _scored_tokens(plan, order.inputs, scored)
+        return RunnerOutput(_sampled_tokens(plan, sampled), _scored_tokens(plan, order.inputs, scored))
 
     def order(self, plan: SchedulerOutput) -> StepOrder:
         """What running `plan` takes, on the host."""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from candelabra.core.contract.dtypes import DType
-from candelabra.core.engine.failure import EngineFailure
+from candelabra.core.worker.failure import EngineFailure
 from candelabra.core.worker.model_runner import ModelRunner, StepOrder
 from candelabra.core.worker.topology import Topology
 
@@ -142,8 +142,9 @@ def serve_orders(model, communicator) -> None:
 
 def run_worker(spec: WorkerSpec) -> None:
     """The life of a rank other than 0: join the group, load this rank's shard, serve the orders."""
-    from candelabra.core.llm import choose_backend, open_model
+    from candelabra.core.loading.open import open_model
     from candelabra.core.models import load_model
+    from candelabra.plugins import choose_backend
 
     topology = spec.topology
     backend = choose_backend(spec.backend)(topology.device(spec.local))

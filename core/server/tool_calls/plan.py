@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from candelabra.core.engine.sampling_params import StructuredOutput
+from candelabra.core.requests.sampling_params import StructuredOutput
 from candelabra.core.server.tool_calls.family import ToolCallParser
 from candelabra.core.server.tool_calls.forced import (
     NamedCallParser,

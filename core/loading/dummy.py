@@ -25,8 +25,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.loading.model_tensors import TensorSpec, model_tensors
 from candelabra.core.weights import Checkpoint, CheckpointError
-from candelabra.core.weights.model_tensors import TensorSpec, model_tensors
 from candelabra.core.weights.safetensors import read_json_object
 
 log = logging.getLogger("candelabra")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from candelabra.core.weights import Checkpoint, CheckpointError
+from candelabra.core.weights.default_model import default_model_path
 from candelabra.core.weights.hf_cache import resolve_snapshot
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint, is_safetensors_folder
 
@@ -30,7 +31,7 @@ def open_checkpoint(
     check_load_format(load_format, dummy_quantization)
     path = checkpoint_path(weight_path, weight_file, model_id, revision)
     if load_format == "dummy":
-        from candelabra.core.weights.dummy import DummyCheckpoint
+        from candelabra.core.loading.dummy import DummyCheckpoint
 
         return DummyCheckpoint(path, quantization=dummy_quantization)
     return open_path(path)
@@ -38,7 +39,7 @@ def open_checkpoint(
 
 def check_load_format(load_format: str, dummy_quantization: str | None) -> None:
     """ValueError in one line for an unknown format, or a quantization without dummy weights."""
-    from candelabra.core.weights.dummy import check_dummy_quantization
+    from candelabra.core.loading.dummy import check_dummy_quantization
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format} is unknown; choose one of {', '.join(LOAD_FORMATS)}")
@@ -96,3 +97,21 @@ def open_file(path: Path) -> Checkpoint:
     if path.suffix == ".safetensors":
         return SafetensorsCheckpoint(path)
     raise CheckpointError(path, "is neither a .safetensors nor a .gguf file; pass a model folder or one of those")
+
+
+def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
+               revision: str | None = None, load_format: str = "auto",
+               dummy_quantization: str | None = None) -> Checkpoint:
+    """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named.
+    `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint)."""
+    check_load_format(load_format, dummy_quantization)
+    formats = {"load_format": load_format, "dummy_quantization": dummy_quantization}
+    if model is None and model_id is None and weight_file is None:
+        if load_format == "dummy":
+            raise CheckpointError("--load-format dummy", "needs a config.json to shape the weights; pass "
+                                  "--weight-path FOLDER (holding config.json) or --model-id ORG/NAME")
+        model = default_model_path()
+    path = Path(model) if model is not None else None
+    if path is not None and path.is_file() and weight_file is None:
+        return open_checkpoint(weight_path=path.parent, weight_file=path.name, **formats)
+    return open_checkpoint(weight_path=path, weight_file=weight_file, model_id=model_id, revision=revision, **formats)

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from candelabra.core.engine.sampling_params import SamplingParams
+from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.tokens import ScoredToken
 
 if TYPE_CHECKING:
-    from candelabra.core.engine.structured_output import GrammarMatcher
+    from candelabra.core.requests.structured_output import GrammarMatcher
 
 _next_id = itertools.count()
 
@@ -44,8 +45,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.forked = False  # the n - 1 siblings of sample 0 exist
         self.grammar: GrammarMatcher | None = None  # where its structured output stands
-        # The scores of prompt tokens 1, 2, ... so far (ScoredToken), when params.prompt_logprobs asks.
-        self.prompt_logprobs: list = []
+        # The scores of prompt tokens 1, 2, ... so far, when params.prompt_logprobs asks.
+        self.prompt_logprobs: list[ScoredToken] = []
 
     @property
     def token_ids(self) -> list[int]:

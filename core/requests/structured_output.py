@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from candelabra.core.contract.step_metadata import token_mask_words
-from candelabra.core.engine.sampling_params import StructuredOutput
+from candelabra.core.requests.sampling_params import StructuredOutput
 
 log = logging.getLogger("candelabra")
 
