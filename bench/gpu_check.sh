@@ -59,6 +59,13 @@ fi
 python3 -c "import gguf" 2>/dev/null || echo "warning: gguf is not installed; steps that read GGUF files fail" >&2
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 candelabra() { python3 -m candelabra.core.cli "$@"; }
+# Conformance's cases spread over the cores where pytest-xdist is installed, so that Triton's compiles do
+# (on a 16-core H200 machine the ops level took 37 s so, each models level about 25, the engine level 27).
+# Each worker then keeps torch's CPU threads (transformers' reference) to a few.
+parallel=() threads=${OMP_NUM_THREADS:-$(nproc)}
+if python3 -c "import xdist" 2>/dev/null; then
+    parallel=(-- -n "$(nproc)") threads=${OMP_NUM_THREADS:-2}
+fi
 
 run_step() {
     case "$1" in
@@ -70,14 +77,14 @@ run_step() {
             python3 -m candelabra.backends.cuda.compile_check --quiet --target sm_90a --dtype bfloat16 \
                 --config bench/configs/llama-3-8b --json "$results/compile-sm_90a.json" ;;
         ops)
-            candelabra conformance --backend cuda --level ops --json "$results/ops.json" ;;
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level ops --json "$results/ops.json" "${parallel[@]}" ;;
         models-fp16)
-            candelabra conformance --backend cuda --level models --dtype float16 --json "$results/models-fp16.json" ;;
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level models --dtype float16 --json "$results/models-fp16.json" "${parallel[@]}" ;;
         models-bf16)
-            candelabra conformance --backend cuda --level models --dtype bfloat16 --json "$results/models-bf16.json" ;;
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level models --dtype bfloat16 --json "$results/models-bf16.json" "${parallel[@]}" ;;
         engine)
-            candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" &&
-            candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" ;;
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" "${parallel[@]}" &&
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" "${parallel[@]}" ;;
         bench-bf16)
             python3 bench/cuda_decode.py --parts bfloat16 --json "$results/bench-bf16.json" ;;
         bench-int4)
