@@ -131,3 +131,22 @@ def test_full_host_space_falls_back_to_recompute_unless_swap_is_required():
 def test_unknown_preemption_mode_is_rejected():
     with pytest.raises(ValueError, match="preemption must be one of auto, swap, recompute"):
         scheduler_with(preemption="drop")
+
+
+def test_a_sequences_tokens_follow_its_output_however_it_grows():
+    """Sequence.token_ids is kept between reads rather than joined on each; it still says prompt + output
+    after outputs are appended one by one, extended, or replaced by a shorter list."""
+    seq = Sequence("r", 0, [5, 6, 7], SamplingParams(), 0, np.random.default_rng(0))
+    assert seq.token_ids == [5, 6, 7]
+    seq.output_token_ids.append(8)
+    assert seq.token_ids == [5, 6, 7, 8]
+    seq.output_token_ids.extend([9, 10])
+    assert seq.token_ids == [5, 6, 7, 8, 9, 10] and seq.num_tokens == 6
+    seq.output_token_ids = [11]
+    assert seq.token_ids == [5, 6, 7, 11]
+    seq.output_token_ids = [13]  # replaced by a list of the same length
+    assert seq.token_ids == [5, 6, 7, 13]
+    seq.output_token_ids = [11]
+    child = seq.fork(1)
+    child.output_token_ids.append(12)
+    assert child.token_ids == [5, 6, 7, 11, 12] and seq.token_ids == [5, 6, 7, 11]

@@ -35,6 +35,8 @@ class Sequence:
         self.request_id, self.index = request_id, index
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # the two joined, extended as outputs arrive, and the output list they were joined from
+        self._token_ids, self._joined_output = list(self.prompt_token_ids), self.output_token_ids
         self.params, self.arrival, self.rng = params, arrival, rng
         self.seed = seed  # the request's: sample i draws from a generator seeded with (seed, i)
         self.max_tokens = max_tokens
@@ -50,7 +52,14 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The prompt's tokens, then the output's (read only: the list is kept from step to step)."""
+        joined, prompt, output = self._token_ids, self.prompt_token_ids, self.output_token_ids
+        if output is not self._joined_output or not len(prompt) <= len(joined) <= len(prompt) + len(output):
+            joined[:] = prompt + output
+            self._joined_output = output
+        elif len(joined) < len(prompt) + len(output):
+            joined.extend(output[len(joined) - len(prompt):])
+        return joined
 
     @property
     def num_tokens(self) -> int:
