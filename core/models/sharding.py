@@ -36,17 +36,8 @@ HostWeight = np.ndarray | QuantizedTensor
 # of the vocabulary.
 REPLICATED, VOCAB_PARALLEL = "replicated", "vocab_parallel"
 LM_HEAD_LAYOUTS = (REPLICATED, VOCAB_PARALLEL)
-# Vocabulary-parallel was never slower. Measured on the default model (Qwen2.5-Coder-0.5B Q4_K_M, an
-# untied Q8_0 head of 151936 rows), torch backend in bfloat16, TP=2 over Gloo on a 2-core Intel CPU with
-# AMX, one core per rank: both layouts loaded in the same two processes, their decode steps
-# (ModelRunner.logits after 32-token prompts) timed alternately, median of 100 steps, three runs on a
-# machine shared with other work (load average 2 to 6); ms per step, replicated / vocabulary-parallel:
-#   batch 1:  110.2 / 108.3,  97.0 / 91.8,  137.2 / 136.2
-#   batch 16: 141.4 / 141.7, 125.6 / 124.3, 149.9 / 147.4
-# The head alone (compute_logits), best of 60: batch 1 11.0 / 5.7 ms, batch 16 18.0 / 11.9 ms, of which
-# the all-gather 0.4 and 2.4 ms (more, in medians, whenever the other rank waits for its core). Each rank
-# holds half the head too: 826 against 1049 MB resident per rank. A tied head costs memory instead, since
-# the embedding's whole table stays beside the head's shard.
+# Vocabulary-parallel was never slower, and each rank holds half the head (docs/design-notes.md, "The LM
+# head under tensor parallelism", has the measurements).
 DEFAULT_LM_HEAD_LAYOUT = VOCAB_PARALLEL
 
 
