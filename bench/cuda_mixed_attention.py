@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from functools import partial
 
-import numpy as np
 import torch
+from cuda_profile import median_ms  # bench/, beside this script
 
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.step import CudaStep
@@ -31,19 +32,6 @@ def mixed_step(decodes: int, chunk: int, context: int) -> StepMetadata:
     blocks = -(-context // BLOCK_SIZE)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(query_lens))]
     return StepMetadata.build(query_lens, [context] * len(query_lens), tables, BLOCK_SIZE)
-
-
-def median_ms(*arguments, repeats: int = 50) -> float:
-    """Median ms of paged_attention(*arguments)."""
-    times = []
-    for _ in range(repeats + 3):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        paged_attention(*arguments)
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times[3:]))
 
 
 def main() -> None:
@@ -74,8 +62,9 @@ def main() -> None:
         apart = paged_attention(q, key_cache, value_cache, step, scale)
         together = paged_attention(q, key_cache, value_cache, one_launch, scale)
         difference = (apart.float() - together.float()).abs().max().item()
-        rows.append((decodes, f"{median_ms(q, key_cache, value_cache, step, scale):.3f}",
-                     f"{median_ms(q, key_cache, value_cache, one_launch, scale):.3f}", f"{difference:.1e}"))
+        apart_ms = median_ms(partial(paged_attention, q, key_cache, value_cache, step, scale))
+        together_ms = median_ms(partial(paged_attention, q, key_cache, value_cache, one_launch, scale))
+        rows.append((decodes, f"{apart_ms:.3f}", f"{together_ms:.3f}", f"{difference:.1e}"))
     print(f"{torch.cuda.get_device_name()}: one {args.chunk}-token prefill chunk beside N decodes, "
           f"{args.context} tokens of context each, {heads}/{kv_heads} heads of {args.head_dim}, {args.dtype}")
     print(format_table(("decodes", "decodes apart ms", "one launch ms", "max difference"), rows))

@@ -85,8 +85,6 @@ def profile_decode(llm: LLM, batch: int, steps: int, rng, out: Path, on_gpu: boo
 
 def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: float, on_gpu: bool) -> float:
     """Median ms of one `Ops.sample` call over random logits [batch, vocab]."""
-    import torch
-
     from candelabra.core.contract.step_metadata import plain_sampling
 
     rng = np.random.default_rng(vocab + batch)
@@ -94,18 +92,25 @@ def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: f
     backend = llm.backend
     prepared = backend.prepare_sampling(meta)
     logits = backend.to_device(rng.standard_normal((batch, vocab)).astype(np.float32) * 4, "float32")
+    return median_ms(lambda: backend.ops.sample(logits, prepared), on_gpu)
+
+
+def median_ms(call, on_gpu: bool = True, repeats: int = 50) -> float:
+    """Median ms of `call()` over `repeats` calls after 3 warm-ups: CUDA events on a GPU, else wall time."""
+    import torch
+
     times = []
-    for _ in range(53):
+    for _ in range(repeats + 3):
         if on_gpu:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            backend.ops.sample(logits, prepared)
+            call()
             stop.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop))
         else:
             started = time.perf_counter()
-            backend.ops.sample(logits, prepared)
+            call()
             times.append((time.perf_counter() - started) * 1e3)
     return float(np.median(times[3:]))
 

@@ -73,16 +73,17 @@ class TorchSampling:
         if meta.allowed_token_mask is not None:
             arrays["allowed_token_mask"] = (meta.allowed_token_mask, torch.int32)
         tensors = dict(zip(arrays, upload(list(arrays.values()), device)))
+        random_rows_on_device = tensors.pop("random_rows", None)
         return cls(
             host=meta,
-            **{name: tensors[name] for name in arrays if name not in ("random_rows", "allowed_token_mask")},
+            allowed_token_mask=tensors.pop("allowed_token_mask", None),
+            **tensors,
             num_top_logprobs=meta.num_top_logprobs,
-            allowed_token_mask=tensors.get("allowed_token_mask"),
             has_bias=bool(np.any(meta.bias_token_ids >= 0)),
             has_repetition_penalty=bool(np.any(meta.penalty_tokens >= 0) and np.any(meta.repetition_penalty != 1)),
             has_count_penalties=bool(np.any(meta.output_tokens >= 0)
                                      and np.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0))),
-            random_rows=tensors.get("random_rows"),
+            random_rows=random_rows_on_device,
             all_random=random_rows.size == meta.num_rows,
             needs_sort=has_top_k or has_top_p,
             has_top_k=has_top_k,
