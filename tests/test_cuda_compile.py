@@ -52,21 +52,23 @@ def test_the_recorder_refuses_to_run_under_the_interpreter():
 
 
 def test_launch_code_plans_its_grids_for_the_targets_sm_count():
-    """The int4 GEMM splits K for a decode by the SMs it has to fill: 132 on sm_90a, 108 on sm_80."""
+    """The int4 GEMV splits K for a decode by the SMs it has to fill: 132 on sm_90a, 108 on sm_80, four
+    programs an SM, 256 column tiles of 16 and 8 steps of 512 along K."""
     script = """
 import torch
 from candelabra.backends.cuda.compile_check import TARGETS, recording_launches
 from candelabra.backends.cuda.kernels.int4_matmul import int4_matmul
 for name in ("sm_90a", "sm_80"):
     with recording_launches(TARGETS[name]) as launches:
-        int4_matmul(torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(2048, 4096, dtype=torch.uint8),
-                    torch.empty(128, 4096, dtype=torch.bfloat16), torch.empty(128, 4096, dtype=torch.bfloat16))
-    print(name, len(launches), launches[0].name)
+        int4_matmul(torch.empty(1, 4096, dtype=torch.bfloat16), torch.empty(4096, 2048, dtype=torch.uint8),
+                    torch.empty(4096, 128, dtype=torch.bfloat16), torch.empty(4096, 128, dtype=torch.bfloat16))
+    print(name, len(launches), launches[0].name, *launches[0].grid)
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env={key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["sm_90a", "1", "_int4_matmul_kernel", "sm_80", "1", "_int4_matmul_kernel"]
+    assert run.stdout.split() == ["sm_90a", "1", "_int4_gemv_kernel", "256", "4", "1",
+                                  "sm_80", "1", "_int4_gemv_kernel", "256", "2", "1"]
 
 
 def test_model_configs(folder: Path) -> Path:

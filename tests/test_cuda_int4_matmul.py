@@ -66,6 +66,23 @@ def test_split_k_and_grouped_row_tiles(dtype, scale_after_dot):
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("dtype", [*DTYPES, "bfloat16"])
+def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k):
+    # ragged columns, K = 1024 in 8 steps of 128; three rows, a program column each
+    rng = np.random.default_rng(11)
+    torch_dtype = {**DTYPES, "bfloat16": torch.bfloat16}[dtype]
+    weight, x, expected = _case(rng, "Q4_1", "float32", 3, 200, 1024)
+    kept = Int4CudaWeight.from_quantized(weight, torch_dtype, "cpu")
+    x = x.to(torch_dtype)
+    expected = x.double().numpy() @ weight.dequantize().astype(np.float64).T
+    config = TileConfig(block_m=1, block_n=64, block_k=128, split_k=split_k)
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
+    assert out.dtype == x.dtype
+    # bfloat16: its scales, zeros and output rounded to 8 bits
+    assert nmse(out.float().numpy(), expected) <= THRESHOLDS.get(dtype, 5e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("format", FORMATS)
 def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_product(format, dtype):
@@ -102,11 +119,11 @@ def test_packed_layout_holds_each_group_value_h_and_h_plus_16_in_one_byte():
     rng = np.random.default_rng(10)
     nibbles = rng.integers(0, 16, size=(5, 64), dtype=np.uint8)
     packed = pack_nibbles(nibbles)
-    assert packed.shape == (32, 5) and packed.dtype == np.uint8
+    assert packed.shape == (5, 32) and packed.dtype == np.uint8
     for n in range(5):
         for group in range(2):
             for h in range(16):
-                byte = packed[group * 16 + h, n]
+                byte = packed[n, group * 16 + h]
                 assert byte & 0x0F == nibbles[n, group * 32 + h]
                 assert byte >> 4 == nibbles[n, group * 32 + 16 + h]
 
@@ -154,6 +171,7 @@ def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
         assert config.split_k == 1
 
 
-def test_interpreter_uses_one_fixed_tiling():
-    assert kernel.choose_config(1, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_CONFIG
+def test_interpreter_uses_one_fixed_tiling_for_a_row_and_one_for_more():
+    assert kernel.choose_config(1, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_GEMV_CONFIG
+    assert kernel.choose_config(2, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_CONFIG
     assert kernel.choose_config(3000, 40, 96, torch.device("cpu")).block_k == 32

@@ -70,6 +70,7 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
     "_attention_tile_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16", "DOT_DTYPE=fp16"),
                                              "kernels/paged_attention.py choose_tiling"),
     "_int4_matmul_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
+    "_int4_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
 }
 
 
@@ -88,6 +89,7 @@ class Launch:
     kernel: object  # a triton JITFunction
     args: tuple
     kwargs: dict
+    grid: tuple = ()
 
     @property
     def name(self) -> str:
@@ -104,7 +106,7 @@ def recording_launches(target: Target) -> Iterator[list[Launch]]:
     launches: list[Launch] = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, kwargs))
+        launches.append(Launch(self, args, kwargs, tuple(grid)))
 
     original = JITFunction.run
     JITFunction.run = record
@@ -213,8 +215,8 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) 
     for columns, width in w.linear_shapes():
         if width % GROUP_SIZE:
             continue
-        packed = torch.empty(width // 2, columns, dtype=torch.uint8)
-        scales = torch.empty(width // GROUP_SIZE, columns, dtype=compute)
+        packed = torch.empty(columns, width // 2, dtype=torch.uint8)
+        scales = torch.empty(columns, width // GROUP_SIZE, dtype=compute)
         for rows in INT4_ROWS:
             int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
 

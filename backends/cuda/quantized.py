@@ -27,10 +27,10 @@ class Int4CudaWeight:
     """A [N, K] weight as int4 groups of 32 along K, for x @ W.T: w = (q - 8) * scale + zero."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        self.packed = packed  # uint8 [K / 2, N], the layout of `pack_nibbles`
-        self.scales = scales  # compute dtype [K / 32, N]
-        self.zeros = zeros  # compute dtype [K / 32, N]
-        self.shape = (int(packed.shape[1]), int(packed.shape[0]) * 2)
+        self.packed = packed  # uint8 [N, K / 2], the layout of `pack_nibbles`
+        self.scales = scales  # compute dtype [N, K / 32]
+        self.zeros = zeros  # compute dtype [N, K / 32]
+        self.shape = (int(packed.shape[0]), int(packed.shape[1]) * 2)
 
     @classmethod
     def from_quantized(cls, weight: QuantizedTensor, dtype: torch.dtype, device: torch.device | str) -> Int4CudaWeight:
@@ -42,7 +42,7 @@ class Int4CudaWeight:
             raise ValueError(f"Int4CudaWeight computes in {', '.join(map(str, COMPUTE_DTYPES))}, not {dtype}")
         nibbles, scales, zeros = int4_groupwise(weight)
         return cls(_on(pack_nibbles(nibbles), torch.uint8, device),
-                   _on(scales.T, dtype, device), _on(zeros.T, dtype, device))
+                   _on(scales, dtype, device), _on(zeros, dtype, device))
 
     @property
     def dtype(self) -> torch.dtype:

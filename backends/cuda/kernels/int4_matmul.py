@@ -1,21 +1,27 @@
-"""x @ W.T for W stored as int4 groups of 32 along K, each with a scale and a zero, in one Triton GEMM.
+"""x @ W.T for W stored as int4 groups of 32 along K, each with a scale and a zero, in one Triton launch.
 
-The weight's nibbles are packed two to a byte as uint8 [K / 2, N] (see `pack_nibbles`). A nibble becomes
-q - 8 in x's dtype with two bit operations and a subtraction, no integer-to-float conversion: ORed into
-the mantissa of a float with the right exponent it is that float plus q (1024 + q in float16, 128 + q in
-bfloat16, 8388608 + q in float32), and subtracting the float plus 8 leaves q - 8 exactly.
-
-Decode tiles (few rows: the work per weight is the cost) multiply x by the raw q - 8 per group of 32 and
-apply the group's scale and zero to that dot's result, w = (q - 8) * scale + zero giving
+The weight's nibbles are packed two to a byte as uint8 [N, K / 2], each output's K contiguous (see
+`pack_nibbles`), the scales and zeros as [N, K / 32]. A nibble becomes q - 8 with two bit operations and
+a subtraction, no integer-to-float conversion: ORed into the mantissa of a float with the right exponent it
+is that float plus q (1024 + q in float16, 128 + q in bfloat16, 8388608 + q in float32), and subtracting
+the float plus 8 leaves q - 8 exactly. Each group's dot with the raw q - 8 then takes its scale and zero:
 
     sum_k x[k] w[k] = scale * sum_k x[k] (q[k] - 8) + zero * sum_k x[k]
 
-Larger tiles, where the dot's work per weight is many rows', dequantize w = (q - 8) * scale + zero in
-registers and take one dot per step: a second accumulator per group would cost them registers.
+One row (a batch-1 decode) is a GEMV on the FMA units (`_int4_gemv_kernel`): each thread loads 16
+contiguous bytes, one whole group of one output, and sums its 32 products in registers, so the weight
+streams in wide loads and nothing moves between threads until the end. On the tensor cores a dot needs
+16 rows, 15 of them zeros for a decode, and its operands pass through shared memory: measured on an H200
+at Llama-3-8B's shapes with the weight laid out [K / 2, N], no tiling of that kernel streamed more than
+19% of the copy bandwidth at one row (bench/cuda_int4_tiles.py).
 
-Decode batches (few rows) split K across programs so that enough of them stream the int4 bytes at once;
-the last program of an output tile to finish adds the splits' float32 partial sums, in split order, and
-writes the tile: one launch in all.
+More rows (`_int4_matmul_kernel`): decode-sized tiles multiply x by the raw q - 8 per group on the tensor
+cores and apply scale and zero to each group's dot; larger tiles, where a weight's dot work is shared by
+many rows, dequantize w = (q - 8) * scale + zero in registers and take one dot per step.
+
+Decodes split K across programs so that enough of them stream the int4 bytes at once; the last program
+of an output tile to finish adds the splits' float32 partial sums, in split order, and writes the tile:
+one launch in all.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ _BITS = {torch.float16: tl.uint16, torch.bfloat16: tl.uint16, torch.float32: tl.
 @dataclass(frozen=True)
 class TileConfig:
     """One launch's tiling: a program computes [block_m, block_n] of the output over a 1 / split_k
-    share of K, block_k values of K per step (a multiple of 32)."""
+    share of K, block_k values of K per step (a multiple of 32). block_m 1 is the GEMV kernel (a row per
+    program, on the FMA units); 16 and up the tensor-core kernel."""
 
     block_m: int
     block_n: int
@@ -58,6 +65,14 @@ class TileConfig:
 # Under the interpreter every program runs in numpy, so few, large tiles keep tests fast; block_n
 # 64 still leaves test widths that are not whole tiles.
 INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
+INTERPRETER_GEMV_CONFIG = TileConfig(block_m=1, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
+# Rows up to which each row is a GEMV of its own: past one, each reads the weight again (from L2 at best).
+GEMV_ROWS = 1
+# A GEMV program's step: [block_n, block_k / 2] bytes, 64 a thread at 2 warps, K split for 4 programs an SM.
+# The fastest single tiling for all of Llama-3-8B's shapes on an H200 (bench/cuda_int4_tiles.py): a step's
+# int4 GEMMs 3.32 ms, against 3.67 for 32 x 256 at 4 warps, 2 an SM; each shape's own best gave 3.28.
+GEMV_CONFIG = TileConfig(block_m=1, block_n=16, block_k=512, num_warps=2, num_stages=3)
+GEMV_PROGRAMS_PER_SM = 4
 # Rows up to which a batch is a decode: time goes to reading the int4 bytes, not to the dots.
 DECODE_ROWS = 64
 # Split K until there are about this many programs per SM: a decode's few output tiles alone
@@ -82,13 +97,15 @@ def _int4_matmul_kernel(
     N,
     steps_per_split,
     x_row_stride,
+    packed_row_stride,
+    scale_row_stride,
     out_row_stride,
     partials_split_stride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr,
     MAGIC_BITS: tl.constexpr,
     MAGIC_PLUS_8: tl.constexpr,
@@ -122,8 +139,8 @@ def _int4_matmul_kernel(
         for step in range(steps_per_split):
             for group in tl.static_range(GROUPS):
                 k = k_start + step * BLOCK_K + group * 32
-                packed = tl.load(packed_ptr + (k // 2 + byte_rows)[:, None] * N + cols[None, :], mask=weight_mask,
-                                 other=0).to(BITS)
+                packed = tl.load(packed_ptr + cols[None, :] * packed_row_stride + (k // 2 + byte_rows)[:, None],
+                                 mask=weight_mask, other=0).to(BITS)
                 x_low = tl.load(x_rows + (k + byte_rows)[None, :], mask=row_mask[:, None], other=0.0)
                 x_high = tl.load(x_rows + (k + 16 + byte_rows)[None, :], mask=row_mask[:, None], other=0.0)
                 low = ((packed & 0xF) | MAGIC_BITS).to(x_low.dtype, bitcast=True) - MAGIC_PLUS_8
@@ -131,7 +148,7 @@ def _int4_matmul_kernel(
                 dot = tl.dot(x_low, low.to(x_low.dtype), input_precision=DOT_PRECISION)
                 dot = tl.dot(x_high, high.to(x_low.dtype), dot, input_precision=DOT_PRECISION)
                 x_sum = tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)
-                group_offsets = (k // 32) * N + cols
+                group_offsets = cols * scale_row_stride + k // 32
                 scale = tl.load(scales_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
                 zero = tl.load(zeros_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
                 acc += dot * scale[None, :] + x_sum[:, None] * zero[None, :]
@@ -143,10 +160,10 @@ def _int4_matmul_kernel(
         groups = tl.arange(0, GROUPS)
         for step in range(steps_per_split):
             k = k_start + step * BLOCK_K
-            packed = tl.load(packed_ptr + (k // 2 + byte_rows)[:, None] * N + cols[None, :], mask=weight_mask,
-                             other=0).to(BITS)
+            packed = tl.load(packed_ptr + cols[None, :] * packed_row_stride + (k // 2 + byte_rows)[:, None],
+                             mask=weight_mask, other=0).to(BITS)
             # one scale and zero per group, loaded once and repeated over its 16 byte rows in registers
-            group_offsets = (k // 32 + groups)[:, None] * N + cols[None, :]
+            group_offsets = cols[None, :] * scale_row_stride + (k // 32 + groups)[:, None]
             scale = _repeat_rows(tl.load(scales_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
             zero = _repeat_rows(tl.load(zeros_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
             x_low = tl.load(x_rows + (k + low_k)[None, :], mask=row_mask[:, None], other=0.0)
@@ -156,21 +173,87 @@ def _int4_matmul_kernel(
             acc = tl.dot(x_low, low.to(x_low.dtype), acc, input_precision=DOT_PRECISION)
             acc = tl.dot(x_high, high.to(x_high.dtype), acc, input_precision=DOT_PRECISION)
 
+    _finish(acc, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N, out_row_stride,
+            partials_split_stride, SPLIT)
+
+
+# K is a loop bound only; the grid's third axis is the row.
+@triton.jit(do_not_specialize=["steps_per_split"])
+def _int4_gemv_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    partials_ptr,
+    arrivals_ptr,
+    N,
+    steps_per_split,
+    x_row_stride,
+    packed_row_stride,
+    scale_row_stride,
+    out_row_stride,
+    partials_split_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    groups = tl.arange(0, GROUPS)
+    halves = tl.arange(0, 16)
+    # [BLOCK_N, GROUPS, 16] bytes a step: a group's 16 bytes are contiguous, the last axis in one thread
+    byte_offsets = cols[:, None, None] * packed_row_stride + groups[None, :, None] * 16 + halves[None, None, :]
+    byte_mask = col_mask[:, None, None]
+    # x's K offsets of the values in those bytes' low nibbles; the high nibbles' are 16 on
+    x_offsets = groups[:, None] * 32 + halves[None, :]
+    group_offsets = cols[:, None] * scale_row_stride + groups[None, :]
+    x_row = x_ptr + row * x_row_stride
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    k_start = split * steps_per_split * BLOCK_K
+    for step in range(steps_per_split):
+        k = k_start + step * BLOCK_K
+        packed = tl.load(packed_ptr + k // 2 + byte_offsets, mask=byte_mask, other=0).to(tl.uint32)
+        x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
+        x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
+        # float32's magic number: exact whatever x's dtype, and the products are float32 anyway
+        low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        dots = tl.sum(low * x_low[None, :, :] + high * x_high[None, :, :], axis=2)
+        x_sums = tl.sum(x_low + x_high, axis=1)
+        scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
+        acc += dots * scale + x_sums[None, :] * zero
+    result = tl.sum(acc, axis=1)[None, :]
+    rows = row + tl.arange(0, 1)
+    tile = row * tl.num_programs(0) + tile_n
+    _finish(result, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0, col_mask, N,
+            out_row_stride, partials_split_stride, SPLIT)
+
+
+@triton.jit
+def _finish(acc, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N, out_row_stride,
+            partials_split_stride, SPLIT: tl.constexpr):
+    """Store a program's float32 [rows, cols] tile, or with K split, its partial sum: the program that
+    arrives last at its output tile adds them all, in split order (the same sum whichever finishes first),
+    writes the tile and resets the tile's arrival count for the next launch."""
     out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Each split leaves its partial sum; the program that arrives last at this output tile adds
-        # them all, in split order (the same sum whichever finishes first), writes the tile and
-        # resets the tile's arrival count for the next launch.
         partial_offsets = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
         tl.debug_barrier()
+        splits = tl.num_programs(1)
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for other in range(SPLIT_K):
+        if arrived == splits - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for other in range(splits):
                 total += tl.load(partials_ptr + other * partials_split_stride + partial_offsets, mask=out_mask,
                                  other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -185,26 +268,27 @@ def _repeat_rows(values, ROWS: tl.constexpr, TIMES: tl.constexpr, COLUMNS: tl.co
 
 
 def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
-    """uint8 [N, K] values 0..15 (K a multiple of 32) to the kernel's uint8 [K / 2, N]: in each group of
-    32 along K, byte row h holds value h in its low nibble and value h + 16 in its high nibble."""
+    """uint8 [N, K] values 0..15 (K a multiple of 32) to the kernels' uint8 [N, K / 2]: in each group of
+    32 along K, byte h of the group's 16 holds value h in its low nibble and value h + 16 in its high one."""
     rows, columns = nibbles.shape
     if columns % GROUP_SIZE:
         raise ValueError(f"int4 groups are {GROUP_SIZE} values along K; {columns} columns are not whole groups")
     halves = nibbles.reshape(rows, columns // GROUP_SIZE, 2, HALF_GROUP)
     pairs = halves[:, :, 0, :] | (halves[:, :, 1, :] << 4)
-    return np.ascontiguousarray(pairs.reshape(rows, columns // 2).T)
+    return np.ascontiguousarray(pairs.reshape(rows, columns // 2))
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 config: TileConfig | None = None) -> torch.Tensor:
-    """x [M, K] (unit stride along K) @ W.T -> [M, N] in x's dtype, W given by `packed` uint8 [K / 2, N]
-    (`pack_nibbles`) and `scales`, `zeros` [K / 32, N] with W[n, k] = (q - 8) * scale + zero for the
-    nibble q of (k, n) and its group's scale and zero. `config` None picks one for the shape and device."""
+    """x [M, K] (unit stride along K) @ W.T -> [M, N] in x's dtype, W given by `packed` uint8 [N, K / 2]
+    (`pack_nibbles`) and `scales`, `zeros` [N, K / 32] with W[n, k] = (q - 8) * scale + zero for the
+    nibble q of (n, k) and its group's scale and zero. `config` None picks one for the shape and device."""
     rows, width = x.shape
-    columns = packed.shape[1]
-    if packed.shape[0] * 2 != width or scales.shape != (width // GROUP_SIZE, columns) or zeros.shape != scales.shape:
-        raise ValueError(f"x [{rows}, {width}] does not match an int4 weight of packed {list(packed.shape)}, "
-                         f"scales {list(scales.shape)} and zeros {list(zeros.shape)}")
+    columns = packed.shape[0]
+    if (packed.shape[1] * 2 != width or scales.shape != (columns, width // GROUP_SIZE) or zeros.shape != scales.shape
+            or not all(tensor.is_contiguous() for tensor in (packed, scales, zeros))):
+        raise ValueError(f"x [{rows}, {width}] does not match an int4 weight of contiguous packed "
+                         f"{list(packed.shape)}, scales {list(scales.shape)} and zeros {list(zeros.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
@@ -219,19 +303,26 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     # every split takes the same number of steps
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if steps % split == 0)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    # without a split the kernel touches neither
+    # without a split the kernels touch neither
     partials = out if split_k == 1 else torch.empty(split_k, rows, columns, dtype=torch.float32, device=x.device)
     arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
+    strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
+    if config.block_m == 1:
+        _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
+            x, packed, scales, zeros, out, partials, arrivals, columns, steps // split_k, *strides,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        return out
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
     _int4_matmul_kernel[(tiles, split_k)](
         x, packed, scales, zeros, out, partials, arrivals,
-        rows, columns, steps // split_k,
-        x.stride(0), out.stride(0), rows * columns,
+        rows, columns, steps // split_k, *strides,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        SPLIT_K=split_k,
+        SPLIT=split_k > 1,
         SCALE_AFTER_DOT=config.scale_after_dot,
         MAGIC_BITS=magic_bits,
         MAGIC_PLUS_8=magic_plus_8,
@@ -267,14 +358,16 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
 def choose_config(rows: int, columns: int, width: int, device: torch.device,
                   dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """The tiling for an [rows, width] @ [width, columns] product of x in `dtype` on `device` (a fixed one
-    under the interpreter). Chosen for Hopper: decode batches stream the int4 bytes with narrow tiles and
-    split K; larger batches take the usual GEMM tiles with more warps. float32 x multiplies on the FMA
-    units, whose operands take far more registers: tiles of at most 32 x 64. ptxas builds every tile
-    here for sm_90a without spills (compile_check.SPILL_FREE holds it to that); on sm_80 the 128 x 128
-    tile spills 28 bytes in bfloat16."""
+    under the interpreter). Chosen for Hopper: one row is a GEMV; other decode batches stream the int4
+    bytes with narrow tiles and split K; larger batches take the usual GEMM tiles with more warps. float32
+    x multiplies on the FMA units, whose operands take far more registers: tiles of at most 32 x 64. ptxas
+    builds every tile here for sm_90a without spills (compile_check.SPILL_FREE holds it to that); on sm_80
+    the 32- and 64-row decode tiles spill 8 and 36 bytes in bfloat16."""
     if interpreting():
-        return _fitted(INTERPRETER_CONFIG, width)
-    if dtype == torch.float32:
+        return _fitted(INTERPRETER_GEMV_CONFIG if rows <= GEMV_ROWS else INTERPRETER_CONFIG, width)
+    if rows <= GEMV_ROWS:
+        config = GEMV_CONFIG
+    elif dtype == torch.float32:
         config = TileConfig(block_m=min(32, max(16, triton.next_power_of_2(rows))), block_n=64, block_k=64,
                             num_warps=4, num_stages=3)
     elif rows <= DECODE_ROWS:
@@ -290,7 +383,9 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
     # the float32 partial sums are written and read back: 8 bytes an output per split, which should stay
     # within half the weight's int4 bytes, N * K / 2
     most_splits = max(1, width // (32 * rows))
-    return _with_split_k(config, tiles, width // config.block_k, most_splits, multiprocessor_count(device))
+    programs_per_sm = GEMV_PROGRAMS_PER_SM if config.block_m == 1 else PROGRAMS_PER_SM
+    return _with_split_k(config, tiles, width // config.block_k, most_splits,
+                         programs_per_sm * multiprocessor_count(device))
 
 
 def _fitted(config: TileConfig, width: int) -> TileConfig:
@@ -301,10 +396,10 @@ def _fitted(config: TileConfig, width: int) -> TileConfig:
     return replace(config, block_k=block_k)
 
 
-def _with_split_k(config: TileConfig, tiles: int, steps: int, most_splits: int, sm_count: int) -> TileConfig:
-    """`config` with the fewest splits of K (a divisor of its steps) that give PROGRAMS_PER_SM programs
-    per SM, or as many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow."""
+def _with_split_k(config: TileConfig, tiles: int, steps: int, most_splits: int, programs: int) -> TileConfig:
+    """`config` with the fewest splits of K (a divisor of its steps) that give `programs` programs, or as
+    many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow."""
     allowed = [split for split in range(1, min(most_splits, MAX_SPLIT_K) + 1)
                if steps % split == 0 and (split == 1 or steps // split >= MIN_STEPS_PER_SPLIT)]
-    enough = [split for split in allowed if tiles * split >= PROGRAMS_PER_SM * sm_count]
+    enough = [split for split in allowed if tiles * split >= programs]
     return replace(config, split_k=enough[0] if enough else allowed[-1])

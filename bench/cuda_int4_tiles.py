@@ -1,0 +1,195 @@
+"""The int4 GEMM's tilings against each other at a model's linear shapes, on a GPU: which one streams the
+weight fastest at a decode's few rows.
+
+    python bench/cuda_int4_tiles.py [--config bench/configs/llama-3-8b] [--rows 1] [--json FILE]
+
+For each linear shape of the model (qkv, attention out, gate/up, down, LM head) and each candidate tiling
+(the one `choose_config` picks, GEMV tilings, tensor-core tiles of 16 rows; each with K split for 2, 4
+or 8 programs an SM), the time of one product is the median over replays of a CUDA graph of back-to-back
+products, each on another copy of the weight (together past the L2 cache, as a step's layers are). Printed:
+each shape's best tilings with their GB/s against the copy bandwidth measured in the same run, the bfloat16
+cuBLAS product of the same shape, and per tiling the GEMM time of one decode step (every layer's four
+products and the LM head). Each tiling's output is checked against the float32 product of the dequantized
+weight; a mismatch is printed and the tiling left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"
+PAST_L2_BYTES = 256 * 2**20
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of a Llama-like config."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q_width, kv_width = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    return {"qkv": (q_width + 2 * kv_width, hidden), "out": (hidden, q_width),
+            "gate_up": (2 * config["intermediate_size"], hidden), "down": (hidden, config["intermediate_size"]),
+            "lm_head": (config["vocab_size"], hidden)}
+
+
+def candidates(kernel) -> dict[str, object]:
+    """Label to TileConfig (split_k left at 1; the sweep sets it): GEMV tilings that give a thread 16 to 128
+    bytes of weight a step, and the two best tensor-core tilings of the [K / 2, N] layout's sweep."""
+    TileConfig = kernel.TileConfig
+    tilings = {}
+    for block_n in (16, 32, 64, 128):
+        for block_k in (128, 256, 512):
+            for warps in (2, 4, 8):
+                if 16 <= block_n * block_k // 2 // (32 * warps) <= 128:
+                    tilings[f"gemv n{block_n} k{block_k} w{warps}"] = TileConfig(
+                        1, block_n, block_k, num_warps=warps, num_stages=3)
+    for block_n, warps in ((32, 2), (64, 4)):
+        tilings[f"dot n{block_n} k128 w{warps} s3"] = TileConfig(16, block_n, 128, num_warps=warps, num_stages=3)
+    return tilings
+
+
+def split_for(kernel, config, rows: int, columns: int, width: int, programs_per_sm: int, sm_count: int):
+    """`config` fitted to K and split for about `programs_per_sm` programs an SM."""
+    import triton
+
+    config = kernel._fitted(config, width)
+    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
+    return kernel._with_split_k(config, tiles, width // config.block_k, kernel.MAX_SPLIT_K, programs_per_sm * sm_count)
+
+
+def graph_median_us(torch, calls, repeats: int = 7) -> float:
+    """Median µs of one call, from replays of a CUDA graph holding every call in `calls` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles and warms up outside the graph
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def dequantized(torch, packed, scales, zeros):
+    """float32 W.T [K, N] of the kernel's layout."""
+    columns, half = packed.shape
+    groups = half // 16
+    low = (packed & 0xF).reshape(columns, groups, 16)
+    high = (packed >> 4).reshape(columns, groups, 16)
+    q = torch.cat([low, high], dim=2).float() - 8
+    return (q * scales.float()[:, :, None] + zeros.float()[:, :, None]).reshape(columns, half * 2).T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a folder with a config.json")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (the decode batch)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8], help="programs an SM to split K for")
+    parser.add_argument("--json", type=Path, help="also write every number here")
+    args = parser.parse_args()
+
+    import torch
+    from cuda_decode import copy_bandwidth
+
+    from candelabra.backends.cuda.availability import multiprocessor_count
+    from candelabra.backends.cuda.kernels import int4_matmul as kernel
+    from candelabra.core.text_table import format_table
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/cuda_int4_tiles.py needs a CUDA device; torch sees none")
+    config = json.loads((args.config / "config.json").read_text())
+    shapes = linear_shapes(config)
+    layers = config["num_hidden_layers"]
+    device = torch.device("cuda")
+    sm_count = multiprocessor_count(device)
+    bandwidth = copy_bandwidth(torch)
+    generator = torch.Generator(device=device).manual_seed(0)
+    tilings = candidates(kernel)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}, "
+          f"{args.rows} row(s), x in bfloat16")
+    results: dict[str, dict[str, dict]] = {shape: {} for shape in shapes}
+    cublas: dict[str, float] = {}
+    for shape, (columns, width) in shapes.items():
+        one = width * columns // 2 + 2 * 2 * (width // 32) * columns
+        copies = max(1, math.ceil(PAST_L2_BYTES / one))
+        weights = [(torch.randint(0, 256, (columns, width // 2), dtype=torch.uint8, device=device,
+                                  generator=generator),
+                    torch.rand(columns, width // 32, device=device, generator=generator).to(torch.bfloat16) / 64,
+                    torch.randn(columns, width // 32, device=device, generator=generator).to(torch.bfloat16) / 256)
+                   for _ in range(copies)]
+        x = torch.randn(args.rows, width, device=device, generator=generator).to(torch.bfloat16)
+        expected = x.float() @ dequantized(torch, *weights[0])
+        dense = [torch.randn(columns, width, device=device, generator=generator, dtype=torch.bfloat16)
+                 for _ in range(max(1, math.ceil(PAST_L2_BYTES / (2 * width * columns))))]
+        cublas[shape] = graph_median_us(torch, [lambda w=w, x=x: x @ w.T for w in dense])
+        del dense
+        chosen = kernel.choose_config(args.rows, columns, width, device, torch.bfloat16)
+        trials = {"chosen": chosen}
+        for label, tiling in tilings.items():
+            for per_sm in args.splits:
+                trials[f"{label} p{per_sm}"] = split_for(kernel, tiling, args.rows, columns, width, per_sm, sm_count)
+        for label, tiling in trials.items():
+            try:
+                got = kernel.int4_matmul(x, *weights[0], tiling).float()
+                error = float(((got - expected) ** 2).mean() / (expected ** 2).mean())
+                if not error < 1e-4:
+                    print(f"{shape} {label}: NMSE {error:.2e} against the dequantized product; left out")
+                    continue
+                micros = graph_median_us(torch, [lambda w=w, t=tiling, x=x: kernel.int4_matmul(x, *w, t)
+                                                 for w in weights])
+            except Exception as failure:  # a tiling that does not build or launch is reported, not fatal
+                print(f"{shape} {label}: {type(failure).__name__}: {str(failure)[:200]}")
+                continue
+            results[shape][label] = {"us": micros, "gbps": one / micros / 1e3, "nmse": error,
+                                     "tiling": asdict(tiling)}
+        del weights
+        torch.cuda.empty_cache()
+        ranked = sorted(results[shape].items(), key=lambda item: item[1]["us"])
+        rows = [[label, f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['gbps'] * 1e9 / bandwidth:.0%}",
+                 f"{cublas[shape] / r['us']:.2f}x"] for label, r in ranked[:8]]
+        chosen = [item for item in ranked if item[0] == "chosen"]
+        if chosen and chosen[0] not in ranked[:8]:
+            label, r = chosen[0]
+            rows.append([label, f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['gbps'] * 1e9 / bandwidth:.0%}",
+                         f"{cublas[shape] / r['us']:.2f}x"])
+        picked = results[shape].get("chosen", {}).get("tiling")
+        print(f"\n{shape} N={columns} K={width}: bfloat16 cuBLAS {cublas[shape]:.1f} us; chosen: {picked}")
+        print(format_table(["tiling", "us", "GB/s", "of copy", "vs bf16"], rows))
+
+    per_layer = {"qkv", "out", "gate_up", "down"}
+    step = {}
+    for label in set().union(*(results[shape] for shape in shapes)):
+        if all(label in results[shape] for shape in shapes):
+            step[label] = sum(results[shape][label]["us"] * (layers if shape in per_layer else 1)
+                              for shape in shapes) / 1e3
+    best_each = sum(min(r["us"] for r in results[shape].values()) * (layers if shape in per_layer else 1)
+                    for shape in shapes) / 1e3
+    dense_step = sum(cublas[shape] * (layers if shape in per_layer else 1) for shape in shapes) / 1e3
+    print(f"\nGEMM time of one decode step ({layers} layers + LM head): bfloat16 cuBLAS {dense_step:.2f} ms; "
+          f"int4 with each shape's best tiling {best_each:.2f} ms")
+    ranked = sorted(step.items(), key=lambda item: item[1])
+    print(format_table(["one tiling for every shape", "step ms"], [[label, f"{ms:.2f}"] for label, ms in ranked[:10]]
+                       + [[label, f"{ms:.2f}"] for label, ms in ranked if label == "chosen"]))
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth,
+                                         "rows": args.rows, "cublas_us": cublas, "results": results,
+                                         "step_ms": step, "best_each_ms": best_each, "dense_step_ms": dense_step},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
