@@ -49,7 +49,7 @@ import numpy as np
 from candelabra.backends.torch.cpu_features import cpu_flags
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.llm import choose_backend, open_model
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.text_table import format_table
 from candelabra.core.worker.model_runner import ModelRunner
 

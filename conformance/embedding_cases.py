@@ -61,7 +61,7 @@ def reference_embeddings(model, prompts: list[np.ndarray], pooling: str) -> np.n
 def run_embedding_case(backend: Backend, case: ModelCase, seed: int) -> EmbeddingResult:
     """Candelabra's mean- and last-pooled embeddings of `case`'s model on `backend`, in float32,
     against transformers'."""
-    from candelabra.core.models import load_model
+    from candelabra.core.loading.model import load_model
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
     reference = make_reference(case, seed)

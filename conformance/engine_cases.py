@@ -103,7 +103,7 @@ class _Harness:
 
     def __init__(self, backend: Backend, folder: Path, dtype: str) -> None:
         from candelabra.core.engine.tokenizer import Tokenizer
-        from candelabra.core.models import load_model
+        from candelabra.core.loading.model import load_model
         from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(folder)

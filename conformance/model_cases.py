@@ -111,6 +111,16 @@ class ModelResult:
         return dict(self.__dict__)
 
 
+def config_json(case: ModelCase) -> dict:
+    """`case`'s config.json, as transformers writes it for a model of the case's family."""
+    import transformers
+
+    config = getattr(transformers, case.config_class)(**(_COMMON | case.settings))
+    record = config.to_dict()
+    record["architectures"] = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    return record
+
+
 def make_reference(case: ModelCase, seed: int):
     """A transformers model of `case`'s family with fresh random weights, in float32, attending in plain
     eager math: a fused attention may leave out what the family defines (transformers 5.17 gave Gemma-2
@@ -175,7 +185,7 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
 
 
 def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int, dtype: str = "float32") -> ModelResult:
-    from candelabra.core.models import load_model
+    from candelabra.core.loading.model import load_model
     from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 

@@ -275,7 +275,7 @@ def _written_checkpoint(case, seed: int, folder: str) -> tuple[str | None, str |
 
 def _load(backend, communicator, path: str, dtype: str, lm_head_layout: str | None):
     """(this rank's shard, the whole model on rank 0 else None, None), or (None, None, why not)."""
-    from candelabra.core.models import load_model
+    from candelabra.core.loading.model import load_model
     from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 

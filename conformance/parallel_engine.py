@@ -19,7 +19,7 @@ class _ParallelHarness(_Harness):
 
     def __init__(self, backend_class: type[Backend], folder: Path, dtype: str, world_size: int) -> None:
         from candelabra.core.engine.tokenizer import Tokenizer
-        from candelabra.core.models import load_model
+        from candelabra.core.loading.model import load_model
         from candelabra.core.weights.safetensors import SafetensorsCheckpoint
         from candelabra.core.worker.tensor_parallel import COLLECTIVE_TIMEOUT_SECONDS, WorkerProcesses, WorkerSpec
         from candelabra.core.worker.topology import Topology

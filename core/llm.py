@@ -11,8 +11,8 @@ from candelabra.core.contract.device import Device
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.kv_cache_size import blocks_in, device_cache_size, one_block
+from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
-from candelabra.core.models import load_model
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
 from candelabra.core.worker.model_runner import ModelRunner

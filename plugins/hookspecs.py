@@ -26,7 +26,9 @@ def register_backends(register):
 @hookspec
 def register_model_architectures(register):
     """Call `register(name, model_class)` for each architecture, `name` as in a checkpoint's
-    `architectures` list (e.g. "LlamaForCausalLM")."""
+    `architectures` list (e.g. "LlamaForCausalLM"). `model_class` is a
+    `candelabra.core.models.base.DecoderModel` subclass: the loader reads the checkpoint as its class
+    attributes say, then builds it as `model_class(config, backend, weights, communicator)`."""
 
 
 @hookspec

@@ -73,16 +73,11 @@ for name in ("sm_90a", "sm_80"):
 
 def test_model_configs(folder: Path) -> Path:
     """The conformance models level's architectures, as config.json files."""
-    import transformers
-
-    from candelabra.conformance.model_cases import _COMMON, MODEL_CASES
+    from candelabra.conformance.model_cases import MODEL_CASES, config_json
 
     for case in MODEL_CASES:
-        config = getattr(transformers, case.config_class)(**(_COMMON | case.settings))
-        record = config.to_dict()
-        record["architectures"] = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
         (folder / case.name).mkdir(parents=True)
-        (folder / case.name / "config.json").write_text(json.dumps(record), encoding="utf-8")
+        (folder / case.name / "config.json").write_text(json.dumps(config_json(case)), encoding="utf-8")
     return folder
 
 

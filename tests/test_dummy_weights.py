@@ -21,7 +21,7 @@ from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 from candelabra.core.llm import LLM
 from candelabra.core.loading import dummy as dummy_module
 from candelabra.core.loading.dummy import STD, DummyCheckpoint
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.models.config import ModelConfig
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import CheckpointError

@@ -59,7 +59,7 @@ def tiny_runner():
     import tempfile
 
     from candelabra.conformance.model_cases import make_reference
-    from candelabra.core.models import load_model
+    from candelabra.core.loading.model import load_model
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
     reference = make_reference(_case("qwen2"), seed=3)

@@ -11,7 +11,7 @@ from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.kv_cache_size import device_cache_size, one_block
 from candelabra.core.llm import LLM
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner

@@ -8,7 +8,7 @@ import pytest
 from candelabra.conformance.compare import nmse
 from candelabra.conformance.model_cases import MODEL_CASES, make_reference
 from candelabra.core.contract.step_metadata import StepMetadata
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins

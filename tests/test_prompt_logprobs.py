@@ -9,7 +9,7 @@ from transformers_reference import log_softmax_at_each_position
 from candelabra.conformance.engine_cases import VOCAB, write_tiny_checkpoint
 from candelabra.core.engine.engine import EngineConfig, LLMEngine
 from candelabra.core.engine.tokenizer import Tokenizer
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner

@@ -20,7 +20,7 @@ from candelabra.conformance.model_cases import GGUFModelCase, run_model_case
 from candelabra.conformance.op_cases import op_cases
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from quantized_backends import (
     QuantizedCpuBackend,

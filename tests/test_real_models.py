@@ -14,7 +14,7 @@ import pytest
 from candelabra.conformance.compare import nmse
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.engine.tokenizer import Tokenizer
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.weights.default_model import default_model_path
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner

@@ -19,7 +19,7 @@ from candelabra.conformance.parallel_cases import greedy_decode, run_communicato
 from candelabra.core.contract import Communicator
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
 from candelabra.core.loading.dummy import DummyCheckpoint
-from candelabra.core.models import load_model
+from candelabra.core.loading.model import load_model
 from candelabra.core.models.sharding import (
     LM_HEAD_LAYOUTS,
     REPLICATED,

@@ -1,8 +1,8 @@
 """Which tensors, by Hugging Face name, shape and role, a model family loads for a config.json.
 
-The shared decoder (`candelabra.core.models.base`) loads what its family's attributes say
-(norm kind and names, gated or plain MLP, the attention output's and the final norm's names) and
-takes the rest from whatever the checkpoint holds: biases, per-head q/k norms, projections stored
+The loader (`candelabra.core.loading.decoder_weights`) reads what a family's attributes say
+(norm kind, its block's norm names, gated or plain MLP, the attention output's and the final norm's
+names) and takes the rest from whatever the checkpoint holds: biases, per-head q/k norms, projections stored
 fused. Those last facts live in each architecture's config.json conventions, which
 `ARCHITECTURE_TENSORS` writes down; everything else is read from the family class itself.
 """
@@ -99,19 +99,9 @@ def _layer_tensors(prefix: str, c: ModelConfig, family: type[DecoderModel],
         tensors |= _linear(f"{mlp}.up_proj", c.intermediate_size, c.hidden_size, has_mlp_bias)
     if family.gated_mlp:
         tensors |= _linear(f"{mlp}.down_proj", c.hidden_size, c.intermediate_size, has_mlp_bias)
-    for name in _layer_norm_names(family, c):
+    for name in family.block_for(c).norm_names:
         tensors |= _norm(f"{prefix}.{name}", c.hidden_size, family)
     return tensors
-
-
-def _layer_norm_names(family: type[DecoderModel], config: ModelConfig) -> tuple[str, ...]:
-    """The family's own answer, from an instance that loads nothing. A parallel residual is the
-    one layout a config switches on (StableLM's use_parallel_residual); the family reads it in its
-    constructor, so it is set here as the constructor would."""
-    shell = family.__new__(family)
-    if config.raw.get("use_parallel_residual"):
-        shell.residual_layout = "parallel"
-    return tuple(shell.layer_norm_names())
 
 
 def _linear(prefix: str, rows: int, columns: int, bias: bool) -> dict[str, TensorSpec]:

@@ -6,6 +6,7 @@ alternates sliding-window and global layers. Gemma 3 drops the soft-capping for 
 gives its sliding-window layers their own rope base; all of that comes from the config."""
 
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.blocks import SandwichBlock
 
 
 class Gemma(DecoderModel):
@@ -14,14 +15,8 @@ class Gemma(DecoderModel):
 
 
 class Gemma2(Gemma):
-    residual_layout = "sandwich"
-
-    def layer_norm_names(self):
-        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                "post_feedforward_layernorm")
-
-    def sandwich_norm_names(self):
-        return ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
+    block = SandwichBlock(before_attention="input_layernorm", after_attention="post_attention_layernorm",
+                          before_mlp="pre_feedforward_layernorm", after_mlp="post_feedforward_layernorm")
 
 
 class Gemma3(Gemma2):

@@ -2,14 +2,10 @@
 interleaved (GPT-J style) rotary on half of each head, fused gate_up."""
 
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.blocks import SandwichBlock
 
 
 class Glm4(DecoderModel):
     rotary_style = "gptj"
-    residual_layout = "sandwich"
-
-    def layer_norm_names(self):
-        return ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
-
-    def sandwich_norm_names(self):
-        return ("post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
+    block = SandwichBlock(before_attention="input_layernorm", after_attention="post_self_attn_layernorm",
+                          before_mlp="post_attention_layernorm", after_mlp="post_mlp_layernorm")

@@ -5,6 +5,7 @@ longrope scaling (from the config). Phi-2 runs attention and MLP side by side fr
 norm, rotates part of each head, and uses an ungated tanh-GELU MLP with biases everywhere."""
 
 from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.blocks import ParallelBlock
 
 
 class Phi3(DecoderModel):
@@ -13,10 +14,7 @@ class Phi3(DecoderModel):
 
 class Phi2(DecoderModel):
     norm_kind = "layer"
-    residual_layout = "parallel"
+    block = ParallelBlock(norm="input_layernorm")
     gated_mlp = False
     attention_out_name = "dense"
     final_norm_name = "model.final_layernorm"
-
-    def layer_norm_names(self):
-        return ("input_layernorm",)

@@ -2,18 +2,15 @@
 parallel residual when the config asks for one."""
 
 from candelabra.core.models.base import DecoderModel
-from candelabra.core.models.config import ConfigError
+from candelabra.core.models.blocks import Block, ParallelBlock
+from candelabra.core.models.config import ConfigError, ModelConfig
 
 
 class StableLm(DecoderModel):
     norm_kind = "layer"
 
-    def __init__(self, config, *args, **kwargs):
+    @classmethod
+    def block_for(cls, config: ModelConfig) -> Block:
         if config.raw.get("qk_layernorm"):
             raise ConfigError("StableLM checkpoints with per-head q/k layer norms (qk_layernorm) are not supported")
-        if config.raw.get("use_parallel_residual"):
-            self.residual_layout = "parallel"
-        super().__init__(config, *args, **kwargs)
-
-    def layer_norm_names(self):
-        return ("input_layernorm",) if self.residual_layout == "parallel" else super().layer_norm_names()
+        return ParallelBlock(norm="input_layernorm") if config.raw.get("use_parallel_residual") else cls.block

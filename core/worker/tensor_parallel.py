@@ -142,8 +142,8 @@ def serve_orders(model, communicator) -> None:
 
 def run_worker(spec: WorkerSpec) -> None:
     """The life of a rank other than 0: join the group, load this rank's shard, serve the orders."""
+    from candelabra.core.loading.model import load_model
     from candelabra.core.loading.open import open_model
-    from candelabra.core.models import load_model
     from candelabra.plugins import choose_backend
 
     topology = spec.topology

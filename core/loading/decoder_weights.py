@@ -1,0 +1,222 @@
+"""A checkpoint's tensors as a decoder family's weights on a backend: which tensors a family takes,
+fused where the graph multiplies them together, kept quantized or dequantized, and sliced to a
+tensor-parallel rank's shard.
+
+Query, key and value projections are fused into one matmul at load time, and so are gate and up;
+a checkpoint that stores them fused is read as it is. Biases and per-head q/k norms are taken where
+the checkpoint holds them. What differs between families is said by the family class: its block's
+norm names, a gated or plain MLP, its attention output's and final norm's names. With a communicator
+of more than one rank only this rank's part of each weight is read (the rules are in
+`candelabra.core.models.sharding`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tqdm import tqdm
+
+from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.communicator import Communicator
+from candelabra.core.contract.dtypes import DType
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_quantized
+from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.config import ModelConfig
+from candelabra.core.models.layer_weights import DecoderWeights, Layer, Norm
+from candelabra.core.models.sharding import (
+    VOCAB_PARALLEL,
+    HostWeight,
+    check_lm_head_layout,
+    intermediate_columns,
+    pad_rows,
+    quantization_block,
+    shard_heads,
+    take_columns,
+    take_rows,
+    vocab_rows,
+)
+from candelabra.core.weights import Checkpoint
+
+
+def load_decoder_weights(family: type[DecoderModel], config: ModelConfig, backend: Backend, checkpoint: Checkpoint,
+                         dtype: DType, communicator: Communicator | None = None, lm_head_layout: str | None = None,
+                         progress: bool = False) -> DecoderWeights:
+    """`checkpoint`'s weights for `family` on `backend` in `dtype`: the whole model's, or with a
+    `communicator` of more than one rank that rank's shard, its LM head laid out as `lm_head_layout`
+    (one of `sharding.LM_HEAD_LAYOUTS`; the family's default when None). ValueError when the world
+    size does not split the heads (see `sharding.shard_heads`)."""
+    return _Loader(family, config, backend, checkpoint, dtype, communicator, lm_head_layout, progress).load()
+
+
+class _Loader:
+    def __init__(self, family: type[DecoderModel], config: ModelConfig, backend: Backend, checkpoint: Checkpoint,
+                 dtype: DType, communicator: Communicator | None, lm_head_layout: str | None, progress: bool) -> None:
+        self.family, self.config, self.backend = family, config, backend
+        self.dtype = backend.check_dtype(dtype)
+        self.communicator = communicator if communicator is not None and communicator.world_size > 1 else None
+        rank, world_size = (communicator.rank, communicator.world_size) if self.communicator else (0, 1)
+        self.head_shard = shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
+        layout = check_lm_head_layout(lm_head_layout or family.lm_head_layout)
+        self.vocab_parallel = self.communicator is not None and layout == VOCAB_PARALLEL
+        self.block = family.block_for(config)
+        self._checkpoint = checkpoint
+        self._names = set(checkpoint.tensor_names())
+        self._progress = tqdm(total=len(self._names), desc="loading weights", unit="tensor",
+                              disable=not progress, leave=False)
+
+    def load(self) -> DecoderWeights:
+        try:
+            embed_tokens, (lm_head, vocab_size) = self._embedding_and_lm_head()
+            layers = [self._layer(f"model.layers.{i}") for i in range(self.config.num_layers)]
+            final_norm = self._norm(self.family.final_norm_name)
+            lm_head_bias = self._lm_head_bias()
+        finally:
+            self._progress.close()
+        return DecoderWeights(dtype=self.dtype, embed_tokens=embed_tokens, lm_head=lm_head, lm_head_bias=lm_head_bias,
+                              final_norm=final_norm, layers=layers, vocab_size=vocab_size,
+                              head_shard=self.head_shard, vocab_parallel=self.vocab_parallel)
+
+    def _layer(self, prefix: str) -> Layer:
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        out = f"{attn}.{self.family.attention_out_name}"
+        qkv_rows = self._qkv_rows()
+        out_columns = None if self.communicator is None else self.head_shard.output_columns(self.config.head_dim)
+        layer = Layer(
+            qkv=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight", qkv_rows),
+            qkv_bias=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias", qkv_rows),
+            out=self._row_parallel(f"{out}.weight", out_columns),
+            out_bias=self._row_parallel_bias(f"{out}.bias"),
+            norms={name: self._norm(f"{prefix}.{name}") for name in self.block.norm_names
+                   if f"{prefix}.{name}.weight" in self._names},
+            q_norm=self._norm(f"{attn}.q_norm") if f"{attn}.q_norm.weight" in self._names else None,
+            k_norm=self._norm(f"{attn}.k_norm") if f"{attn}.k_norm.weight" in self._names else None,
+        )
+        if self.family.gated_mlp:
+            down = f"{mlp}.down_proj.weight"
+            columns = self._intermediate_columns(down)
+            rows = None if columns is None else [columns, _shifted(columns, self._checkpoint.tensor_shape(down)[1])]
+            layer.mlp_in = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), "weight", rows)
+            layer.mlp_out = self._row_parallel(down, columns)
+        else:
+            columns = self._intermediate_columns(f"{mlp}.fc2.weight")
+            rows = None if columns is None else [columns]
+            layer.mlp_in = self._column_parallel(f"{mlp}.fc1.weight", WeightRole.LINEAR, rows)
+            if f"{mlp}.fc1.bias" in self._names:
+                layer.mlp_in_bias = self._column_parallel(f"{mlp}.fc1.bias", WeightRole.BIAS, rows)
+            layer.mlp_out = self._row_parallel(f"{mlp}.fc2.weight", columns)
+            layer.mlp_out_bias = self._row_parallel_bias(f"{mlp}.fc2.bias")
+        return layer
+
+    # One tensor, or several stacked, from the checkpoint to the backend.
+
+    def _host(self, names: list[str], role: WeightRole) -> HostWeight:
+        """The tensors `names`, their rows one after another, as the backend takes them for `role`:
+        still quantized when they share a format it keeps, else dequantized to float32."""
+        if self._kept_format(names, role) is None:
+            parts = [self._checkpoint.load(name) for name in names]
+            tensor = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        else:
+            quantized = [self._checkpoint.load_quantized(name) for name in names]
+            tensor = quantized[0] if len(quantized) == 1 else QuantizedTensor.concatenate(quantized)
+        self._progress.update(len(names))
+        return tensor
+
+    def _kept_format(self, names: list[str], role: WeightRole) -> str | None:
+        formats = {self._checkpoint.quantized_format(name) for name in names}
+        stored = formats.pop() if len(formats) == 1 else None
+        backend = self.backend
+        return stored if stays_quantized(role, stored, backend.quantized_formats, backend.quantized_roles) else None
+
+    def _upload(self, name: str, role: WeightRole, tensor: HostWeight):
+        return self.backend.upload_weight(name, role, tensor, self.dtype)
+
+    def _weight(self, name: str, role: WeightRole):
+        return self._upload(name, role, self._host([name], role))
+
+    def _optional(self, name: str, role: WeightRole):
+        return self._weight(name, role) if name in self._names else None
+
+    def _norm(self, prefix: str) -> Norm:
+        weight = self._weight(f"{prefix}.weight", WeightRole.NORM)
+        return Norm(weight, self._optional(f"{prefix}.bias", WeightRole.BIAS))
+
+    # The embedding and the LM head.
+
+    def _embedding_and_lm_head(self):
+        """The embedding table, and (the LM head, its rows): its own tensor, or else (tied) the
+        embedding uploaded again with role lm_head, right after it and as the same host array or
+        QuantizedTensor where the LM head takes the same form."""
+        name = "model.embed_tokens.weight"
+        table = self._host([name], WeightRole.EMBEDDING)
+        embedding = self._upload(name, WeightRole.EMBEDDING, table)
+        if "lm_head.weight" in self._names and not self.config.tie_word_embeddings:
+            return embedding, self._lm_head("lm_head.weight", self._host(["lm_head.weight"], WeightRole.LM_HEAD))
+        quantized_head = self._kept_format([name], WeightRole.LM_HEAD) is not None
+        if isinstance(table, QuantizedTensor) and not quantized_head:
+            table = table.dequantize()
+        elif quantized_head and not isinstance(table, QuantizedTensor):
+            table = self._checkpoint.load_quantized(name)
+        return embedding, self._lm_head(name, table)
+
+    def _lm_head(self, name: str, table: HostWeight):
+        """The LM head uploaded from its host rows `table` (this rank's share of the vocabulary, padded,
+        where it is vocabulary-parallel), and the rows of the whole."""
+        return self._upload(name, WeightRole.LM_HEAD, self._vocab_shard(table)), table.shape[0]
+
+    def _lm_head_bias(self):
+        name = "lm_head.bias"
+        if name not in self._names:
+            return None
+        return self._upload(name, WeightRole.BIAS, self._vocab_shard(self._host([name], WeightRole.BIAS)))
+
+    def _vocab_shard(self, rows: HostWeight) -> HostWeight:
+        if not self.vocab_parallel:
+            return rows
+        kept, padded = vocab_rows(rows.shape[0], self.communicator.rank, self.communicator.world_size)
+        return pad_rows(take_rows(rows, [kept]), padded)
+
+    # Projections, fused and sharded.
+
+    def _fused(self, prefix: str, fused: str, parts: tuple[str, ...], suffix: str, rows: list[range] | None = None):
+        """A fused projection from the checkpoint, or its parts concatenated; None if absent. With
+        `rows`, only those rows of the fused projection (a column-parallel shard)."""
+        role = WeightRole.LINEAR if suffix == "weight" else WeightRole.BIAS
+        name = f"{prefix}.{fused}.{suffix}"
+        names = [name] if name in self._names else [f"{prefix}.{part}.{suffix}" for part in parts]
+        if not all(n in self._names for n in names):
+            return None
+        return self._column_parallel(name, role, rows, names)
+
+    def _column_parallel(self, name: str, role: WeightRole, rows: list[range] | None, stacked: list[str] | None = None):
+        """The tensor `name`, or the tensors `stacked` (their rows one after another) uploaded as
+        `name`; with `rows`, only those rows."""
+        host = self._host(stacked or [name], role)
+        return self._upload(name, role, host if rows is None else take_rows(host, rows))
+
+    def _row_parallel(self, name: str, columns: range | None):
+        """The linear weight `name`, or only its input features `columns`."""
+        host = self._host([name], WeightRole.LINEAR)
+        return self._upload(name, WeightRole.LINEAR, host if columns is None else take_columns(host, columns))
+
+    def _row_parallel_bias(self, name: str):
+        """A row-parallel projection's bias, None if absent: on rank 0 only, so the sum over ranks adds it once."""
+        if self.communicator is not None and self.communicator.rank != 0:
+            self._progress.update(int(name in self._names))
+            return None
+        return self._optional(name, WeightRole.BIAS)
+
+    def _qkv_rows(self) -> list[range] | None:
+        c = self.config
+        return None if self.communicator is None else self.head_shard.qkv_rows(c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def _intermediate_columns(self, row_parallel: str) -> range | None:
+        """This rank's MLP intermediate features, split on the blocks of the row-parallel weight
+        `row_parallel` where it stays quantized; None without tensor parallelism."""
+        if self.communicator is None:
+            return None
+        block = quantization_block(self._kept_format([row_parallel], WeightRole.LINEAR))
+        size = self._checkpoint.tensor_shape(row_parallel)[1]
+        return intermediate_columns(size, self.communicator.rank, self.communicator.world_size, block)
+
+
+def _shifted(indices: range, offset: int) -> range:
+    return range(indices.start + offset, indices.stop + offset)

@@ -1,0 +1,34 @@
+"""A checkpoint's model on a backend: its family from config.json, its weights through the loader."""
+
+from __future__ import annotations
+
+from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.communicator import Communicator
+from candelabra.core.loading.decoder_weights import load_decoder_weights
+from candelabra.core.models.base import DecoderModel
+from candelabra.core.models.config import ConfigError, ModelConfig
+from candelabra.core.weights import Checkpoint
+
+
+def load_model(checkpoint: Checkpoint, backend: Backend, dtype: str | None = None, model_type: str | None = None,
+               progress: bool = False, communicator: Communicator | None = None,
+               lm_head_layout: str | None = None) -> DecoderModel:
+    """The checkpoint's model on `backend`, computing in `dtype` (the backend's first by default).
+    `model_type` is one of candle-vllm's words (llama3, qwen2, ...), checked against the checkpoint.
+
+    With a `communicator` of more than one rank, this rank's shard of the tensor-parallel model
+    (see `DecoderModel`; `lm_head_layout` one of `sharding.LM_HEAD_LAYOUTS`, else the model's
+    default); every rank of the group loads it with the same arguments."""
+    from candelabra.plugins import RegistryError, installed_plugins
+
+    config = ModelConfig.from_hf(checkpoint.config)
+    if model_type:
+        config.check_model_type(model_type)
+    architectures = installed_plugins().model_architectures
+    try:
+        family = architectures.get(config.architecture)
+    except RegistryError as exc:
+        raise ConfigError(f"{checkpoint.path}: {exc}") from exc
+    weights = load_decoder_weights(family, config, backend, checkpoint, dtype or backend.dtypes[0], communicator,
+                                   lm_head_layout, progress)
+    return family(config, backend, weights, communicator)

@@ -1,0 +1,50 @@
+"""What a decoder model computes with: its weights as backend tensors, as the loader
+(`candelabra.core.loading.decoder_weights`) hands them over, and which tensor-parallel shard they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from candelabra.core.contract.dtypes import DType
+from candelabra.core.models.sharding import HeadShard
+
+
+@dataclass
+class Norm:
+    weight: Any
+    bias: Any = None
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights, as backend tensors."""
+
+    qkv: Any
+    qkv_bias: Any
+    out: Any
+    out_bias: Any
+    norms: dict[str, Norm] = field(default_factory=dict)
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    mlp_in: Any = None  # gate and up fused, or a plain up projection
+    mlp_in_bias: Any = None
+    mlp_out: Any = None
+    mlp_out_bias: Any = None
+
+
+@dataclass
+class DecoderWeights:
+    """A whole model's weights on one backend, or one rank's shard of them: `head_shard` names its
+    query and KV heads, and a `vocab_parallel` LM head holds this rank's rows of the vocabulary
+    (padded); `vocab_size` is the LM head's rows in all."""
+
+    dtype: DType
+    embed_tokens: Any
+    lm_head: Any
+    lm_head_bias: Any
+    final_norm: Norm
+    layers: list[Layer]
+    vocab_size: int
+    head_shard: HeadShard
+    vocab_parallel: bool = False
