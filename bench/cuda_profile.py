@@ -140,7 +140,7 @@ def main() -> None:
         and llm.backend.torch_device.type == "cuda"
     rng = np.random.default_rng(0)
     steps = [profile_decode(llm, batch, args.steps, rng, args.out, on_gpu) for batch in args.batches]
-    print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().device}; {args.steps} decode steps profiled")
+    print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().detail}; {args.steps} decode steps profiled")
     print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms"),
                        [(s["batch"], f"{s['step_ms']:.2f}", f"{s['busy_ms']:.2f}", f"{s['host_ms']:.2f}")
                         for s in steps]))
@@ -158,7 +158,7 @@ def main() -> None:
         print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms"),
                            [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}")
                             for s in sampling]))
-    (args.out / "profile.json").write_text(json.dumps({"device": llm.backend.probe().device, "steps": steps,
+    (args.out / "profile.json").write_text(json.dumps({"device": llm.backend.probe().detail, "steps": steps,
                                                        "sampling": sampling}, indent=2) + "\n")
 
 

@@ -73,7 +73,7 @@ def main() -> None:
         baseline = baseline or throughput
         rows.append((concurrency, f"{throughput:.1f}", f"{per_token * 1e3:.1f}", f"{throughput / baseline:.2f}x"))
     llm.close()
-    print(f"{llm.model.config.architecture} on {llm.backend.name} ({llm.backend.probe().device}), "
+    print(f"{llm.model.config.architecture} on {llm.backend.name} ({llm.backend.probe().detail}), "
           f"{topology.world_size} rank(s) on devices {args.device_ids}, {llm.model.dtype}, "
           f"{args.prompt_tokens} prompt and {args.output_tokens} output tokens per request, greedy")
     print(format_table(("concurrent requests", "output tokens/s", "ms per output token", "vs 1 request"), rows))

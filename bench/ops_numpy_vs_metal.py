@@ -73,7 +73,7 @@ def main() -> None:
     if not probe.available:
         raise SystemExit(f"metal backend unavailable: {probe.reason}")
     metal = metal_class()
-    print(f"numpy {np.__version__} (float32) vs metal on {probe.device}; median of {repeats}, ms per call")
+    print(f"numpy {np.__version__} (float32) vs metal on {probe.detail}; median of {repeats}, ms per call")
     rng = np.random.default_rng(0)
 
     rows = []

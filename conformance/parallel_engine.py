@@ -21,8 +21,10 @@ class _ParallelHarness(_Harness):
         from candelabra.core.engine.tokenizer import Tokenizer
         from candelabra.core.loading.model import load_model
         from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-        from candelabra.core.worker.tensor_parallel import COLLECTIVE_TIMEOUT_SECONDS, WorkerProcesses, WorkerSpec
+        from candelabra.core.worker.parallel_runner import COLLECTIVE_TIMEOUT_SECONDS
+        from candelabra.core.worker.rank_process import WorkerSpec
         from candelabra.core.worker.topology import Topology
+        from candelabra.core.worker.worker_processes import WorkerProcesses
 
         # The workers read the checkpoint while this process goes on: a copy of their own outlives the case's folder.
         self._folder = tempfile.mkdtemp(prefix="candelabra-parallel-engine-")
@@ -41,7 +43,7 @@ class _ParallelHarness(_Harness):
 
     def engine(self, **options):
         from candelabra.core.engine.engine import EngineConfig, LLMEngine
-        from candelabra.core.worker.tensor_parallel import ParallelModelRunner
+        from candelabra.core.worker.parallel_runner import ParallelModelRunner
 
         config = EngineConfig(**{"num_blocks": 64, "block_size": 16, **options})
         runner = ParallelModelRunner(self.model, self.communicator, config.num_blocks, config.block_size,

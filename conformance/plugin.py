@@ -53,7 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if dtype not in cls.dtypes:
         raise pytest.UsageError(f"backend {cls.name!r} does not compute in {dtype}; it offers {', '.join(cls.dtypes)}")
     seed = config.getoption("--conformance-seed")
-    state = ConformanceRun(config, cls, probe.device, secrets.randbits(31) if seed is None else seed, dtype)
+    state = ConformanceRun(config, cls, probe.detail, secrets.randbits(31) if seed is None else seed, dtype)
     config.pluginmanager.register(state, "candelabra-conformance-run")
 
 

@@ -10,19 +10,16 @@ from tqdm import tqdm
 from candelabra.core.contract.device import Device
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.tokenizer import Tokenizer
-from candelabra.core.kv_cache_size import blocks_in, device_cache_size, one_block
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
+from candelabra.core.worker.kv_cache_size import blocks_in, device_cache_size, one_block
 from candelabra.core.worker.model_runner import ModelRunner
-from candelabra.core.worker.tensor_parallel import (
-    COLLECTIVE_TIMEOUT_SECONDS,
-    ParallelModelRunner,
-    WorkerProcesses,
-    WorkerSpec,
-)
+from candelabra.core.worker.parallel_runner import COLLECTIVE_TIMEOUT_SECONDS, ParallelModelRunner
+from candelabra.core.worker.rank_process import WorkerSpec
 from candelabra.core.worker.topology import Topology
+from candelabra.core.worker.worker_processes import WorkerProcesses
 from candelabra.plugins import choose_backend
 
 log = logging.getLogger("candelabra")

@@ -67,8 +67,8 @@ def choose_backend(name: str = "auto"):
         return cls
     ranked = ranked_backends()
     chosen = auto_choice(ranked)
-    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.device}" if c.probe.available else
+    passed_over = [f"{c.name}: priority {c.probe.priority}, on {c.probe.detail}" if c.probe.available else
                    f"{c.name}: not available, {c.probe.reason}" for c in ranked if c is not chosen]
     log.info("backend auto: chose %s, priority %d, the highest available, on %s (passed over: %s)", chosen.name,
-             chosen.probe.priority, chosen.probe.device, "; ".join(passed_over) or "none")
+             chosen.probe.priority, chosen.probe.detail, "; ".join(passed_over) or "none")
     return chosen.backend

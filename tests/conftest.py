@@ -1,10 +1,6 @@
-import contextlib
+"""Fixtures and hooks for every test; the helpers tests import are in support.py."""
+
 import os
-import signal
-import subprocess
-import sys
-import textwrap
-import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -41,137 +37,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(LONGEST_FIRST)))
 
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 @pytest.fixture(autouse=True)
 def fresh_plugin_discovery():
     """Each test sees the entry points installed at that moment."""
     installed_plugins.cache_clear()
     yield
     installed_plugins.cache_clear()
-
-
-# The cuda kernel tests run their kernels on CPU tensors, which only Triton's interpreter can; each of
-# their modules sets TRITON_INTERPRET=1 unless the environment already says otherwise, so the condition
-# is a string, read when the tests run rather than when this file is imported.
-triton_interpreter_only = pytest.mark.skipif(
-    'os.environ.get("TRITON_INTERPRET") != "1"',
-    reason="the cuda kernel tests run CPU tensors through Triton's interpreter, and TRITON_INTERPRET is not 1 here; "
-           "on a GPU, `candelabra conformance --backend cuda` checks the same kernels")
-
-
-def available_backends() -> list[str]:
-    """Every installed backend that can run here, by name, from the plugin registry: tests over
-    backends then cover one installed tomorrow too. A backend available only for testing its
-    kernels (cuda through the Triton interpreter, priority 1, which the cuda tests set up) is left
-    to its own tests: serving a model through an interpreter takes hours."""
-    return [registration.name for registration in installed_plugins().backends.registrations()
-            if (probe := registration.value.probe()).available and probe.priority > 1]
-
-
-def probe_without(module: str, backend: str) -> tuple[str, str]:
-    """In a fresh interpreter where `module` cannot be imported: what the backend class at
-    `backend` ("package.module:Class") answers from probe(), and what constructing it raises."""
-    module_path, class_name = backend.split(":")
-    script = (
-        f"import sys; sys.modules[{module!r}] = None\n"
-        f"from {module_path} import {class_name}\n"
-        f"probe = {class_name}.probe(); print(probe.available, probe.reason)\n"
-        f"try:\n    {class_name}()\nexcept RuntimeError as exc:\n    print('refused:', exc)\n"
-    )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    first, second = run.stdout.splitlines()
-    return first, second
-
-
-def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None, timeout: float = 600
-                   ) -> subprocess.CompletedProcess:
-    """The real console command, in a child process, as a user would run it; `timeout` guards
-    against a hang, far above any machine's time for the work."""
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "candelabra.core.cli", *args],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,
-    )
-
-
-@contextlib.contextmanager
-def hang_guard(seconds: float):
-    """Fails the block with TimeoutError if it runs `seconds`: a guard against hanging, set far above
-    any machine's time for the work, never a speed check."""
-    def expired(*_):
-        raise TimeoutError(f"still running after {seconds} s: it hangs")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-@contextlib.contextmanager
-def peak_allocation(limit: int):
-    """Fails if the block's Python allocations peak above `limit` bytes: the machine-independent
-    sign that a damaged header's sizes were refused, not acted on."""
-    tracemalloc.start()
-    try:
-        yield
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < limit, f"allocated {peak} bytes at peak, limit {limit}"
-
-
-needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
-
-
-def mapped_resident_kib(path) -> int:
-    """KiB of the file `path`'s mapped pages resident in this process, from /proc/self/smaps."""
-    return _resident_kib(lambda fields: len(fields) >= 6 and fields[5] == str(path))
-
-
-def resident_kib_at(address: int, length: int) -> int:
-    """KiB resident in this process of the mappings overlapping [address, address + length), from
-    /proc/self/smaps: the memory of one allocation, whatever other threads allocate meanwhile."""
-
-    def overlaps(fields: list[str]) -> bool:
-        start, end = (int(bound, 16) for bound in fields[0].split("-"))
-        return start < address + length and address < end
-
-    return _resident_kib(overlaps)
-
-
-def _resident_kib(chosen) -> int:
-    """The Rss of the mappings in /proc/self/smaps whose first line's fields (address range,
-    permissions, offset, device, inode, path) `chosen` accepts."""
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if fields[0].endswith(":"):
-                if inside and fields[0] == "Rss:":
-                    resident += int(fields[1])
-            else:
-                inside = chosen(fields)
-    return resident
-
-
-def make_distribution(root: Path, name: str, modules: dict[str, str], entry_points: dict[str, str]) -> Path:
-    """A minimal installed distribution under `root` (a dist-info folder next to its modules),
-    found by importlib.metadata once `root` is on sys.path."""
-    root.mkdir(parents=True, exist_ok=True)
-    for module, source in modules.items():
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-    info = root / f"{name}-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    lines = "\n".join(f"{key} = {value}" for key, value in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[candelabra]\n{lines}\n")
-    return root
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from candelabra.core.cli import main
 from candelabra.core.contract.backend import Probe
 from candelabra.core.llm import choose_backend
 from candelabra.plugins import Candidate, auto_choice, discover, ranked_backends
-from conftest import make_distribution
+from support import make_distribution
 
 PRIORITY_BACKEND = """
     from candelabra.backends.cpu import CpuBackend
@@ -21,7 +21,7 @@ PRIORITY_BACKEND = """
 
         @classmethod
         def probe(cls):
-            return Probe({available}, reason="{reason}", device="{name} device", priority={priority})
+            return Probe({available}, reason="{reason}", detail="{name} device", priority={priority})
 
     @hookimpl
     def register_backends(register):
@@ -130,3 +130,28 @@ def test_backends_command_shows_priorities_and_marks_what_auto_picks(tmp_path, m
     assert rows["fastnpu"][3:6] == ["yes", "100", "picks"]
     assert rows["cpu"][3:5] == ["yes", "10"] and "picks" not in rows["cpu"]
     assert rows["ghostnpu"][3:5] == ["no", "-"]
+
+
+def test_a_probe_says_what_it_runs_on_as_detail_and_still_takes_the_first_contracts_device_keyword():
+    from candelabra.core.contract.backend import Probe
+
+    assert Probe(True, detail="npu 0 (64 GiB)").detail == "npu 0 (64 GiB)"
+    assert Probe(True, device="npu 0 (64 GiB)") == Probe(True, detail="npu 0 (64 GiB)")
+    with pytest.raises(TypeError, match="not both"):
+        Probe(True, detail="a", device="b")
+
+
+def test_backend_auto_says_which_and_why(caplog):
+    import logging
+
+    from candelabra.core.llm import choose_backend
+
+    with caplog.at_level(logging.INFO, logger="candelabra"):
+        chosen = choose_backend("auto")
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"backend auto: chose {chosen.name}, priority {chosen.probe().priority}, the highest available" in message
+    assert "chose gcu" not in message  # no GCU here, and its CPU stand-in only when asked for
+    if chosen.name == "torch":  # the fast CPU path, over the numpy reference
+        assert "passed over: cpu: priority 10, on cpu (" in message
+    if chosen.name == "cpu":  # MLX's CPU build here: passed over for its lower priority, saying why it is lower
+        assert "passed over: metal: priority 5, on cpu (MLX" in message and "slower than the numpy backend" in message

@@ -11,7 +11,7 @@ import pytest
 
 from candelabra.core.clients import bench
 from candelabra.core.clients.bench import RequestResult
-from conftest import run_candelabra
+from support import run_candelabra
 
 
 def bench_args(*argv):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from candelabra.core.contract.ops import FUSED_OPS, OP_NAMES
-from conftest import run_candelabra
+from support import run_candelabra
 
 TESTS = Path(__file__).resolve().parent
 

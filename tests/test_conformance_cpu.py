@@ -8,7 +8,7 @@ import pytest
 
 from candelabra.conformance.op_cases import op_cases
 from candelabra.core.contract.ops import OP_NAMES
-from conftest import run_candelabra
+from support import run_candelabra
 
 
 @pytest.mark.slow

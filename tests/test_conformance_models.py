@@ -8,7 +8,7 @@ import pytest
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES, make_reference, run_model_case
 from candelabra.core.models.base import DecoderModel
-from conftest import run_candelabra
+from support import run_candelabra
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from candelabra.backends.cuda.kernels.activations import gelu, gelu_and_mul, silu_and_mul  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 # exp(-x) and exp(2z) overflow to inf for large |x| by design (the formulas take the right limit);
 # the interpreter's numpy says so.

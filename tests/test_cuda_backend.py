@@ -56,7 +56,7 @@ def test_listed_as_unavailable_without_the_interpreter_on_a_machine_without_cuda
 
 def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
     probe = CudaBackend.probe()
-    assert probe.priority < 10 and "interpreter" in probe.device
+    assert probe.priority < 10 and "interpreter" in probe.detail
     assert CudaBackend.dtypes == ("float32", "float16")
     assert all(CudaBackend().ops.supports(op) for op in OP_NAMES)
 

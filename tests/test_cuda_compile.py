@@ -71,7 +71,7 @@ for name in ("sm_90a", "sm_80"):
                                   "sm_80", "1", "_int4_gemv_kernel", "256", "2", "1"]
 
 
-def test_model_configs(folder: Path) -> Path:
+def write_test_model_configs(folder: Path) -> Path:
     """The conformance models level's architectures, as config.json files."""
     from candelabra.conformance.model_cases import MODEL_CASES, config_json
 
@@ -79,9 +79,6 @@ def test_model_configs(folder: Path) -> Path:
         (folder / case.name).mkdir(parents=True)
         (folder / case.name / "config.json").write_text(json.dumps(config_json(case)), encoding="utf-8")
     return folder
-
-
-test_model_configs.__test__ = False
 
 
 # What CI compiles, a few minutes on one core: every model of bench/configs in bfloat16 (the dtype they
@@ -102,7 +99,7 @@ Path(sys.argv[2]).write_text(json.dumps([vars(r) | {"problems": r.problems} for 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_shared_memory(tmp_path):
-    models = test_model_configs(tmp_path / "test-models")
+    models = write_test_model_configs(tmp_path / "test-models")
     results = tmp_path / "compiled.json"
     compiler_env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", CI_PLAN, str(models), str(results)], capture_output=True, text=True,

@@ -15,7 +15,7 @@ from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul
 from candelabra.backends.cuda.quantized import Int4CudaWeight  # noqa: E402
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to  # noqa: E402
 from candelabra.conformance.quantized_weights import random_quantized  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 

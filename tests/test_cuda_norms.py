@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from candelabra.backends.cuda.kernels.norms import add_rms_norm, rms_norm  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 

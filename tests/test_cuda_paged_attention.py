@@ -20,7 +20,7 @@ from candelabra.backends.cuda.kernels.paged_attention import (  # noqa: E402
 from candelabra.backends.cuda.step import CudaStep  # noqa: E402
 from candelabra.conformance.oracle import paged_attention as oracle_attention  # noqa: E402
 from candelabra.core.contract.step_metadata import StepMetadata  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 
@@ -106,7 +106,7 @@ def test_a_decode_batch_that_fills_the_gpu_runs_unsplit(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_only(dtype):
+def test_a_prefill_only_batch_matches_the_oracle(dtype):
     case = Case(2, [5, 23], [5, 23], num_heads=2, num_kv_heads=2, dtype=dtype)
     case.run(scale=0.125)
 
@@ -124,14 +124,14 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(group, dtype):
 @pytest.mark.parametrize("window", [1, 7])
 @pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [3, 50, 130]), ([1, 20, 9], [33, 20, 45])],
                          ids=["decode", "mixed"])
-def test_sliding_window(window, query_lens, seq_lens):
+def test_sliding_window_attention_matches_the_oracle_in_decode_and_mixed_batches(window, query_lens, seq_lens):
     Case(4, query_lens, seq_lens, num_heads=8, num_kv_heads=2).run(scale=0.125, sliding_window=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("query_lens, seq_lens", [([1, 1], [30, 90]), ([1, 14], [25, 30])],
                          ids=["decode", "mixed"])
-def test_logit_softcap(dtype, query_lens, seq_lens):
+def test_logit_soft_capping_matches_the_oracle_in_decode_and_mixed_batches(dtype, query_lens, seq_lens):
     # scale 1 gives scores of several units, so a cap of 2 changes the weights a lot
     Case(5, query_lens, seq_lens, num_heads=4, num_kv_heads=1, dtype=dtype).run(scale=1.0, logit_softcap=2.0)
 

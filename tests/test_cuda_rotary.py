@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from candelabra.backends.cuda.kernels.rotary import rotary, rotary_write_kv, write_kv  # noqa: E402
 from candelabra.conformance import oracle  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 

@@ -18,7 +18,7 @@ from candelabra.conformance import oracle  # noqa: E402
 from candelabra.conformance.compare import nmse  # noqa: E402
 from candelabra.conformance.op_cases import CDF_TOLERANCE, allowed_token_mask  # noqa: E402
 from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists  # noqa: E402
-from conftest import triton_interpreter_only  # noqa: E402
+from support import triton_interpreter_only  # noqa: E402
 
 pytestmark = triton_interpreter_only
 
@@ -113,33 +113,33 @@ def test_small_vocabulary_every_mode(dtype, mode):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["greedy", "top_k", "top_p", "combined"])
-def test_tied_logits(dtype, mode):
+def test_logits_with_many_ties_sample_as_the_oracle_does(dtype, mode):
     rng = np.random.default_rng([2, len(mode), list(DTYPES).index(dtype)])
     _run_and_compare(_logits(rng, 8, 1000, dtype, tied=True), _metadata(rng, 8, 1000, mode, 5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["combined", "penalties"])
-def test_llama_vocabulary(dtype, mode):
+def test_a_llama_sized_vocabulary_samples_as_the_oracle_does(dtype, mode):
     rng = np.random.default_rng([3, len(mode), list(DTYPES).index(dtype)])
     _run_and_compare(_logits(rng, 4, 32000, dtype), _metadata(rng, 4, 32000, mode, 20))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "combined"])
-def test_qwen_vocabulary(mode):
+def test_a_qwen_sized_vocabulary_samples_as_the_oracle_does(mode):
     rng = np.random.default_rng([4, len(mode)])
     temperature = [0.0, 0.0] if mode == "greedy" else [0.0, 0.8]  # the interpreter is slow: one random row
     _run_and_compare(_logits(rng, 2, 151936, "float16"), _metadata(rng, 2, 151936, mode, 5, temperature=temperature))
 
 
 @pytest.mark.parametrize("vocab", [1, 3, 513, 2049])
-def test_awkward_vocabulary_sizes(vocab):
+def test_vocabularies_shorter_than_or_one_past_a_block_sample_as_the_oracle_does(vocab):
     """One-element rows, rows shorter than a block, one past a search block and a row block."""
     rng = np.random.default_rng([5, vocab])
     _run_and_compare(_logits(rng, 6, vocab, "float32"), _metadata(rng, 6, vocab, "combined", min(20, vocab)))
 
 
-def test_filter_extremes():
+def test_filters_and_temperatures_at_their_extremes_sample_as_the_oracle_does():
     """top_k 1 and beyond the vocabulary, a tiny top_p, min_p 1, a near-zero temperature."""
     rng = np.random.default_rng(6)
     rows, vocab = 6, 700
@@ -237,7 +237,7 @@ def _host_synchronisation_forbidden():
 
 
 @pytest.mark.parametrize("candidates", [64, sampling_kernel.CANDIDATES])
-def test_no_host_synchronisation(monkeypatch, candidates):
+def test_sampling_never_reads_a_device_value_back_to_the_host(monkeypatch, candidates):
     monkeypatch.setattr(sampling_kernel, "CANDIDATES", candidates)
     rng = np.random.default_rng(11)
     meta = _metadata(rng, 6, 1000, "penalties", 5, top_k=rng.integers(1, 50, 6), top_p=np.full(6, 0.8),

@@ -7,7 +7,7 @@ from candelabra.backends.metal import MetalBackend
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.contract.device import Device
 from candelabra.core.llm import LLM
-from conftest import run_candelabra
+from support import run_candelabra
 
 
 def test_a_device_is_an_index_with_rank_and_world_size_reserved():

@@ -7,7 +7,7 @@ import pytest
 from candelabra.conformance.engine_cases import ENGINE_CASES, write_tiny_checkpoint
 from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams
-from conftest import available_backends, run_candelabra
+from support import available_backends, run_candelabra
 
 PROMPT = [5, 9, 23, 42, 7, 11]
 EOS = 1
@@ -119,7 +119,7 @@ def test_bad_sampling_parameters_are_refused(field, value, message):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", available_backends())
-def test_engine_conformance_passes(tmp_path, backend):
+def test_every_engine_conformance_case_passes_on_each_available_backend(tmp_path, backend):
     results = tmp_path / "engine.json"
     run = run_candelabra("conformance", "--backend", backend, "--level", "engine", "--json", str(results))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
@@ -206,11 +206,12 @@ def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
     """A mixed step (a decode beside a chunk of prefill), padded, gives the same tokens and
     logprobs in its real rows as unpadded, and writes nothing to the cache for its padding."""
     import numpy as np
-    from padded_backend import PaddedCpuBackend
 
     from candelabra.core.contract.executor import StepExecutor, StepInputs, pad_step_inputs
     from candelabra.core.contract.step_metadata import StepMetadata
-    from candelabra.core.worker.model_runner import ModelRunner, sampling_metadata
+    from candelabra.core.worker.model_runner import ModelRunner
+    from candelabra.core.worker.sampling_inputs import sampling_metadata
+    from padded_backend import PaddedCpuBackend
 
     write_tiny_checkpoint(tmp_path, seed=9)
     llm = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)

@@ -20,7 +20,7 @@ from candelabra.backends.torch.accelerator import (
     VendorKernel,
     resolve,
 )
-from conftest import run_candelabra
+from support import run_candelabra
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_an_extension_that_fails_to_import_is_a_reason_not_a_crash(monkeypatch, 
 
 def test_the_stand_in_is_torch_on_the_cpu_presented_as_the_device(stand_in):
     probe = GcuBackend.probe()
-    assert probe.available and probe.priority == 1 and "stand-in for gcu" in probe.device
+    assert probe.available and probe.priority == 1 and "stand-in for gcu" in probe.detail
     backend = GcuBackend()
     assert backend.torch_device.type == "cpu" and backend.name == "gcu" and backend.fallback_reasons == {}
     assert backend.distributed_backend == "eccl"

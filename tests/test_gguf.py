@@ -39,7 +39,7 @@ from candelabra.core.weights import CheckpointError, default_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.weights.gguf_config import ARCHITECTURES
 from candelabra.core.weights.gguf_tensors import LAYOUTS
-from conftest import hang_guard, mapped_resident_kib, needs_smaps, peak_allocation
+from support import hang_guard, mapped_resident_kib, needs_smaps, one_line_checkpoint_error, peak_allocation
 
 # ---------------------------------------------------------------------------------------------
 # Writing GGUF files
@@ -341,11 +341,9 @@ def test_tokenizer_files_name_the_folder_and_the_file(converted):
 
 def one_line_error(path, match):
     """Opening `path` fails with one CheckpointError line naming it, allocating little."""
-    with peak_allocation(4 << 20), pytest.raises(CheckpointError) as caught:
-        GGUFCheckpoint(path)
-    message = str(caught.value)
-    assert "\n" not in message and message.startswith(str(path)), message
-    assert re.search(match, message), message
+    with peak_allocation(4 << 20):
+        message = one_line_checkpoint_error(lambda: GGUFCheckpoint(path), str(path))
+    assert message.startswith(str(path)) and re.search(match, message), message
     return message
 
 
@@ -415,7 +413,7 @@ def valid_file(tmp_path):
     return write_gguf(tmp_path / "valid.gguf", "qwen2", minimal_metadata(), tensors)
 
 
-def test_valid_file_opens(valid_file):
+def test_a_valid_file_opens_and_loads_a_tensor_under_its_transformers_name(valid_file):
     with GGUFCheckpoint(valid_file) as checkpoint:
         assert checkpoint.load("model.embed_tokens.weight")[1, 0] == 64
 
@@ -431,11 +429,11 @@ def test_not_a_gguf_file(tmp_path):
 
 
 @pytest.mark.parametrize("version, match", [(1, "version 1"), (99, "version 99"), (0x03000000, "big-endian")])
-def test_unsupported_version(tmp_path, version, match):
+def test_an_unsupported_or_big_endian_version_is_a_one_line_error_naming_it(tmp_path, version, match):
     one_line_error(hand_made(tmp_path / "v.gguf", version=version), match)
 
 
-def test_truncated_anywhere(valid_file, tmp_path):
+def test_a_file_truncated_anywhere_is_a_one_line_error_saying_so(valid_file, tmp_path):
     data = valid_file.read_bytes()
     header_end = data.index(b"blk.0.attn_q.weight") + 40
     for cut in (4, 7, 12, 23, 30, 60, 200, header_end, header_end + 100, len(data) - 1000, len(data) - 1):
@@ -461,7 +459,7 @@ def test_lying_counts_and_sizes(tmp_path):
     one_line_error(hand_made(tmp_path / "o.gguf", infos=[far_tensor], tail=bytes(64)), "end of the file")
 
 
-def test_corrupted_header_fields(tmp_path):
+def test_each_corrupted_header_field_is_a_one_line_error_naming_the_fault(tmp_path):
     one_line_error(hand_made(tmp_path / "vt.gguf", kvs=[ARCH_KV, kv("x", 77, b"")]), "unknown value type 77")
     one_line_error(hand_made(tmp_path / "dup.gguf", kvs=[ARCH_KV, ARCH_KV]), "repeats metadata key")
     utf = kv(b"\xff\xfe", 4, struct.pack("<I", 1))
@@ -694,7 +692,7 @@ def gemma3_270m_file(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_config(gemma3_270m_file):
+def test_gemma3_270m_config_holds_its_sizes_sliding_window_pattern_and_rope_bases(gemma3_270m_file):
     with GGUFCheckpoint(gemma3_270m_file) as checkpoint:
         config = checkpoint.config
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from candelabra.core.loading.open import open_checkpoint
-from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.hf_cache import hub_cache_dir, resolve_snapshot
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+from support import one_line_checkpoint_error
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OLD_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -51,15 +51,6 @@ def cache_env(hub_cache, monkeypatch):
     return hub_cache
 
 
-def one_line_error(call, *expected):
-    with pytest.raises(CheckpointError) as info:
-        call()
-    message = str(info.value)
-    assert "\n" not in message
-    for part in expected:
-        assert part in message, f"{part!r} not in {message!r}"
-    return message
-
 
 def test_cache_dir_follows_hugging_face_environment(monkeypatch, tmp_path):
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
@@ -93,7 +84,7 @@ def test_resolves_through_hf_home(hub_cache, monkeypatch, tmp_path):
 
 
 def test_missing_model_says_where_it_looked_and_how_to_fetch(cache_env):
-    message = one_line_error(
+    message = one_line_checkpoint_error(
         lambda: resolve_snapshot("other-org/absent-model"),
         "other-org/absent-model",
         str(cache_env / "models--other-org--absent-model"),
@@ -105,21 +96,21 @@ def test_missing_model_says_where_it_looked_and_how_to_fetch(cache_env):
 
 
 def test_missing_revision_lists_cached_refs(cache_env):
-    one_line_error(lambda: resolve_snapshot(MODEL_ID, "v2"), MODEL_ID, "'v2'", "main, v1")
-    one_line_error(lambda: resolve_snapshot(MODEL_ID, "/etc/hostname"), MODEL_ID, "'/etc/hostname'")
-    one_line_error(lambda: resolve_snapshot(MODEL_ID, "../refs/main"), MODEL_ID, "'../refs/main'")
+    one_line_checkpoint_error(lambda: resolve_snapshot(MODEL_ID, "v2"), MODEL_ID, "'v2'", "main, v1")
+    one_line_checkpoint_error(lambda: resolve_snapshot(MODEL_ID, "/etc/hostname"), MODEL_ID, "'/etc/hostname'")
+    one_line_checkpoint_error(lambda: resolve_snapshot(MODEL_ID, "../refs/main"), MODEL_ID, "'../refs/main'")
 
 
 def test_ref_to_a_missing_snapshot(cache_env, tmp_path):
     repo = tmp_path / "models--tiny-org--tiny-llama"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
-    one_line_error(lambda: resolve_snapshot(MODEL_ID, cache_dir=tmp_path), COMMIT, "missing")
+    one_line_checkpoint_error(lambda: resolve_snapshot(MODEL_ID, cache_dir=tmp_path), COMMIT, "missing")
 
 
 @pytest.mark.parametrize("model_id", ["", "a/b/c", "../etc", "/abs/path", "org/na me"])
-def test_malformed_model_id(cache_env, model_id):
-    one_line_error(lambda: resolve_snapshot(model_id), "not a Hugging Face model id")
+def test_a_malformed_model_id_is_refused_as_not_a_hugging_face_model_id(cache_env, model_id):
+    one_line_checkpoint_error(lambda: resolve_snapshot(model_id), "not a Hugging Face model id")
 
 
 def test_open_checkpoint_from_the_cache(cache_env):
@@ -131,7 +122,7 @@ def test_open_checkpoint_from_the_cache(cache_env):
 
 
 def test_open_checkpoint_from_the_cache_at_a_revision_without_weights(cache_env):
-    one_line_error(lambda: open_checkpoint(model_id=MODEL_ID, revision="v1"), OLD_COMMIT, "neither")
+    one_line_checkpoint_error(lambda: open_checkpoint(model_id=MODEL_ID, revision="v1"), OLD_COMMIT, "neither")
 
 
 def write_tiny_safetensors_folder(folder: Path) -> Path:
@@ -194,18 +185,19 @@ def test_open_checkpoint_dispatches_gguf(tmp_path, fake_gguf, cache_env):
 def test_several_gguf_files_need_weight_file(tmp_path, fake_gguf):
     for name in ("model-q4.gguf", "model-q8.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
-    one_line_error(lambda: open_checkpoint(tmp_path), "model-q4.gguf, model-q8.gguf", "--weight-file")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path), "model-q4.gguf, model-q8.gguf", "--weight-file")
     assert open_checkpoint(tmp_path, "model-q8.gguf").path == tmp_path / "model-q8.gguf"
 
 
-def test_open_checkpoint_errors(tmp_path, cache_env):
+def test_open_checkpoint_explains_each_missing_unusable_or_conflicting_argument_in_one_line(tmp_path, cache_env):
     usage = "--weight-path FOLDER, --weight-file FILE or --model-id ORG/NAME"
-    one_line_error(lambda: open_checkpoint(), "no checkpoint given", usage)
-    one_line_error(lambda: open_checkpoint(tmp_path / "nowhere"), "nowhere", "does not exist")
-    one_line_error(lambda: open_checkpoint(tmp_path, "nowhere.gguf"), "nowhere.gguf", "does not exist")
-    one_line_error(lambda: open_checkpoint(tmp_path), str(tmp_path), "neither", ".gguf")
+    one_line_checkpoint_error(lambda: open_checkpoint(), "no checkpoint given", usage)
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path / "nowhere"), "nowhere", "does not exist")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path, "nowhere.gguf"), "nowhere.gguf", "does not exist")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path), str(tmp_path), "neither", ".gguf")
     (tmp_path / "weights.bin").write_bytes(b"")
-    one_line_error(lambda: open_checkpoint(tmp_path / "weights.bin"), "weights.bin", "neither a .safetensors nor")
-    one_line_error(lambda: open_checkpoint(tmp_path, model_id=MODEL_ID), "--weight-path", "not both")
-    one_line_error(lambda: open_checkpoint(tmp_path, revision="v1"), "--revision v1", "--model-id")
-    one_line_error(lambda: open_checkpoint(model_id="absent/model"), "absent/model", "hf download")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path / "weights.bin"), "weights.bin",
+                              "neither a .safetensors nor")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path, model_id=MODEL_ID), "--weight-path", "not both")
+    one_line_checkpoint_error(lambda: open_checkpoint(tmp_path, revision="v1"), "--revision v1", "--model-id")
+    one_line_checkpoint_error(lambda: open_checkpoint(model_id="absent/model"), "absent/model", "hf download")

@@ -1,6 +1,8 @@
 """The KV cache's dtype (declared per backend, chosen with kv_cache_dtype) and its size (megabytes
 when given, else a share of the backend's free memory, capped at what the engine can fill)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -8,15 +10,16 @@ from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.metal import MetalBackend
 from candelabra.conformance.compare import nmse
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
+from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.step_metadata import StepMetadata
-from candelabra.core.kv_cache_size import device_cache_size, one_block
 from candelabra.core.llm import LLM
 from candelabra.core.loading.model import load_model
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+from candelabra.core.worker.kv_cache_size import blocks_in, device_cache_size, one_block
 from candelabra.core.worker.model_runner import ModelRunner
-from conftest import run_candelabra
 from live_server import LiveServer, write_chat_checkpoint
+from support import run_candelabra
 
 MIB = 2**20
 needs_metal = pytest.mark.skipif(not MetalBackend.probe().available, reason="MLX is not installed")
@@ -180,3 +183,17 @@ def test_the_backend_chooses_the_step_budget_and_block_order_the_user_leaves_uns
     whole = LLM(checkpoint, backend=SmallStepsFixedMemory, kvcache_mem_gpu=1, kvcache_mem_cpu=0, prefill_chunk_size=0,
                 max_model_len=512)
     assert whole.engine.config.max_num_batched_tokens == 2048
+
+
+def test_kv_cache_spec_sizes_blocks_from_memory():
+    spec = KVCacheSpec(num_layers=24, num_blocks=1, block_size=16, num_kv_heads=2, head_dim=64, dtype="float16")
+    assert spec.bytes_per_block == 24 * 2 * 16 * 2 * 64 * 2
+    blocks = blocks_in(512, spec, "kvcache_mem_gpu")
+    assert blocks == 512 * 2**20 // spec.bytes_per_block
+    assert replace(spec, num_blocks=blocks).capacity_tokens == blocks * 16
+    with pytest.raises(ValueError, match=r"kvcache_mem_gpu \(0.001 MB\) holds no KV cache block"):
+        blocks_in(0.001, spec, "kvcache_mem_gpu")
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
+        KVCacheSpec(1, 1, 16, 0, 64)
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        KVCacheSpec(1, 1, 16, 1, 64, "float8")

@@ -9,7 +9,7 @@ import pytest
 
 from candelabra.backends.metal import MetalBackend
 from candelabra.core.contract.ops import OP_NAMES
-from conftest import probe_without, run_candelabra
+from support import probe_without, run_candelabra
 
 if not MetalBackend.probe().available:
     # CI installs the metal extra, so there a missing MLX is a failure, not a skip.

@@ -12,7 +12,7 @@ from candelabra.core.loading.model import load_model
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
-from conftest import available_backends
+from support import available_backends
 
 BLOCK = 16
 

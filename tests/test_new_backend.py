@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
-from candelabra.core.new_backend import BackendSpec, NewBackendError, write_package
-from conftest import REPO, run_candelabra
+from candelabra.core.commands.backend_package import BackendSpec, NewBackendError, write_package
 from live_server import LiveServer
+from support import REPO, run_candelabra
 
 
 def scaffold(tmp_path: Path, name: str = "acme", device_type: str = "acmedev", **options) -> Path:

@@ -6,7 +6,7 @@ import pytest
 
 from candelabra.core.cli import main
 from candelabra.plugins import RegistryError, backend_class, discover
-from conftest import make_distribution
+from support import make_distribution
 
 GOOD_BACKEND = """
     from candelabra.backends.cpu import CpuBackend

@@ -4,7 +4,6 @@ or recomputed after preemption."""
 
 import numpy as np
 import pytest
-from transformers_reference import log_softmax_at_each_position
 
 from candelabra.conformance.engine_cases import VOCAB, write_tiny_checkpoint
 from candelabra.core.engine.engine import EngineConfig, LLMEngine
@@ -14,7 +13,8 @@ from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
-from conftest import available_backends
+from support import available_backends
+from transformers_reference import log_softmax_at_each_position
 
 BLOCK = 16
 WORDS = {0: "<unk>", 1: "<eos>"}  # the tiny tokenizer's special tokens; the others read "w<id>"

@@ -10,7 +10,7 @@ import pytest
 
 from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from conftest import mapped_resident_kib, needs_smaps, peak_allocation
+from support import mapped_resident_kib, needs_smaps, one_line_checkpoint_error, peak_allocation
 
 CONFIG = {"model_type": "llama", "hidden_size": 4}
 
@@ -189,36 +189,28 @@ def valid_file():
     return safetensors_bytes({"w": f32([2], 0, 8)}, bytes(8))
 
 
-def assert_one_line_error(make_checkpoint, *expected):
-    with pytest.raises(CheckpointError) as info:
-        make_checkpoint()
-    message = str(info.value)
-    assert "\n" not in message
-    for part in expected:
-        assert part in message
 
-
-def test_missing_config_json(tmp_path):
+def test_a_folder_without_config_json_is_a_one_line_error_saying_it_is_missing(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(valid_file())
-    assert_one_line_error(lambda: SafetensorsCheckpoint(tmp_path), "config.json", "missing")
+    one_line_checkpoint_error(lambda: SafetensorsCheckpoint(tmp_path), "config.json", "missing")
 
 
 @pytest.mark.parametrize(("config", "problem"), [("{oops", "not valid JSON"), ("[1]", "expected an object")])
-def test_invalid_config_json(tmp_path, config, problem):
+def test_a_config_json_that_is_not_a_json_object_is_a_one_line_error_saying_so(tmp_path, config, problem):
     folder = model_folder(tmp_path, valid_file())
     (folder / "config.json").write_text(config)
-    assert_one_line_error(lambda: SafetensorsCheckpoint(folder), "config.json", problem)
+    one_line_checkpoint_error(lambda: SafetensorsCheckpoint(folder), "config.json", problem)
 
 
 def test_folder_without_weights_names_other_safetensors_files(tmp_path):
     folder = model_folder(tmp_path, valid_file(), name="consolidated.safetensors")
-    assert_one_line_error(
+    one_line_checkpoint_error(
         lambda: SafetensorsCheckpoint(folder), str(folder), "neither model.safetensors", "consolidated.safetensors"
     )
 
 
-def test_missing_path(tmp_path):
-    assert_one_line_error(lambda: SafetensorsCheckpoint(tmp_path / "nowhere"), "nowhere", "does not exist")
+def test_a_path_that_does_not_exist_is_a_one_line_error_naming_it(tmp_path):
+    one_line_checkpoint_error(lambda: SafetensorsCheckpoint(tmp_path / "nowhere"), "nowhere", "does not exist")
 
 
 def sharded_folder(tmp_path, weight_map):
@@ -229,29 +221,29 @@ def sharded_folder(tmp_path, weight_map):
 
 def test_index_naming_a_missing_shard(tmp_path):
     folder = sharded_folder(tmp_path, {"w": "shard-1.safetensors", "v": "shard-2.safetensors"})
-    assert_one_line_error(
+    one_line_checkpoint_error(
         lambda: SafetensorsCheckpoint(folder), "model.safetensors.index.json", "'shard-2.safetensors'"
     )
 
 
 def test_index_placing_a_tensor_in_a_shard_without_it(tmp_path):
     folder = sharded_folder(tmp_path, {"w": "shard-1.safetensors", "v": "shard-1.safetensors"})
-    assert_one_line_error(
+    one_line_checkpoint_error(
         lambda: SafetensorsCheckpoint(folder), "model.safetensors.index.json", "tensor 'v'", "does not hold it"
     )
 
 
 @pytest.mark.parametrize("index", ["{oops", '{"metadata": {}}', '{"weight_map": {"w": 3}}'])
-def test_malformed_index(tmp_path, index):
+def test_a_malformed_index_is_a_one_line_error_naming_the_index_file(tmp_path, index):
     folder = sharded_folder(tmp_path, {})
     (folder / "model.safetensors.index.json").write_text(index)
-    assert_one_line_error(lambda: SafetensorsCheckpoint(folder), "model.safetensors.index.json")
+    one_line_checkpoint_error(lambda: SafetensorsCheckpoint(folder), "model.safetensors.index.json")
 
 
 def test_malformed_shard_names_the_shard(tmp_path):
     folder = sharded_folder(tmp_path, {"w": "shard-1.safetensors"})
     (folder / "shard-1.safetensors").write_bytes(b"\x00")
-    assert_one_line_error(lambda: SafetensorsCheckpoint(folder), "shard-1.safetensors", "too short")
+    one_line_checkpoint_error(lambda: SafetensorsCheckpoint(folder), "shard-1.safetensors", "too short")
 
 
 def test_valid_sharded_hand_made_folder(tmp_path):
@@ -266,9 +258,9 @@ def test_file_truncated_after_opening_fails_on_load_not_with_a_crash(tmp_path):
     content = (folder / "model.safetensors").read_bytes()
     with SafetensorsCheckpoint(folder) as checkpoint:
         (folder / "model.safetensors").write_bytes(content[:-4])
-        assert_one_line_error(lambda: checkpoint.load("w"), "model.safetensors", "truncated")
+        one_line_checkpoint_error(lambda: checkpoint.load("w"), "model.safetensors", "truncated")
     with SafetensorsCheckpoint(model_folder(tmp_path, content)) as checkpoint:
         checkpoint.load("w")
         with open(folder / "model.safetensors", "r+b") as file:
             file.truncate(len(content) - 4)
-        assert_one_line_error(lambda: checkpoint.load("w"), "model.safetensors", "truncated")
+        one_line_checkpoint_error(lambda: checkpoint.load("w"), "model.safetensors", "truncated")

@@ -5,8 +5,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import available_backends
 from live_server import LiveServer
+from support import available_backends
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 

@@ -9,8 +9,8 @@ import torch
 
 from candelabra.core import cli
 from candelabra.core.server.launch import check_arguments
-from conftest import run_candelabra
 from live_server import LiveServer, write_chat_checkpoint
+from support import run_candelabra
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_a_kv_cache_too_small_for_one_block_says_how_big_a_block_is(checkpoint):
     assert "kvcache_mem_gpu (0.0001 MB) holds no KV cache block: one block of 16 tokens takes" in result.stderr
 
 
-def test_version(capsys):
+def test_the_version_flag_prints_the_name_and_version_and_exits_0(capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["--version"])
     assert exited.value.code == 0

@@ -69,7 +69,7 @@ def test_max_completion_tokens_and_n(client, live_server):
     assert reply.usage.completion_tokens == 18
 
 
-def test_seed_reproduces_sampling(client, live_server):
+def test_the_same_seed_gives_the_same_sample_and_another_seed_a_different_one(client, live_server):
     def sample(seed):
         return client.chat.completions.create(model=live_server.model, messages=MESSAGES, temperature=1.0,
                                               seed=seed, max_tokens=16).choices[0].message.content
@@ -94,7 +94,7 @@ def test_stop_strings_in_every_form(client, live_server):
         assert (choice["text"].rstrip(), choice["finish_reason"]) == (expected, "stop")
 
 
-def test_chat_logprobs(client, live_server):
+def test_chat_logprobs_spell_the_reply_with_descending_top_logprobs_led_by_the_chosen_token(client, live_server):
     reply = client.chat.completions.create(model=live_server.model, messages=MESSAGES, logprobs=True,
                                            top_logprobs=3, **GREEDY)
     content = reply.choices[0].logprobs.content
@@ -133,7 +133,7 @@ def test_completion_echo_and_stream(client, live_server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_completion_logprobs(client, live_server):
+def test_completion_logprobs_line_up_with_the_text_and_stream_the_same_as_whole(client, live_server):
     choice = client.completions.create(model=live_server.model, prompt="w80 w81", temperature=0, max_tokens=5,
                                        logprobs=2, **WORDS).choices[0]
     lp = choice.logprobs
@@ -192,7 +192,7 @@ def test_prompt_plus_max_tokens_over_the_context_names_both(client, live_server)
     assert "600 tokens" in error.body["message"] and "512" in error.body["message"]
 
 
-def test_malformed_bodies(live_server):
+def test_malformed_bodies_are_400s_and_unknown_paths_404s_with_an_error_message(live_server):
     url = f"{live_server.url}/v1/chat/completions"
     for content, expected in ((b"{not json", "not valid JSON"), (b"[1, 2]", None), (b"{}", "messages")):
         response = httpx.post(url, content=content, headers={"content-type": "application/json"})
@@ -216,7 +216,7 @@ def test_the_server_keeps_serving_after_failed_requests(client, live_server):
 # ---- models, health, metrics
 
 
-def test_models_and_health(client, live_server):
+def test_models_lists_and_retrieves_only_the_served_model_and_health_answers_200(client, live_server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-chat"]
     assert models.data[0].max_model_len == 512
@@ -386,7 +386,7 @@ def test_serve_on_the_metal_backend(chat_checkpoint):
 
 
 def test_serve_refuses_bad_flags_with_one_line(chat_checkpoint):
-    from conftest import run_candelabra
+    from support import run_candelabra
 
     result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--quant", "gptq")
     assert result.returncode == 2 and "--quant gptq is not supported" in result.stderr

@@ -10,7 +10,7 @@ from candelabra.core.engine.async_engine import AsyncEngine
 from candelabra.core.llm import LLM
 from candelabra.core.server.app import build_app
 from candelabra.core.server.metrics import ServerMetrics
-from candelabra.core.server.serving import Served
+from candelabra.core.server.serving import ServedModel
 from live_server import write_chat_checkpoint
 
 BODY = {"prompt": "w10 w11 w12", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -21,7 +21,7 @@ def app_and_runner(tmp_path_factory):
     folder = write_chat_checkpoint(tmp_path_factory.mktemp("failing"))
     llm = LLM(folder, backend="cpu", kvcache_mem_gpu=2, kvcache_mem_cpu=0)
     engine = AsyncEngine(llm.engine)
-    served = Served("tiny", engine, ServerMetrics(engine, "tiny"))
+    served = ServedModel("tiny", engine, ServerMetrics(engine, "tiny"))
     yield build_app(served), llm.engine.runner
     engine.shutdown()
 

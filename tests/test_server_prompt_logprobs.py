@@ -7,9 +7,9 @@ import json
 import numpy as np
 import openai
 import pytest
-from transformers_reference import log_softmax_at_each_position
 
 from live_server import write_chat_checkpoint
+from transformers_reference import log_softmax_at_each_position
 
 PROMPT = [80, 81, 5, 93, 47, 12, 130]
 NO_SPECIAL = {"0": -100, "1": -100}  # <unk> and <eos> leave no text: keep the generated text in words

@@ -56,6 +56,6 @@ def test_sampling_metadata_rejects_bad_values(overrides, message):
         _sampling(**overrides)
 
 
-def test_pad_token_lists():
+def test_pad_token_lists_pads_short_rows_with_no_token_to_the_longest():
     assert pad_token_lists([[5, 6], [], [7]]).tolist() == [[5, 6], [NO_TOKEN, NO_TOKEN], [7, NO_TOKEN]]
     assert _sampling().num_rows == 2

@@ -51,7 +51,7 @@ def test_of_stop_strings_completing_together_the_longer_wins():
     assert emitted == ["a", "", ""] and matcher.matched == "bc"
 
 
-def test_several_stop_strings():
+def test_among_several_stop_strings_near_misses_are_released_and_a_full_match_stops():
     stop = ["\n\n", "User:", "###"]
     emitted, matcher = run(stop, ["Sure.", " Here", " it is #", "# not yet", "\nUser", ":", " hi"])
     assert "".join(emitted) == "Sure. Here it is ## not yet\n" and matcher.matched == "User:"

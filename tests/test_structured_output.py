@@ -13,7 +13,7 @@ import pytest
 from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.server.protocol import ChatCompletionRequest, ConstraintError
-from conftest import available_backends
+from support import available_backends
 
 CHOICES = ["yes", "no", "maybe not"]
 
@@ -115,7 +115,7 @@ def test_an_invalid_constraint_is_refused_when_the_request_is_checked(tiny_model
 
 
 def test_the_mask_reaches_sampling_for_constrained_rows_only(tiny_model):
-    from candelabra.core.worker.model_runner import sampling_metadata
+    from candelabra.core.worker.sampling_inputs import sampling_metadata
 
     llm = _tiny_llm(tiny_model)
     engine = llm.engine
@@ -205,7 +205,7 @@ def test_json_object_and_the_vllm_extras(client, server):
 
 
 @pytest.mark.slow
-def test_langchain_structured_output(server):
+def test_langchain_structured_output_fills_the_model_in_json_schema_and_json_mode(server):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from candelabra.core.worker.tensor_parallel import WorkerSpec
+from candelabra.core.worker.rank_process import WorkerSpec
 from candelabra.core.worker.topology import Topology
 from live_server import LiveServer, write_chat_checkpoint
 
@@ -118,7 +118,7 @@ def _free_port() -> int:
 
 
 def test_the_parallel_conformance_level_is_green_on_torch_and_skipped_without_a_communicator(tmp_path):
-    from conftest import run_candelabra
+    from support import run_candelabra
 
     report = tmp_path / "parallel.json"
     torch_run = run_candelabra("conformance", "--backend", "torch", "--level", "parallel", "--json", str(report))

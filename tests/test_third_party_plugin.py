@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_candelabra
+from support import run_candelabra
 
 PYPROJECT = """
     [build-system]

@@ -75,7 +75,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_whole_output(case):
+def test_a_whole_output_parses_into_its_content_and_calls_with_object_arguments(case):
     parser_class, text, content, calls = CASES[case]
     parsed = parser_class(TOOLS).parse(text)
     assert parsed.content == content

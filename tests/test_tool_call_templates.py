@@ -4,11 +4,11 @@ results render through the template: the default model's own, and one per family
 import json
 
 import pytest
-import tool_templates
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+import tool_templates
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.server.protocol import ChatCompletionRequest
 from candelabra.core.server.tool_calls import parser_for_template

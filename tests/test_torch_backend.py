@@ -17,13 +17,13 @@ from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
 from candelabra.plugins import backend_class
-from conftest import needs_smaps, probe_without, run_candelabra
+from support import needs_smaps, probe_without, run_candelabra
 
 
 def test_torch_is_installed_available_and_implements_every_op():
     assert backend_class("torch") is TorchBackend
     probe = TorchBackend.probe()
-    assert probe.available and probe.priority == 50 and f"torch {torch.__version__}" in probe.device
+    assert probe.available and probe.priority == 50 and f"torch {torch.__version__}" in probe.detail
     backend = TorchBackend()
     assert set(backend.dtypes) == {"float32", "float16", "bfloat16"}
     assert all(backend.ops.supports(op) for op in OP_NAMES)
@@ -33,7 +33,7 @@ def test_torch_is_installed_available_and_implements_every_op():
 CACHE_RESIDENCY = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from conftest import resident_kib_at
+from support import resident_kib_at
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.core.contract.kv_cache import KVCacheSpec
 

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 
 # Top-level folders and the packages they become (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"core": "candelabra/core", "plugins": "candelabra/plugins", "backends": "candelabra/backends",

@@ -28,7 +28,7 @@ class CpuBackend(Backend):
 
     @classmethod
     def probe(cls) -> Probe:
-        return Probe(True, device=f"cpu ({os.cpu_count()} cores, numpy {np.__version__})", priority=10)
+        return Probe(True, detail=f"cpu ({os.cpu_count()} cores, numpy {np.__version__})", priority=10)
 
     def to_device(self, array, dtype=None):
         array = np.asarray(array)

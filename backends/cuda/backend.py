@@ -42,7 +42,7 @@ class CudaBackend(TorchBackend):
             broken = interpreter_broken()
             if broken:
                 return Probe(False, broken)
-            return Probe(True, priority=1, device="CPU tensors through the Triton interpreter (TRITON_INTERPRET=1): "
+            return Probe(True, priority=1, detail="CPU tensors through the Triton interpreter (TRITON_INTERPRET=1): "
                                                   "every kernel, slowly, for testing")
         missing = cuda_missing(torch)
         if missing:
@@ -52,7 +52,7 @@ class CudaBackend(TorchBackend):
         gpu = torch.cuda.get_device_properties(0)
         memory = f"{gpu.total_memory / 2**30:.0f} GiB, compute capability {gpu.major}.{gpu.minor}"
         versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}"
-        return Probe(True, priority=100, device=f"{gpu.name} ({memory}; {versions})")
+        return Probe(True, priority=100, detail=f"{gpu.name} ({memory}; {versions})")
 
     @classmethod
     def device_count(cls) -> int:

@@ -48,9 +48,9 @@ class MetalBackend(Backend):
         if mx is None:
             return Probe(False, f"mlx is not installed ({_MLX_IMPORT_ERROR}); pip install 'candelabra[metal]'")
         if mx.metal.is_available():
-            return Probe(True, device=f"gpu (Apple Metal, MLX {mx.__version__})", priority=100)
+            return Probe(True, detail=f"gpu (Apple Metal, MLX {mx.__version__})", priority=100)
         # MLX's CPU build is correct but slower than numpy: auto takes it only when nothing else runs.
-        return Probe(True, device=f"cpu (MLX {mx.__version__} CPU build, slower than the numpy backend)", priority=5)
+        return Probe(True, detail=f"cpu (MLX {mx.__version__} CPU build, slower than the numpy backend)", priority=5)
 
     def to_device(self, array, dtype=None):
         array = np.asarray(array)

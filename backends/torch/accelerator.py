@@ -149,7 +149,7 @@ class AcceleratorBackend(TorchBackend):
         if torch is None:
             return Probe(False, f"torch is not installed; pip install torch and {cls.extension}")
         if cls.stand_in():
-            return Probe(True, priority=1, device=f"a stand-in for {cls.device_type}: torch on the CPU "
+            return Probe(True, priority=1, detail=f"a stand-in for {cls.device_type}: torch on the CPU "
                                                   f"({STAND_IN_VARIABLE}={os.environ[STAND_IN_VARIABLE]}), for testing")
         try:
             importlib.import_module(cls.extension)
@@ -163,7 +163,7 @@ class AcceleratorBackend(TorchBackend):
             where = cls.visible_devices_variable
             seen = f"{where}={os.environ[where]!r}" if where and where in os.environ else f"{where} is not set"
             return Probe(False, f"no {cls.device_type.upper()} device visible ({seen})")
-        return Probe(True, priority=100, device=f"{count} {cls.device_type} device(s), {cls.extension}")
+        return Probe(True, priority=100, detail=f"{count} {cls.device_type} device(s), {cls.extension}")
 
     @classmethod
     def device_count(cls) -> int:

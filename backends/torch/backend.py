@@ -1,9 +1,10 @@
 """The PyTorch backend: everything device-generic for any torch device, and the CPU device itself.
 
-`TorchBackend` owns memory and dtypes, the KV cache and its swap space (pinned host memory where the
-device has memory of its own), block copies, the prepared step as torch tensors, free memory per
-device type, and a step executor that runs without autograd. A backend for another torch device
-subclasses it with its `device_type`, its probe, and the ops it overrides (`ops_class`).
+`TorchBackend` owns memory and dtypes, the KV cache and its swap space, block copies, the prepared
+step as torch tensors, and a step executor that runs without autograd. What differs between the
+host's RAM and a device's own memory is asked of its placement (`placement.py`), chosen once. A
+backend for another torch device subclasses it with its `device_type`, its probe, and the ops it
+overrides (`ops_class`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,8 @@ import threading
 from typing import Any, ClassVar
 
 import numpy as np
-import psutil
 
-from candelabra.backends.torch.cpu_features import (
-    default_dtypes,
-    has_native_bfloat16,
-    take_share_of_cores,
-    usable_cores,
-)
-from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
+from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.executor import StepExecutor, StepInputs
@@ -68,6 +62,10 @@ class TorchBackend(Backend):
         self.torch_device = torch.device(runs_on, self.device.index) if runs_on != "cpu" else torch.device("cpu")
         self.ops = self.ops_class()(self.torch_device)
         self._last_embedding: tuple | None = None  # (host array, dtype, tensor) until the next upload
+        from candelabra.backends.torch.placement import DevicePlacement, HostPlacement
+
+        self.placement = (HostPlacement(self.torch_device) if self.torch_device.type == "cpu"
+                          else DevicePlacement(self.torch_device, self.distributed_backend))
         self._configure_device()
 
     @classmethod
@@ -86,25 +84,13 @@ class TorchBackend(Backend):
         if torch is None:
             return Probe(False, f"torch is not installed ({_TORCH_IMPORT_ERROR}); pip install 'candelabra[torch]'")
         arithmetic = "bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware: float32"
-        return Probe(True, device=f"cpu ({usable_cores()} cores, torch {torch.__version__}, {arithmetic})",
+        return Probe(True, detail=f"cpu ({usable_cores()} cores, torch {torch.__version__}, {arithmetic})",
                      priority=50)
 
     def _configure_device(self) -> None:
-        """On a CPU: use every core this process may run on, keep freed memory for reuse, and say
-        which dtype is the default and why. A device backend configures its own device."""
-        if self.torch_device.type != "cpu":
-            return
-        from candelabra.backends.torch.packed_int8 import limit_primitive_cache
-
-        if self.device.world_size > 1:
-            take_share_of_cores(self.device.index, self.device.world_size)
-        cores = usable_cores()
-        if torch.get_num_threads() != cores:
-            torch.set_num_threads(cores)
-        keep_freed_memory_for_reuse()
-        limit_primitive_cache()
-        log.info("torch backend on cpu: %d threads, default dtype %s (%s)", cores, self.dtypes[0],
-                 "the CPU has bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware")
+        """On a CPU: its cores, threads and freed memory (`HostPlacement.configure`). A device backend
+        configures its own device."""
+        self.placement.configure(self.device, self.dtypes[0])
 
     @classmethod
     def device_count(cls) -> int:
@@ -113,8 +99,7 @@ class TorchBackend(Backend):
         return usable_cores() if cls.runs_on() == "cpu" else super().device_count()
 
     def release_cached_memory(self) -> None:
-        if self.torch_device.type == "cpu":
-            give_freed_memory_back()
+        self.placement.release_cached_memory()
 
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
@@ -138,18 +123,7 @@ class TorchBackend(Backend):
         return tensor.detach().to("cpu").numpy().copy()
 
     def fetch(self, *tensors):
-        if self.torch_device.type == "cpu":
-            return super().fetch(*tensors)
-        # Device memory: the tensors' bytes packed into one buffer, copied to the host once.
-        flat = [t.detach().contiguous().reshape(-1) for t in tensors]
-        packed = torch.cat([t.view(torch.uint8) for t in flat]).to("cpu")
-        out, offset = [], 0
-        for tensor, part in zip(tensors, flat):
-            size = part.numel() * part.element_size()
-            host = packed[offset:offset + size].view(part.dtype).reshape(tensor.shape)
-            out.append(self.to_host(host))
-            offset += size
-        return tuple(out)
+        return self.placement.fetch(self.to_host, tensors)
 
     def dtype_of(self, tensor):
         return str(tensor.dtype).removeprefix("torch.")
@@ -158,27 +132,20 @@ class TorchBackend(Backend):
         return torch.zeros(shape, dtype=torch_dtype(self.check_dtype(dtype)), device=self.torch_device)
 
     def free_memory(self) -> int:
-        if self.torch_device.type == "cpu":
-            return int(psutil.virtual_memory().available)
-        module = getattr(torch, self.torch_device.type)
-        free, _total = module.mem_get_info(self.torch_device)
-        return int(free)
+        return self.placement.free_memory()
 
     def kv_cache_fraction(self) -> float:
         """A device of its own gives half its free memory; the host's RAM, shared with everything, a quarter."""
-        return 0.25 if self.torch_device.type == "cpu" else 0.5
+        return self.placement.kv_cache_fraction
 
     def kv_cache_committed_on_write(self) -> bool:
-        return self.torch_device.type == "cpu"  # allocated untouched: see allocate_kv_cache
+        return self.placement.kv_cache_committed_on_write
 
     def max_num_batched_tokens(self) -> int:
-        """512 on a CPU: 128 requests of the default model, 64 at a time, 64 words in and 64 tokens out,
-        peaked 165 MiB lower than at 2048, at 198 against 181 tokens/s."""
-        return 512 if self.torch_device.type == "cpu" else super().max_num_batched_tokens()
+        return self.placement.max_num_batched_tokens or super().max_num_batched_tokens()
 
     def synchronize(self) -> None:
-        if self.torch_device.type != "cpu":
-            getattr(torch, self.torch_device.type).synchronize(self.torch_device)
+        self.placement.synchronize()
 
     # weights
 
@@ -210,13 +177,7 @@ class TorchBackend(Backend):
         """A weight still in a GGUF format: on a CPU, kept in the form and multiplied by the kernels
         measured fastest here for its format and shape (kernel_choice.py), else dequantized. An
         embedding table stays in a form whose rows can be read back, and a tied LM head shares it."""
-        from candelabra.backends.torch.quantized import keep_quantized
-
-        kept = None
-        if self.torch_device.type == "cpu" and role is WeightRole.EMBEDDING:
-            kept = keep_quantized(weight, torch_dtype(dtype), readable=True)
-        elif self.torch_device.type == "cpu":
-            kept = keep_quantized(weight, torch_dtype(dtype), self.kernel_chooser(dtype))
+        kept = self.placement.keep_quantized(weight, dtype, role, self.kernel_chooser)
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
@@ -237,29 +198,20 @@ class TorchBackend(Backend):
     # communication
 
     def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0):
-        """torch.distributed's default process group over `distributed_backend`, joined over TCP."""
+        """torch.distributed's default process group over `distributed_backend` (Gloo where the tensors
+        are in host RAM), joined over TCP."""
         from candelabra.backends.torch.communicator import TorchDistributedCommunicator
 
-        library = "gloo" if self.torch_device.type == "cpu" else self.distributed_backend  # a stand-in's CPU tensors
-        return TorchDistributedCommunicator(library, master_addr, master_port, self.device.rank,
-                                            self.device.world_size, timeout_s, self.torch_device)
+        return TorchDistributedCommunicator(self.placement.distributed_library, master_addr, master_port,
+                                            self.device.rank, self.device.world_size, timeout_s, self.torch_device)
 
     # KV cache
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        if self.torch_device.type == "cpu":
-            return [KVCache(_untouched_zeros(spec), _untouched_zeros(spec)) for _ in range(spec.num_layers)]
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
-                for _ in range(spec.num_layers)]
+        return self.placement.kv_cache(spec)
 
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
-        if self.torch_device.type == "cpu":
-            return [KVCache(_untouched_zeros(spec), _untouched_zeros(spec)) for _ in range(spec.num_layers)]
-        # Pinned host memory copies to and from a device asynchronously.
-        dtype = torch_dtype(spec.dtype)
-        return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True),
-                        torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True))
-                for _ in range(spec.num_layers)]
+        return self.placement.swap_space(spec)
 
     def copy_blocks(self, caches, mapping):
         src, dst = self._pairs(mapping, self.torch_device, self.torch_device)
@@ -301,15 +253,6 @@ class TorchBackend(Backend):
         from candelabra.backends.torch.sampling import TorchSampling
 
         return TorchSampling.prepare(meta, self.torch_device)
-
-
-def _untouched_zeros(spec: KVCacheSpec) -> torch.Tensor:
-    """Zeros in host memory whose pages the OS maps only when first written (numpy's calloc), so a KV
-    cache sized for the worst case occupies RAM only as far as sequences fill it. torch.zeros writes
-    every page up front."""
-    itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
-    raw = np.zeros(spec.block_shape, dtype=np.dtype(f"u{itemsize}"))
-    return torch.from_numpy(raw).view(torch_dtype(spec.dtype))
 
 
 class TorchStepExecutor(StepExecutor):

@@ -20,7 +20,7 @@ Every call that changes a cache or swap space returns it, so a backend with immu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -38,18 +38,29 @@ from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor,
 
 @dataclass(frozen=True)
 class Probe:
-    """Whether a backend can run on this machine: `reason` says why not, `device` what it uses.
+    """Whether a backend can run on this machine: `reason` says why not, `detail` what it runs on, in
+    words ("npu 0 (64 GiB)"; shown after the backend's name, so without it).
 
     `priority` ranks the available backends for `--backend auto`, higher first (ties go to the
     name that sorts first): 100 an accelerator (GPU, NPU); 50 a fast CPU path; 10 the numpy
     reference; 0 a backend that does not say. A backend that runs here but slower than the
-    reference answers below 10 and says so in `device`.
+    reference answers below 10 and says so in `detail`.
+
+    `device=` is the first contract's name for `detail`, still taken (a `Device` is what
+    `Backend.device` is; this is a description).
     """
 
     available: bool
     reason: str = ""
-    device: str = ""
+    detail: str = ""
     priority: int = 0
+    device: InitVar[str | None] = None
+
+    def __post_init__(self, device: str | None) -> None:
+        if device is not None:
+            if self.detail:
+                raise TypeError("Probe takes detail= or its old name device=, not both")
+            object.__setattr__(self, "detail", device)
 
 
 class Backend:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from candelabra.core.contract.dtypes import DType, check_dtype
 
@@ -40,9 +40,3 @@ class KVCacheSpec:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def with_blocks_for(self, memory_bytes: int) -> KVCacheSpec:
-        """The same spec with as many blocks as fit in `memory_bytes`."""
-        blocks = memory_bytes // self.bytes_per_block
-        if blocks < 1:
-            raise ValueError(f"{memory_bytes / 2**20:.1f} MiB holds no KV block of {self.bytes_per_block} bytes")
-        return replace(self, num_blocks=int(blocks))

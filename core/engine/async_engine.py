@@ -93,7 +93,7 @@ class AsyncEngine:
         self._stepped_since_release = False
         self.failure: str | None = None  # why the engine stopped serving, when it failed
         if isinstance(engine, LLMEngine):
-            self.engine, self.core = engine, engine.core
+            self.llm_engine, self.core = engine, engine.core
             self._thread = threading.Thread(target=self._loop, name="candelabra-engine", daemon=True)
             self._thread.start()
             return
@@ -110,7 +110,7 @@ class AsyncEngine:
                          failure: list[BaseException]) -> None:
         try:
             engine = build()
-            self.engine, self.core = engine, engine.core
+            self.llm_engine, self.core = engine, engine.core
         except BaseException as exc:  # noqa: BLE001 - raised again on the constructing thread
             failure.append(exc)
             return
@@ -137,12 +137,12 @@ class AsyncEngine:
         that will consume the stream."""
         if self.failure is not None:
             raise EngineStopping(f"the engine has stopped: {self.failure}")
-        checked = self.engine.check_request(prompt, params)
+        checked = self.llm_engine.check_request(prompt, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._adds_handed += 1
         self._commands.append(("add", request_id, checked, (asyncio.get_running_loop(), queue)))
         self._work.set()
-        return RequestStream(self, request_id, queue, self.engine.output_processor(request_id, checked))
+        return RequestStream(self, request_id, queue, self.llm_engine.output_processor(request_id, checked))
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -223,7 +223,7 @@ class AsyncEngine:
         if self._stepped_since_release and not self._work.wait(RELEASE_AFTER_IDLE_SECONDS):
             self._stepped_since_release = False
             try:
-                self.engine.backend.release_cached_memory()
+                self.llm_engine.backend.release_cached_memory()
             except Exception:  # noqa: BLE001 - memory kept is no reason to stop serving
                 log.exception("the backend could not release its cached memory")
         self._work.wait()
@@ -252,7 +252,7 @@ class AsyncEngine:
                 self._fail_all(EngineStopping(command[1]))
                 continue
             if command[0] == "call":
-                _settle(command, self.engine)
+                _settle(command, self.llm_engine)
                 continue
             if command[0] == "fail":
                 log.error("the engine cannot go on: %s", command[1])

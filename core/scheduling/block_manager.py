@@ -53,7 +53,9 @@ def _chain_hash(previous: bytes, block_tokens: Sequence[int]) -> bytes:
 
 
 @dataclass
-class _Sequence:
+class _SequenceBlocks:
+    """The blocks of one sequence and the tokens they hold, which the prefix cache hashes."""
+
     token_ids: list[int]
     block_table: list[int]
     # Host blocks while swapped out (block_table is then empty), else None.
@@ -95,7 +97,7 @@ class BlockManager:
         self._host_ref_counts = [0] * num_host_blocks
         self._free_host = deque(range(num_host_blocks))
 
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, _SequenceBlocks] = {}
 
     # ---- counts
 
@@ -142,7 +144,7 @@ class BlockManager:
             self._hold(block)
         table = hits + [self._take_block() for _ in range(needed)]
         num_cached_tokens = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(tokens, table, num_computed=num_cached_tokens,
+        self._seqs[seq_id] = _SequenceBlocks(tokens, table, num_computed=num_cached_tokens,
                                        block_hashes=hashes, num_offered_blocks=len(hits))
         return num_cached_tokens
 
@@ -189,7 +191,7 @@ class BlockManager:
                 self._host_ref_counts[host_block] += 1
         for block in parent.block_table:
             self._ref_counts[block] += 1
-        self._seqs[child_id] = _Sequence(
+        self._seqs[child_id] = _SequenceBlocks(
             list(parent.token_ids), list(parent.block_table),
             host_table=None if parent.host_table is None else list(parent.host_table),
             num_computed=parent.num_computed, block_hashes=list(parent.block_hashes),
@@ -281,13 +283,13 @@ class BlockManager:
 
     # ---- internals
 
-    def _sequence(self, seq_id: int) -> _Sequence:
+    def _sequence(self, seq_id: int) -> _SequenceBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise BlockManagerError(f"unknown sequence {seq_id}") from None
 
-    def _device_sequence(self, seq_id: int) -> _Sequence:
+    def _device_sequence(self, seq_id: int) -> _SequenceBlocks:
         seq = self._sequence(seq_id)
         if seq.swapped:
             raise BlockManagerError(f"sequence {seq_id} is swapped out; swap it in first")
@@ -297,7 +299,7 @@ class BlockManager:
         if seq_id in self._seqs:
             raise BlockManagerError(f"sequence {seq_id} already exists")
 
-    def _group(self, seq_ids: Iterable[int], swapped: bool) -> list[_Sequence]:
+    def _group(self, seq_ids: Iterable[int], swapped: bool) -> list[_SequenceBlocks]:
         seq_ids = list(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise BlockManagerError(f"sequences {seq_ids} are listed more than once")
@@ -342,14 +344,14 @@ class BlockManager:
             hashes.append(previous)
         return hits, hashes
 
-    def _block_hash(self, seq: _Sequence, index: int) -> bytes:
+    def _block_hash(self, seq: _SequenceBlocks, index: int) -> bytes:
         while len(seq.block_hashes) <= index:
             start = len(seq.block_hashes) * self.block_size
             previous = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
             seq.block_hashes.append(_chain_hash(previous, seq.token_ids[start:start + self.block_size]))
         return seq.block_hashes[index]
 
-    def _offer_computed_blocks(self, seq: _Sequence) -> None:
+    def _offer_computed_blocks(self, seq: _SequenceBlocks) -> None:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed // self.block_size
@@ -362,10 +364,10 @@ class BlockManager:
                 self._hash_by_block[block] = block_hash
         seq.num_offered_blocks = max(seq.num_offered_blocks, num_full)
 
-    def _last_block_is_shared_and_partial(self, seq: _Sequence) -> bool:
+    def _last_block_is_shared_and_partial(self, seq: _SequenceBlocks) -> bool:
         return len(seq.token_ids) % self.block_size != 0 and self._ref_counts[seq.block_table[-1]] > 1
 
-    def _blocks_to_append(self, seq: _Sequence, num_new_tokens: int) -> int:
+    def _blocks_to_append(self, seq: _SequenceBlocks, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
             raise BlockManagerError(f"cannot append {num_new_tokens} tokens")
         needed = self._blocks_for(len(seq.token_ids) + num_new_tokens) - len(seq.block_table)

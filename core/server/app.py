@@ -21,13 +21,13 @@ from candelabra.core.server.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from candelabra.core.server.serving import Served, chat_completion, completion
+from candelabra.core.server.serving import ServedModel, chat_completion, completion
 from candelabra.core.server.tokenize_routes import detokenize, tokenize
 
 log = logging.getLogger("candelabra")
 
 
-def build_app(served: Served, api_key: str | None = None, chat_page: bool = False,
+def build_app(served: ServedModel, api_key: str | None = None, chat_page: bool = False,
               embedding_pooling: str = "mean") -> FastAPI:
     """The server for `served`; with `api_key`, every /v1 route (and /tokenize, /detokenize) wants
     `Authorization: Bearer KEY`; with `chat_page`, the web chat page is at `/`; `embedding_pooling`
@@ -84,7 +84,7 @@ def build_app(served: Served, api_key: str | None = None, chat_page: bool = Fals
     return app
 
 
-def _model_card(served: Served) -> dict:
+def _model_card(served: ServedModel) -> dict:
     return {"id": served.name, "object": "model", "created": served.created, "owned_by": "candelabra",
             "max_model_len": served.max_model_len}
 

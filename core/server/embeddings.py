@@ -20,13 +20,13 @@ from candelabra.core.engine.async_engine import EngineStopping
 from candelabra.core.engine.pooling import CacheBusy, PoolingUnsupported, embed_with_engine
 from candelabra.core.server.errors import APIError, bad_request
 from candelabra.core.server.protocol import EmbeddingRequest
-from candelabra.core.server.serving import Served, check_model
+from candelabra.core.server.serving import ServedModel, check_model
 
 
-async def create_embeddings(served: Served, request: EmbeddingRequest, default_pooling: str = "mean"):
+async def create_embeddings(served: ServedModel, request: EmbeddingRequest, default_pooling: str = "mean"):
     """The response body of one embeddings request; APIError for a bad one."""
     check_model(served, request.model)
-    engine = served.engine.engine
+    engine = served.engine.llm_engine
     if engine.model.communicator is not None:
         raise APIError(501, "embeddings are not supported under tensor parallelism (more than one of --device-ids)"
                             " yet",
@@ -55,10 +55,10 @@ async def create_embeddings(served: Served, request: EmbeddingRequest, default_p
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
-def _token_ids(served: Served, item: str | list[int], label: str) -> list[int]:
+def _token_ids(served: ServedModel, item: str | list[int], label: str) -> list[int]:
     """One input (`label` in messages) as token ids, checked against the vocabulary, the context and
     the KV cache."""
-    engine = served.engine.engine
+    engine = served.engine.llm_engine
     tokens = served.tokenizer.encode(item) if isinstance(item, str) else list(item)
     if not tokens:
         raise bad_request(f"{label} has no tokens", "input")

@@ -160,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
-    from candelabra.core.kv_cache_size import check_kv_fraction
     from candelabra.core.loading.open import check_load_format
     from candelabra.core.requests.sampling_params import SamplingParams
+    from candelabra.core.worker.kv_cache_size import check_kv_fraction
 
     if args.quant and args.quant.lower() != "gguf":
         raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
@@ -200,7 +200,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _run_ranks(args: argparse.Namespace) -> int:
     """A node other than 0: run its ranks (the first here, the others as processes of their own)
     until node 0 tells them to stop or goes away. It serves nothing itself."""
-    from candelabra.core.worker.tensor_parallel import WorkerProcesses, WorkerSpec, run_worker
+    from candelabra.core.worker.rank_process import WorkerSpec, run_worker
+    from candelabra.core.worker.worker_processes import WorkerProcesses
 
     topology = topology_of(args)
     try:
@@ -289,7 +290,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
     from candelabra.core.llm import LLM
     from candelabra.core.server.generation_config import recommended_sampling
     from candelabra.core.server.metrics import ServerMetrics
-    from candelabra.core.server.serving import Served, ServerDefaults
+    from candelabra.core.server.serving import ServedModel, ServerDefaults
 
     engine_options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
                       "prefill_chunk_size": args.prefill_chunk_size,
@@ -317,7 +318,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
              "repetition_penalty": args.penalty}
     chosen = {**recommended, **{key: value for key, value in flags.items() if value is not None}}
     defaults = ServerDefaults(**chosen, repeat_last_n=args.repeat_last_n, thinking=True if args.thinking else None)
-    return Served(name, engine, ServerMetrics(engine, name), defaults, args.max_waiting, llm=llm)
+    return ServedModel(name, engine, ServerMetrics(engine, name), defaults, args.max_waiting, llm=llm)
 
 
 def _model_name(args: argparse.Namespace, checkpoint) -> str:
@@ -384,12 +385,12 @@ class _StoppingServer(uvicorn.Server):
 
 
 def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
-    llm, engine = served.llm, served.engine.engine
+    llm, engine = served.llm, served.engine.llm_engine
     config, kv = engine.config, engine.runner.kv_spec
     model = llm.model.config
     probe = type(llm.backend).probe()
     lines = [
-        f"backend   {llm.backend.name} on {probe.device}",
+        f"backend   {llm.backend.name} on {probe.detail}",
         f"model     {served.name} ({model.architecture}, {model.num_layers} layers) from {_weights_source(llm)}",
         f"dtype     {llm.model.dtype}",
         f"KV cache  {config.num_blocks * config.block_size} tokens ({config.num_blocks} blocks of "

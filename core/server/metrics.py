@@ -22,7 +22,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        blocks = engine.engine.blocks
+        blocks = engine.llm_engine.blocks
         labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str, read) -> None:

@@ -54,7 +54,7 @@ class ServerDefaults:
 
 
 @dataclass
-class Served:
+class ServedModel:
     """What the handlers need: the model's name and tokenizer, the engine, limits and metrics."""
 
     name: str
@@ -67,15 +67,15 @@ class Served:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.llm_engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.llm_engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.model.config.vocab_size
+        return self.engine.llm_engine.model.config.vocab_size
 
     @functools.cached_property
     def thinks(self) -> bool:
@@ -88,7 +88,7 @@ class Served:
 class Generation:
     """One API request in flight: its engine requests (one per prompt), timers, and choices."""
 
-    def __init__(self, served: Served, kind: str, request: GenerationRequest, prompts: list[list[int]],
+    def __init__(self, served: ServedModel, kind: str, request: GenerationRequest, prompts: list[list[int]],
                  params: SamplingParams) -> None:
         self.served, self.request = served, request
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -182,7 +182,7 @@ class Generation:
         return prompt_index * self.request.n + output.index
 
 
-def sampling_params(request: GenerationRequest, served: Served, max_tokens: int | None,
+def sampling_params(request: GenerationRequest, served: ServedModel, max_tokens: int | None,
                     num_logprobs: int | None, num_prompt_logprobs: int | None = None) -> SamplingParams:
     defaults = served.defaults
     vocab = served.vocab_size
@@ -243,7 +243,7 @@ def constraint_field(request: GenerationRequest) -> str:
         return exc.field_name
 
 
-def check_model(served: Served, name: str | None) -> None:
+def check_model(served: ServedModel, name: str | None) -> None:
     if name is not None and name != served.name:
         raise APIError(400, f"model {name!r} is not served here; this server serves {served.name!r}", "model",
                        "model_not_found")
@@ -252,7 +252,7 @@ def check_model(served: Served, name: str | None) -> None:
 # ---- chat completions
 
 
-async def chat_completion(served: Served, request: ChatCompletionRequest, http: Request):
+async def chat_completion(served: ServedModel, request: ChatCompletionRequest, http: Request):
     check_model(served, request.model)
     template_kwargs = {} if served.defaults.thinking is None else {"enable_thinking": served.defaults.thinking}
     template_kwargs.update(request.chat_template_kwargs or {})
@@ -425,7 +425,7 @@ def _chat_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None) 
 # ---- completions
 
 
-async def completion(served: Served, request: CompletionRequest, http: Request):
+async def completion(served: ServedModel, request: CompletionRequest, http: Request):
     check_model(served, request.model)
     tokenizer = served.tokenizer
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]

@@ -10,11 +10,11 @@ from __future__ import annotations
 from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.server.errors import bad_request
 from candelabra.core.server.protocol import DetokenizeRequest, TokenizeRequest
-from candelabra.core.server.serving import Served, check_model
+from candelabra.core.server.serving import ServedModel, check_model
 from candelabra.core.server.tool_calls.shapes import message_for_template
 
 
-def tokenize(served: Served, request: TokenizeRequest) -> dict:
+def tokenize(served: ServedModel, request: TokenizeRequest) -> dict:
     check_model(served, request.model)
     if request.prompt is None and request.messages is None:
         raise bad_request("send prompt (text) or messages (a chat)", "prompt")
@@ -42,7 +42,7 @@ def _tools(request: TokenizeRequest) -> list[dict] | None:
     return [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
 
 
-def detokenize(served: Served, request: DetokenizeRequest) -> dict:
+def detokenize(served: ServedModel, request: DetokenizeRequest) -> dict:
     check_model(served, request.model)
     vocab = served.vocab_size
     outside = [token for token in request.tokens if token >= vocab]

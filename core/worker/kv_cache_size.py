@@ -14,10 +14,15 @@ class KVCacheSize:
     chosen_by: str  # how the size was chosen, for the start-up line
 
 
-def one_block(model, block_size: int, kv_dtype: str) -> KVCacheSpec:
-    """The cache of one block, all layers, for `model` (its own KV heads, under tensor parallelism)."""
+def model_kv_cache(model, num_blocks: int, block_size: int, kv_dtype: str) -> KVCacheSpec:
+    """`model`'s KV cache of `num_blocks` blocks, all layers (its own KV heads, under tensor parallelism)."""
     c = model.config
-    return KVCacheSpec(c.num_layers, 1, block_size, model.num_local_kv_heads, c.head_dim, kv_dtype)
+    return KVCacheSpec(c.num_layers, num_blocks, block_size, model.num_local_kv_heads, c.head_dim, kv_dtype)
+
+
+def one_block(model, block_size: int, kv_dtype: str) -> KVCacheSpec:
+    """The cache of one block, all layers, for `model`."""
+    return model_kv_cache(model, 1, block_size, kv_dtype)
 
 
 def blocks_in(memory_mb: float, block: KVCacheSpec, what: str) -> int:

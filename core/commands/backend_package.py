@@ -1,6 +1,6 @@
 """`candelabra new-backend`: writes a pip-installable package with a backend for a PyTorch device
 extension, built on `candelabra.backends.torch.accelerator.AcceleratorBackend`, that passes
-conformance on the CPU stand-in as written. The file texts are in `new_backend_templates`.
+conformance on the CPU stand-in as written. The file texts are in `backend_package_templates`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from candelabra.core import new_backend_templates
+from candelabra.core.commands import backend_package_templates
 from candelabra.plugins import installed_plugins
 
 _LOWERCASE_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
@@ -139,7 +139,7 @@ def render(spec: BackendSpec) -> dict[str, str]:
         "candelabra_requirement": _candelabra_requirement(),
     }
     return {Template(path).substitute(values): Template(text).substitute(values)
-            for path, text in new_backend_templates.FILES.items()}
+            for path, text in backend_package_templates.FILES.items()}
 
 
 def _check_target(parent: Path, target: Path) -> None:
