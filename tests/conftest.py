@@ -17,10 +17,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # one while the short ones fill the end: with test_cuda_backend.py's 8 minutes started last (xdist's
 # own order, by the number of tests), two workers took 33 minutes for 40 minutes of serial work.
 LONGEST_FIRST = (
-    "test_cuda_backend.py", "test_real_models.py", "test_cuda_compile.py", "test_tensor_parallel_serving.py",
-    "test_torch_backend.py", "test_tensor_parallel_model.py", "test_gguf.py", "test_structured_output.py",
-    "test_new_backend.py", "test_serve_default_model.py", "test_gcu_backend.py", "test_conformance_cpu.py",
-    "test_metal_backend.py", "test_engine.py", "test_broken_backend.py", "test_conformance_models.py",
+    "test_cuda_compile.py", "test_cuda_backend.py", "test_real_models.py", "test_tensor_parallel_serving.py",
+    "test_gguf.py", "test_serve_default_model.py", "test_broken_backend.py", "test_tensor_parallel_model.py",
+    "test_torch_backend.py", "test_new_backend.py", "test_gcu_backend.py", "test_cuda_int4_matmul.py",
+    "test_metal_backend.py", "test_engine.py", "test_conformance_cpu.py", "test_server.py",
+    "test_conformance_models.py", "test_tool_calls_served.py", "test_structured_output.py",
 )
 
 

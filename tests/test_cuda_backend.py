@@ -62,19 +62,18 @@ def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
 
 
 # The interpreter runs one Python thread: the level is run as two processes at once, paged_attention
-# (the longest part) and the rest, which halves the wait on a 2-core CI machine. paged_attention runs
-# in float16 only: in float32 its narrow tiles took the interpreter 330 s more, and
-# tests/test_cuda_paged_attention.py runs the float32 kernel (decode, prefill, mixed, window,
-# soft-cap, other cache dtypes) against the float64 oracle; float16 with a float32 cache takes the
-# float32-dot tiles here too.
-INTERPRETER_SHARDS = ("paged_attention-float16", "not paged_attention")
+# (the longest part) and the rest, which halves the wait on a 2-core CI machine. Both run float16 only,
+# and attention at 16-token blocks only (but for its soft-cap cases): the kernels' own tests run every
+# kernel against the float64 oracle in float32 and float16 (tests/test_cuda_*.py, attention at 32-token
+# blocks and other cache dtypes too), and the float32 half of the level cost CI about 300 s of the 30
+# minutes it must stay under. float16 with a float32 cache takes the float32-dot tiles here too.
+INTERPRETER_SHARDS = ("paged_attention-float16 and (16-batch or softcap)", "not paged_attention and float16")
 
 
 @pytest.mark.slow
 def test_every_op_case_passes_through_the_interpreter(tmp_path):
     """`TRITON_INTERPRET=1 candelabra conformance --backend cuda --level ops`, as CI runs it: every
-    Triton kernel on CPU tensors, at float32 and float16 (attention in float16, see INTERPRETER_SHARDS),
-    every GGUF format through `linear`."""
+    Triton kernel on CPU tensors in float16 (see INTERPRETER_SHARDS), every GGUF format through `linear`."""
     runs = []
     for index, selection in enumerate(INTERPRETER_SHARDS):
         results = tmp_path / f"cuda-{index}.json"
@@ -90,8 +89,7 @@ def test_every_op_case_passes_through_the_interpreter(tmp_path):
 
     assert cases and {case["status"] for case in cases} == {"passed"}
     assert {case["op"] for case in cases} >= set(OP_NAMES)
-    assert {case["dtype"] for case in cases if case["op"] == "paged_attention"} == {"float16"}
-    assert {case["dtype"] for case in cases} == {"float32", "float16"}
+    assert {case["dtype"] for case in cases if case["op"] != "write_kv"} == {"float16"}
     formats = {case["weight_format"] for case in cases if case["weight_format"]}
     assert formats >= set(INT4_FORMATS)
 
