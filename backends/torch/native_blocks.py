@@ -249,11 +249,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def _checked(status: int, what: str) -> None:
+def _checked(status: int, call: str) -> None:
     if status == -4:
-        raise IndexError(f"{what}: {_STATUS[status]}")
+        raise IndexError(f"{call}: {_STATUS[status]}")
     if status:
-        raise RuntimeError(f"{what}: {_STATUS.get(status, f'status {status}')}")
+        raise RuntimeError(f"{call}: {_STATUS.get(status, f'status {status}')}")
 
 
 def default_choice(dtype: torch.dtype) -> Choice:

@@ -198,23 +198,23 @@ class _HeaderParser:
         if version not in SUPPORTED_VERSIONS:
             raise self.fail(f"is GGUF version {version}; candelabra reads versions 2 and 3 (re-convert with llama.cpp)")
 
-    def _count(self, what: str, min_bytes_each: int) -> int:
+    def _count(self, field: str, min_bytes_each: int) -> int:
         count = self._u64()
         if count > MAX_ENTRIES or count * min_bytes_each > self.size - self.pos:
-            raise self.fail(f"claims {count} {what}, more than its {self.size} bytes can hold; corrupted header?")
+            raise self.fail(f"claims {count} {field}, more than its {self.size} bytes can hold; corrupted header?")
         return count
 
-    def _take(self, n_bytes: int, what: str) -> int:
+    def _take(self, n_bytes: int, field: str) -> int:
         """Advance past `n_bytes` and return where they start, or fail if the file ends first."""
         start = self.pos
         if n_bytes > self.size - start:
-            problem = f"ends inside {what} ({n_bytes} bytes from offset {start}; the file has {self.size}); truncated?"
+            problem = f"ends inside {field} ({n_bytes} bytes from offset {start}; the file has {self.size}); truncated?"
             raise self.fail(problem)
         self.pos = start + n_bytes
         return start
 
-    def _unpack(self, fmt: str, what: str):
-        return struct.unpack_from(fmt, self.data, self._take(struct.calcsize(fmt), what))[0]
+    def _unpack(self, fmt: str, field: str):
+        return struct.unpack_from(fmt, self.data, self._take(struct.calcsize(fmt), field))[0]
 
     def _u32(self) -> int:
         return self._unpack("<I", "the header")
@@ -222,15 +222,15 @@ class _HeaderParser:
     def _u64(self) -> int:
         return self._unpack("<Q", "the header")
 
-    def _string(self, what: str, limit: int | None = MAX_NAME_BYTES) -> str:
+    def _string(self, field: str, limit: int | None = MAX_NAME_BYTES) -> str:
         length = self._u64()
         if limit is not None and length > limit:
-            raise self.fail(f"claims a {length}-byte string for {what} (at most {limit}); corrupted header?")
-        start = self._take(length, what)
+            raise self.fail(f"claims a {length}-byte string for {field} (at most {limit}); corrupted header?")
+        start = self._take(length, field)
         try:
             return bytes(self.data[start : start + length]).decode("utf-8")
         except UnicodeDecodeError:
-            raise self.fail(f"holds {what} that is not valid UTF-8 at offset {start}") from None
+            raise self.fail(f"holds {field} that is not valid UTF-8 at offset {start}") from None
 
     def _value(self, key: str, raw_type: int) -> object:
         value_type = self._value_type(key, raw_type)

@@ -183,10 +183,10 @@ def one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def read_json_object(path: Path, what: str) -> dict:
+def read_json_object(path: Path, expected: str) -> dict:
     """A JSON file that must hold an object, or one CheckpointError saying why it does not."""
     if not path.is_file():
-        raise CheckpointError(path, f"missing; {what}")
+        raise CheckpointError(path, f"missing; {expected}")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:

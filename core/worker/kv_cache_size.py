@@ -25,18 +25,18 @@ def one_block(model, block_size: int, kv_dtype: str) -> KVCacheSpec:
     return model_kv_cache(model, 1, block_size, kv_dtype)
 
 
-def blocks_in(memory_mb: float, block: KVCacheSpec, what: str) -> int:
-    """How many blocks `memory_mb` megabytes hold; ValueError naming `what` when not one."""
+def blocks_in(memory_mb: float, block: KVCacheSpec, flag: str) -> int:
+    """How many blocks `memory_mb` megabytes hold; ValueError naming `flag` when not one."""
     blocks = int(memory_mb * 2**20) // block.bytes_per_block
     if blocks < 1:
-        raise ValueError(f"{what} ({memory_mb:g} MB) holds no KV cache block: one block of {block.block_size} tokens "
+        raise ValueError(f"{flag} ({memory_mb:g} MB) holds no KV cache block: one block of {block.block_size} tokens "
                          f"takes {block.bytes_per_block / 2**20:.3g} MB")
     return blocks
 
 
-def check_kv_fraction(fraction: float, what: str = "kv_fraction") -> float:
+def check_kv_fraction(fraction: float, flag: str = "kv_fraction") -> float:
     if not 0 < fraction <= 1:
-        raise ValueError(f"{what} is a share of the free memory, more than 0 and at most 1, not {fraction:g}")
+        raise ValueError(f"{flag} is a share of the free memory, more than 0 and at most 1, not {fraction:g}")
     return fraction
 
 

@@ -63,12 +63,12 @@ class ParallelModelRunner(ModelRunner):
         finally:
             self.communicator.close()
 
-    def _tell(self, what: str, value) -> None:
+    def _tell(self, order: str, value) -> None:
         try:
-            self.communicator.broadcast_object((what, value), src=0)
+            self.communicator.broadcast_object((order, value), src=0)
         except Exception as exc:
             raise self._failure("cannot reach the other tensor-parallel ranks", exc) from exc
 
-    def _failure(self, what: str, exc: Exception) -> ParallelFailure:
+    def _failure(self, context: str, exc: Exception) -> ParallelFailure:
         dead = self.find_dead_rank()
-        return ParallelFailure(f"{dead}, so the ranks are out of step" if dead else f"{what}: {exc}")
+        return ParallelFailure(f"{dead}, so the ranks are out of step" if dead else f"{context}: {exc}")

@@ -54,19 +54,19 @@ def serve_orders(model, communicator) -> None:
     """A rank other than 0: run what rank 0 broadcasts, in order, until it says stop."""
     runner = None
     while True:
-        what, value = communicator.broadcast_object(None, src=0)
-        if what == "stop":
+        order, value = communicator.broadcast_object(None, src=0)
+        if order == "stop":
             return
-        if what == "cache":
+        if order == "cache":
             runner = ModelRunner(model, value.num_blocks, value.block_size, value.kv_cache_dtype)
-        elif what == "warm_up":
+        elif order == "warm_up":
             runner.warm_up(value)
-        elif what == "swap_space":
+        elif order == "swap_space":
             runner.allocate_swap_space(value)
-        elif what == "step":
+        elif order == "step":
             runner.run(value)
         else:
-            raise ParallelFailure(f"rank 0 sent an order this rank does not know: {what!r}")
+            raise ParallelFailure(f"rank 0 sent an order this rank does not know: {order!r}")
 
 
 def run_worker(spec: WorkerSpec) -> None:
