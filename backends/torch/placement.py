@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import torch
 
+from candelabra.backends.torch.backend import torch_dtype
 from candelabra.backends.torch.cpu_features import has_native_bfloat16, take_share_of_cores, usable_cores
 from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
 from candelabra.core.contract.device import Device
@@ -21,8 +22,6 @@ from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 log = logging.getLogger("candelabra")
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class HostPlacement:
@@ -80,8 +79,8 @@ class HostPlacement:
         from candelabra.backends.torch.quantized import keep_quantized
 
         if role is WeightRole.EMBEDDING:
-            return keep_quantized(weight, TORCH_DTYPES[dtype], readable=True)
-        return keep_quantized(weight, TORCH_DTYPES[dtype], kernel_chooser(dtype))
+            return keep_quantized(weight, torch_dtype(dtype), readable=True)
+        return keep_quantized(weight, torch_dtype(dtype), kernel_chooser(dtype))
 
 
 class DevicePlacement:
@@ -120,14 +119,14 @@ class DevicePlacement:
         return tuple(out)
 
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, device=self.torch_device),
                         torch.zeros(spec.block_shape, dtype=dtype, device=self.torch_device))
                 for _ in range(spec.num_layers)]
 
     def swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         # Pinned host memory copies to and from a device asynchronously.
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True),
                         torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True))
                 for _ in range(spec.num_layers)]
@@ -140,6 +139,6 @@ def _untouched_zeros(spec: KVCacheSpec) -> torch.Tensor:
     """Zeros in host memory whose pages the OS maps only when first written (numpy's calloc), so a KV
     cache sized for the worst case occupies RAM only as far as sequences fill it. torch.zeros writes
     every page up front."""
-    itemsize = torch.empty((), dtype=TORCH_DTYPES[spec.dtype]).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
     raw = np.zeros(spec.block_shape, dtype=np.dtype(f"u{itemsize}"))
-    return torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype])
+    return torch.from_numpy(raw).view(torch_dtype(spec.dtype))
