@@ -66,7 +66,7 @@ def profile(llm: LLM, timer: OpTimer, concurrency: int, args, rng) -> list[tuple
     for i in range(concurrency):
         prompt = rng.integers(100, vocab - 100, args.prompt_tokens).tolist()
         engine.add_request(f"profile-{concurrency}-{i}", prompt, params)
-    while engine.core.scheduler.waiting or any(not seq.output_token_ids for seq in engine.core.scheduler.running):
+    while engine.core.scheduler.waiting or any(not seq.num_output_tokens for seq in engine.core.scheduler.running):
         engine.step()  # every prompt prefilled: what follows are decode steps
     timer.reset()
     start = time.perf_counter()

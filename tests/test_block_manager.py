@@ -25,6 +25,12 @@ def assert_consistent(bm: BlockManager) -> None:
         else:
             assert len(set(seq.block_table)) == len(seq.block_table)
             device_refs.update(seq.block_table)
+        # The engine keeps the tokens; the manager only the hashes and the last partial block's.
+        if bm.enable_prefix_caching:
+            assert len(seq.block_hashes) == seq.num_tokens // bm.block_size
+            assert len(seq.unhashed_tokens) == seq.num_tokens % bm.block_size
+        else:
+            assert seq.block_hashes == seq.unhashed_tokens == []
     assert bm._ref_counts == [device_refs[block] for block in range(bm.num_blocks)]
     assert sorted([*bm._free, *bm._never_written, *bm._evictable, *device_refs]) == list(range(bm.num_blocks))
     assert bm._hash_by_block == {block: h for h, block in bm._block_by_hash.items()}

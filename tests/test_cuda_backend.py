@@ -128,7 +128,7 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tmp_
 
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
     def logprobs(outputs):
-        return np.array([[entry["logprob"] for entry in o.outputs[0].logprobs] for o in outputs])
+        return np.array([[entry.logprob for entry in o.outputs[0].logprobs] for o in outputs])
 
     np.testing.assert_allclose(logprobs(ours), logprobs(reference), rtol=1e-4, atol=1e-5)
 

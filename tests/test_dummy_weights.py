@@ -128,7 +128,7 @@ def test_llm_serves_a_config_alone_through_the_stand_in_tokenizer(tmp_path, monk
     for output in (text, ids):
         completion = output.outputs[0]
         assert len(completion.token_ids) == 4 and all(0 <= t < 300 for t in completion.token_ids)
-        assert all(np.isfinite(entry["logprob"]) for entry in completion.logprobs)
+        assert all(np.isfinite(entry.logprob) for entry in completion.logprobs)
     tokenizer = llm.tokenizer
     encoded = tokenizer.encode("héllo, world")
     assert encoded[0] == 1 and len(encoded) == 1 + len("héllo, world".encode())  # BOS, then one per byte

@@ -63,10 +63,10 @@ def test_logprobs_carry_the_chosen_token_and_the_top_ones(llm):
     out = llm.generate(PROMPT, greedy(max_tokens=4, ignore_eos=True, logprobs=3), progress=False)[0].outputs[0]
     assert len(out.logprobs) == 4
     for entry, token in zip(out.logprobs, out.token_ids):
-        top = entry["top"]
-        assert entry["token_id"] == token and len(top) == 3
+        top = entry.top
+        assert entry.token_id == token and len(top) == 3
         assert top[0][0] == token  # greedy picks the most likely
-        assert entry["logprob"] == pytest.approx(top[0][1]) and entry["logprob"] <= 0
+        assert entry.logprob == pytest.approx(top[0][1]) and entry.logprob <= 0
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
 
 

@@ -26,7 +26,7 @@ def step(scheduler):
         item.seq.num_computed_tokens += item.num_tokens
         scheduler.blocks.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
         if item.seq.num_computed_tokens == item.seq.num_tokens:
-            item.seq.output_token_ids.append(7)
+            item.seq.append_output(7)
     return out
 
 
@@ -46,7 +46,7 @@ def test_token_budget_and_chunked_prefill_mix_with_decodes():
     assert [(i.seq.request_id, i.num_tokens) for i in out.scheduled] == [("a", 1), ("b", 5)]
     out = step(s)
     assert [(i.seq.request_id, i.num_tokens) for i in out.scheduled] == [("a", 1), ("b", 2)]
-    assert second.output_token_ids == [7] and len(first.output_token_ids) == 4
+    assert second.output_token_ids == (7,) and first.num_output_tokens == 4
 
 
 def test_unchunked_prompt_waits_for_a_step_with_room_for_all_of_it():
@@ -133,20 +133,23 @@ def test_unknown_preemption_mode_is_rejected():
         scheduler_with(preemption="drop")
 
 
-def test_a_sequences_tokens_follow_its_output_however_it_grows():
-    """Sequence.token_ids is kept between reads rather than joined on each; it still says prompt + output
-    after outputs are appended one by one, extended, or replaced by a shorter list."""
+def test_a_sequence_keeps_one_token_list_that_outputs_extend_and_forks_copy():
     seq = Sequence("r", 0, [5, 6, 7], SamplingParams(), 0, np.random.default_rng(0))
-    assert seq.token_ids == [5, 6, 7]
-    seq.output_token_ids.append(8)
-    assert seq.token_ids == [5, 6, 7, 8]
-    seq.output_token_ids.extend([9, 10])
-    assert seq.token_ids == [5, 6, 7, 8, 9, 10] and seq.num_tokens == 6
-    seq.output_token_ids = [11]
-    assert seq.token_ids == [5, 6, 7, 11]
-    seq.output_token_ids = [13]  # replaced by a list of the same length
-    assert seq.token_ids == [5, 6, 7, 13]
-    seq.output_token_ids = [11]
+    tokens = seq.token_ids
+    seq.append_output(8)
+    seq.append_output(9)
+    assert seq.token_ids is tokens and tokens == [5, 6, 7, 8, 9]
+    assert seq.prompt_token_ids == (5, 6, 7) and seq.output_token_ids == (8, 9)
+    assert (seq.num_tokens, seq.num_prompt_tokens, seq.num_output_tokens) == (5, 3, 2)
     child = seq.fork(1)
-    child.output_token_ids.append(12)
-    assert child.token_ids == [5, 6, 7, 11, 12] and seq.token_ids == [5, 6, 7, 11]
+    child.append_output(12)
+    assert child.token_ids == [5, 6, 7, 8, 9, 12] and seq.token_ids == [5, 6, 7, 8, 9]
+    assert child.prompt_token_ids == (5, 6, 7) and child.output_token_ids == (8, 9, 12)
+
+
+def test_a_sequences_prompt_and_output_cannot_be_changed_behind_its_back():
+    seq = Sequence("r", 0, [5, 6, 7], SamplingParams(), 0, np.random.default_rng(0))
+    with pytest.raises(AttributeError):
+        seq.output_token_ids.append(8)
+    with pytest.raises(AttributeError):
+        seq.output_token_ids = [8]

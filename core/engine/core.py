@@ -16,6 +16,7 @@ import numpy as np
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.sequence import Sequence, sample_rng
 from candelabra.core.requests.structured_output import Grammar
+from candelabra.core.requests.tokens import SampledToken, ScoredToken
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
 from candelabra.core.worker.model_runner import ModelRunner
@@ -55,7 +56,7 @@ class SampleUpdate:
 
     index: int
     token_id: int
-    logprob: dict | None  # {"token_id", "logprob", "top": [(id, logprob), ...]} when asked for
+    logprob: SampledToken | None  # when asked for
     finish_reason: str | None
     end_token: bool = False  # the token is one of the sample's end tokens
 
@@ -68,9 +69,8 @@ class EngineOutput:
     updates: list[SampleUpdate] = field(default_factory=list)
     finished: bool = False  # no sample of it is left in the core
     num_cached_tokens: int = 0
-    # With its first tokens, when asked for: each prompt token after the first as the model scored
-    # it, {"token_id", "logprob", "rank", "top": [(id, logprob), ...]}.
-    prompt_logprobs: list[dict] | None = None
+    # With its first tokens, when asked for: each prompt token after the first as the model scored it.
+    prompt_logprobs: list[ScoredToken] | None = None
 
 
 class _Request:
@@ -152,14 +152,11 @@ class EngineCore:
         for seq, token in accepted:
             request = self.requests[seq.request_id]
             output = outputs.setdefault(seq.request_id, EngineOutput(seq.request_id))
-            logprob = None
-            if seq.params.logprobs is not None:
-                logprob = {"token_id": token.token_id, "logprob": token.logprob, "top": token.top}
+            logprob = token if seq.params.logprobs is not None else None
             output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason,
                                                token.token_id in seq.end_token_ids))
-            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
-                output.prompt_logprobs = [{"token_id": t.token_id, "logprob": t.logprob, "rank": t.rank, "top": t.top}
-                                          for t in seq.prompt_logprobs]
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                output.prompt_logprobs = list(seq.prompt_logprobs)
             self.stats["generated_tokens"] += 1
             output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
         for output in outputs.values():

@@ -16,6 +16,7 @@ from candelabra.core.engine.prompt_logprobs import Logprob, prompt_logprobs
 from candelabra.core.engine.stop_strings import StopStringMatcher
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.requests.sampling_params import SamplingParams
+from candelabra.core.requests.tokens import SampledToken
 
 
 @dataclass
@@ -24,7 +25,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[dict] | None = None
+    logprobs: list[SampledToken] | None = None  # one per token, when asked for
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
@@ -48,7 +49,7 @@ class _Sample:
         self.stops = StopStringMatcher(params.stop)
         self.text = ""
         self.token_ids: list[int] = []
-        self.logprobs: list[dict] = []
+        self.logprobs: list[SampledToken] = []
         self.finish_reason: str | None = None
         self.reported = (0, 0)  # text length and tokens already returned
 

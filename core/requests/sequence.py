@@ -33,10 +33,8 @@ class Sequence:
                  end_token_ids: frozenset[int] = frozenset()) -> None:
         self.seq_id = next(_next_id)
         self.request_id, self.index = request_id, index
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        # the two joined, extended as outputs arrive, and the output list they were joined from
-        self._token_ids, self._joined_output = list(self.prompt_token_ids), self.output_token_ids
+        self.token_ids = list(prompt_token_ids)  # the prompt's, then the output's, as they come
+        self.num_prompt_tokens = len(self.token_ids)
         self.params, self.arrival, self.rng = params, arrival, rng
         self.seed = seed  # the request's: sample i draws from a generator seeded with (seed, i)
         self.max_tokens = max_tokens
@@ -51,19 +49,23 @@ class Sequence:
         self.prompt_logprobs: list[ScoredToken] = []
 
     @property
-    def token_ids(self) -> list[int]:
-        """The prompt's tokens, then the output's (read only: the list is kept from step to step)."""
-        joined, prompt, output = self._token_ids, self.prompt_token_ids, self.output_token_ids
-        if output is not self._joined_output or not len(prompt) <= len(joined) <= len(prompt) + len(output):
-            joined[:] = prompt + output
-            self._joined_output = output
-        elif len(joined) < len(prompt) + len(output):
-            joined.extend(output[len(joined) - len(prompt):])
-        return joined
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[:self.num_prompt_tokens])
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[self.num_prompt_tokens:])
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -73,7 +75,7 @@ class Sequence:
     def needs_prompt_scoring(self) -> bool:
         """Whether prompt tokens are still to be scored (every one but the first, which has no context)."""
         return (self.params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_scored_prompt_tokens(self) -> int:
@@ -86,10 +88,10 @@ class Sequence:
 
     def fork(self, index: int) -> Sequence:
         """Sample `index` of the same request, from the same point, drawing from its own generator."""
-        child = Sequence(self.request_id, index, self.prompt_token_ids, self.params, self.arrival,
+        child = Sequence(self.request_id, index, self.token_ids, self.params, self.arrival,
                          sample_rng(self.seed, index), seed=self.seed, max_tokens=self.max_tokens,
                          end_token_ids=self.end_token_ids)
-        child.output_token_ids = list(self.output_token_ids)
+        child.num_prompt_tokens = self.num_prompt_tokens
         child.status, child.num_computed_tokens = self.status, self.num_computed_tokens
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
         child.grammar = None if self.grammar is None else self.grammar.copy()

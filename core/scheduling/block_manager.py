@@ -54,15 +54,17 @@ def _chain_hash(previous: bytes, block_tokens: Sequence[int]) -> bytes:
 
 @dataclass
 class _SequenceBlocks:
-    """The blocks of one sequence and the tokens they hold, which the prefix cache hashes."""
+    """The blocks of one sequence. Its tokens are the engine's to keep: here only how many there
+    are, the chained hash of each full block, and, while prefix caching, the tokens of the last
+    block not yet full, which its hash will need."""
 
-    token_ids: list[int]
+    num_tokens: int
     block_table: list[int]
     # Host blocks while swapped out (block_table is then empty), else None.
     host_table: list[int] | None = None
     num_computed: int = 0
-    # Chained hashes of the leading full blocks, extended only as far as someone asked.
     block_hashes: list[bytes] = field(default_factory=list)
+    unhashed_tokens: list[int] = field(default_factory=list)
     # Leading blocks already offered to the prefix cache.
     num_offered_blocks: int = 0
 
@@ -144,15 +146,18 @@ class BlockManager:
             self._hold(block)
         table = hits + [self._take_block() for _ in range(needed)]
         num_cached_tokens = len(hits) * self.block_size
-        self._seqs[seq_id] = _SequenceBlocks(tokens, table, num_computed=num_cached_tokens,
-                                       block_hashes=hashes, num_offered_blocks=len(hits))
+        seq = _SequenceBlocks(0, table, num_computed=num_cached_tokens, block_hashes=hashes,
+                              num_offered_blocks=len(hits))
+        seq.num_tokens = len(hashes) * self.block_size
+        self._add_tokens(seq, tokens[seq.num_tokens:])
+        self._seqs[seq_id] = seq
         return num_cached_tokens
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         """The KV of the sequence's first `num_computed_tokens` tokens is now in the cache."""
         seq = self._device_sequence(seq_id)
-        if not 0 <= num_computed_tokens <= len(seq.token_ids):
-            raise BlockManagerError(f"sequence {seq_id} has {len(seq.token_ids)} tokens, "
+        if not 0 <= num_computed_tokens <= seq.num_tokens:
+            raise BlockManagerError(f"sequence {seq_id} has {seq.num_tokens} tokens, "
                                     f"cannot mark {num_computed_tokens} computed")
         seq.num_computed = max(seq.num_computed, num_computed_tokens)
         self._offer_computed_blocks(seq)
@@ -177,8 +182,8 @@ class BlockManager:
             self._release(shared)
             seq.block_table[-1] = own
             copies.append((shared, own))
-        seq.token_ids.extend(tokens)
-        while len(seq.block_table) < self._blocks_for(len(seq.token_ids)):
+        self._add_tokens(seq, tokens)
+        while len(seq.block_table) < self._blocks_for(seq.num_tokens):
             seq.block_table.append(self._take_block())
         return copies
 
@@ -192,10 +197,10 @@ class BlockManager:
         for block in parent.block_table:
             self._ref_counts[block] += 1
         self._seqs[child_id] = _SequenceBlocks(
-            list(parent.token_ids), list(parent.block_table),
+            parent.num_tokens, list(parent.block_table),
             host_table=None if parent.host_table is None else list(parent.host_table),
             num_computed=parent.num_computed, block_hashes=list(parent.block_hashes),
-            num_offered_blocks=parent.num_offered_blocks)
+            unhashed_tokens=list(parent.unhashed_tokens), num_offered_blocks=parent.num_offered_blocks)
 
     def free(self, seq_id: int) -> None:
         seq = self._sequence(seq_id)
@@ -215,7 +220,7 @@ class BlockManager:
         return list(self._device_sequence(seq_id).block_table)
 
     def num_tokens(self, seq_id: int) -> int:
-        return len(self._sequence(seq_id).token_ids)
+        return self._sequence(seq_id).num_tokens
 
     def is_swapped(self, seq_id: int) -> bool:
         return self._sequence(seq_id).swapped
@@ -344,19 +349,24 @@ class BlockManager:
             hashes.append(previous)
         return hits, hashes
 
-    def _block_hash(self, seq: _SequenceBlocks, index: int) -> bytes:
-        while len(seq.block_hashes) <= index:
-            start = len(seq.block_hashes) * self.block_size
+    def _add_tokens(self, seq: _SequenceBlocks, tokens: list[int]) -> None:
+        seq.num_tokens += len(tokens)
+        if not self.enable_prefix_caching:
+            return
+        pending = seq.unhashed_tokens + tokens
+        num_full = len(pending) // self.block_size
+        for index in range(num_full):
             previous = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
-            seq.block_hashes.append(_chain_hash(previous, seq.token_ids[start:start + self.block_size]))
-        return seq.block_hashes[index]
+            block_tokens = pending[index * self.block_size:(index + 1) * self.block_size]
+            seq.block_hashes.append(_chain_hash(previous, block_tokens))
+        seq.unhashed_tokens = pending[num_full * self.block_size:]
 
     def _offer_computed_blocks(self, seq: _SequenceBlocks) -> None:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed // self.block_size
         for index in range(seq.num_offered_blocks, num_full):
-            block_hash = self._block_hash(seq, index)
+            block_hash = seq.block_hashes[index]
             # Another block may already hold the same content; the first one registered stays.
             if block_hash not in self._block_by_hash:
                 block = seq.block_table[index]
@@ -365,12 +375,12 @@ class BlockManager:
         seq.num_offered_blocks = max(seq.num_offered_blocks, num_full)
 
     def _last_block_is_shared_and_partial(self, seq: _SequenceBlocks) -> bool:
-        return len(seq.token_ids) % self.block_size != 0 and self._ref_counts[seq.block_table[-1]] > 1
+        return seq.num_tokens % self.block_size != 0 and self._ref_counts[seq.block_table[-1]] > 1
 
     def _blocks_to_append(self, seq: _SequenceBlocks, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
             raise BlockManagerError(f"cannot append {num_new_tokens} tokens")
-        needed = self._blocks_for(len(seq.token_ids) + num_new_tokens) - len(seq.block_table)
+        needed = self._blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
         if num_new_tokens > 0 and self._last_block_is_shared_and_partial(seq):
             needed += 1
         return needed

@@ -119,7 +119,7 @@ class Scheduler:
             if seq.num_computed_tokens + item.num_tokens < seq.num_tokens:
                 continue  # a prefill chunk short of the prompt's end
             out.sampled.append((item_index, seq))
-            if seq.params.n > 1 and not seq.forked and not seq.output_token_ids:
+            if seq.params.n > 1 and not seq.forked and not seq.num_output_tokens:
                 seq.forked = True
                 for index in range(1, seq.params.n):
                     child = seq.fork(index)
@@ -147,7 +147,7 @@ class Scheduler:
             if seq is not parent:  # forked before the step: it computed what its parent did
                 seq.num_computed_tokens = parent.num_computed_tokens
                 self.blocks.mark_computed(seq.seq_id, seq.num_computed_tokens)
-            seq.output_token_ids.append(token.token_id)
+            seq.append_output(token.token_id)
             taken.append((seq, token))
             if token.token_id in seq.end_token_ids:
                 self.finish(seq, "stop")
@@ -157,7 +157,7 @@ class Scheduler:
                 self.finish(seq, "stop")
             elif seq.grammar is not None and seq.grammar.finished:  # the text is complete
                 self.finish(seq, "stop")
-            elif seq.max_tokens is not None and len(seq.output_token_ids) >= seq.max_tokens:
+            elif seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
                 self.finish(seq, "length")
         return taken
 

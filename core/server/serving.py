@@ -21,6 +21,7 @@ from candelabra.core.engine.prompt_logprobs import PIECE_CONTEXT, Logprob, token
 from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.structured_output import StructuredOutputError
+from candelabra.core.requests.tokens import SampledToken
 from candelabra.core.server.errors import APIError, bad_request, error_body
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
 from candelabra.core.server.protocol import (
@@ -389,15 +390,15 @@ async def _chat_chunks(generation: Generation, in_thought: bool | None, plan: To
         yield generation.chunk("chat.completion.chunk", [], final=True)
 
 
-def _logprob_rows(tokenizer, preceding: list[int], entries: list[dict] | None) -> list[tuple]:
+def _logprob_rows(tokenizer, preceding: list[int], entries: list[SampledToken] | None) -> list[tuple]:
     """(text, logprob, [(text, logprob) of the top alternatives]) per sampled token, each text being
     what the token adds after the tokens before it, so that the texts join into the output."""
     rows, history = [], list(preceding[-PIECE_CONTEXT:])
     for entry in entries or []:
         context = history[-PIECE_CONTEXT:]
-        top = [(token_piece(tokenizer, context, t), max(lp, LOWEST_LOGPROB)) for t, lp in entry["top"]]
-        rows.append((token_piece(tokenizer, context, entry["token_id"]), max(entry["logprob"], LOWEST_LOGPROB), top))
-        history.append(entry["token_id"])
+        top = [(token_piece(tokenizer, context, t), max(lp, LOWEST_LOGPROB)) for t, lp in entry.top]
+        rows.append((token_piece(tokenizer, context, entry.token_id), max(entry.logprob, LOWEST_LOGPROB), top))
+        history.append(entry.token_id)
     return rows
 
 
@@ -414,7 +415,7 @@ def _logprob_json(lp: Logprob) -> dict:
     return {"logprob": max(lp.logprob, LOWEST_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
 
 
-def _chat_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None) -> dict:
+def _chat_logprobs(tokenizer, preceding: list[int], entries: list[SampledToken] | None) -> dict:
     def item(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -524,7 +525,7 @@ def _joined(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def _completion_logprobs(tokenizer, preceding: list[int], entries: list[dict] | None, offset: int) -> dict:
+def _completion_logprobs(tokenizer, preceding: list[int], entries: list[SampledToken] | None, offset: int) -> dict:
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for text, logprob, top in _logprob_rows(tokenizer, preceding, entries):
         tokens.append(text)

@@ -121,7 +121,7 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             for position in _positions_to_score(seq, start, item.num_tokens):
                 scored_rows.append(len(token_ids) + position - start)
-                scored_targets.append(seq.prompt_token_ids[position + 1])
+                scored_targets.append(seq.token_ids[position + 1])
             token_ids += seq.token_ids[start:start + item.num_tokens]
             query_lens.append(item.num_tokens)
             seq_lens.append(start + item.num_tokens)
@@ -145,7 +145,7 @@ def _positions_to_score(seq: Sequence, start: int, num_tokens: int) -> range:
     first = seq.num_scored_prompt_tokens
     if start > first:
         raise RuntimeError(f"{seq}: prompt position {first} is to be scored but the step starts at {start}")
-    return range(first, min(start + num_tokens, len(seq.prompt_token_ids) - 1))
+    return range(first, min(start + num_tokens, seq.num_prompt_tokens - 1))
 
 
 def _sampled_tokens(plan: SchedulerOutput, host) -> list[SampledToken]:

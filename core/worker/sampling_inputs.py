@@ -18,7 +18,7 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
         p = seq.params
         bias = dict(p.logit_bias)
         # Nothing may end the sequence yet, unless a structured output, which decides its own end.
-        if len(seq.output_token_ids) < p.min_tokens and seq.grammar is None:
+        if seq.num_output_tokens < p.min_tokens and seq.grammar is None:
             for token in seq.end_token_ids:
                 bias[token] = float("-inf")
         bias_ids.append(list(bias))
@@ -56,7 +56,7 @@ def _allowed_token_mask(seqs: list[Sequence]) -> np.ndarray | None:
     mask = np.full((len(seqs), constrained[0][1].grammar.mask_words), -1, dtype=np.int32)
     for row, seq in constrained:
         seq.grammar.allowed_token_mask(mask[row])
-        if seq.params.ignore_eos or len(seq.output_token_ids) < seq.params.min_tokens:
+        if seq.params.ignore_eos or seq.num_output_tokens < seq.params.min_tokens:
             _forbid_unless_alone(mask[row], seq.grammar.end_token_ids | seq.end_token_ids)
     return mask
 
