@@ -46,6 +46,34 @@ def fresh_plugin_discovery():
     installed_plugins.cache_clear()
 
 
+# What a tiny test model's LLM gets unless its call says otherwise: the reference backend, a KV cache of
+# 2,048 tokens in float32 (the engine checkpoint's 512 bytes a token), no swap space.
+TINY_LLM_DEFAULTS = {"backend": "cpu", "kvcache_mem_gpu": 1, "kvcache_mem_cpu": 0}
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory):
+    """Builds an `LLM` over a tiny random model: conformance's engine checkpoint written with `seed`
+    (one folder per seed for the session), or the checkpoint in `folder`, with TINY_LLM_DEFAULTS for
+    every option the call leaves out, so that how a module's engine differs shows where it is built."""
+    from candelabra.conformance.engine_cases import write_tiny_checkpoint
+    from candelabra.core.llm import LLM
+
+    folders: dict[int, Path] = {}
+
+    def build(seed: int | None = None, *, folder: Path | None = None, **options) -> LLM:
+        if (seed is None) == (folder is None):
+            raise TypeError("tiny_llm takes a seed or a folder")
+        if folder is None:
+            if seed not in folders:
+                folders[seed] = tmp_path_factory.mktemp(f"tiny-seed-{seed}")
+                write_tiny_checkpoint(folders[seed], seed=seed)
+            folder = folders[seed]
+        return LLM(folder, **{**TINY_LLM_DEFAULTS, **options})
+
+    return build
+
+
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory):
     """A real `candelabra serve` on 127.0.0.1 (cpu backend) serving a tiny random model with a

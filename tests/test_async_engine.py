@@ -6,9 +6,7 @@ import time
 
 import pytest
 
-from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.engine.async_engine import AsyncEngine
-from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 23, 42], [7, 11, 13], [40, 41, 42, 43, 44, 45]]
@@ -16,10 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    write_tiny_checkpoint(folder, seed=9)
-    return LLM(folder, backend="cpu", kvcache_mem_gpu=4, kvcache_mem_cpu=0)
+def llm(tiny_llm):
+    return tiny_llm(seed=9)
 
 
 def test_concurrent_streams_match_offline_generation(llm):
@@ -84,14 +80,13 @@ def test_a_bad_request_fails_its_caller_only(llm):
         engine.shutdown()
 
 
-def test_an_engine_given_as_a_builder_is_built_and_stepped_on_the_engine_thread(tmp_path):
-    write_tiny_checkpoint(tmp_path, seed=9)
+def test_an_engine_given_as_a_builder_is_built_and_stepped_on_the_engine_thread(tiny_llm):
     threads = {}
     llms = []
 
     def build():
         threads["built"] = threading.get_ident()
-        llms.append(LLM(tmp_path, backend="cpu", kvcache_mem_gpu=4, kvcache_mem_cpu=0))
+        llms.append(tiny_llm(seed=9))
         step = llms[0].engine.core.step
 
         def recorded_step():

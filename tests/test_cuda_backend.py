@@ -98,23 +98,19 @@ def test_capture_sizes_pad_up_and_stop_at_the_largest():
     assert [capture_size(n, 64) for n in (1, 3, 8, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, None]
 
 
-def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tmp_path):
+def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny_llm):
     """The steps a CUDA graph replays, run op by op on its persistent padded buffers (capture=False):
     the start-up warm-up runs every size a batch of three pads to and writes nothing to the cache;
     then the decodes of three sequences refill the buffers of four with new lengths at every step,
     and every token matches the numpy reference's."""
     from candelabra.backends.cuda.graphs import CudaGraphExecutor
-    from candelabra.conformance.engine_cases import write_tiny_checkpoint
-    from candelabra.core.llm import LLM
     from candelabra.core.requests.sampling_params import SamplingParams
 
-    write_tiny_checkpoint(tmp_path, seed=13)
-    options = dict(kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)
     prompts = [[5, 9, 23, 42, 7, 11], [3, 4], list(range(7, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    reference = LLM(tmp_path, backend="cpu", **options).generate(prompts, params, progress=False)
+    reference = tiny_llm(seed=13).generate(prompts, params, progress=False)
 
-    llm = LLM(tmp_path, backend=CudaBackend, dtype="float32", **options)
+    llm = tiny_llm(seed=13, backend=CudaBackend, dtype="float32")
     executor = CudaGraphExecutor(llm.backend, llm.model, capture=False)
     runner = llm.engine.runner
     runner.executor = executor

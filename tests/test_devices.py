@@ -6,7 +6,6 @@ from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.metal import MetalBackend
 from candelabra.conformance.engine_cases import write_tiny_checkpoint
 from candelabra.core.contract.device import Device
-from candelabra.core.llm import LLM
 from support import run_candelabra
 
 
@@ -59,12 +58,11 @@ def test_device_ids_that_name_no_device_are_refused(ids, problem):
     assert str(caught.value).startswith(problem)
 
 
-def test_llm_constructs_its_backend_for_the_device_it_is_given(tmp_path):
-    write_tiny_checkpoint(tmp_path, seed=3)
-    assert LLM(tmp_path, backend="cpu", device=0, kvcache_mem_gpu=1, kvcache_mem_cpu=0).backend.device == Device(0)
-    assert LLM(tmp_path, backend=CpuBackend, kvcache_mem_gpu=1, kvcache_mem_cpu=0).backend.device == Device(0)
+def test_llm_constructs_its_backend_for_the_device_it_is_given(tiny_llm):
+    assert tiny_llm(seed=3, device=0).backend.device == Device(0)
+    assert tiny_llm(seed=3, backend=CpuBackend).backend.device == Device(0)
     with pytest.raises(ValueError, match="backend 'cpu' has no device 1"):
-        LLM(tmp_path, backend="cpu", device=Device(1), kvcache_mem_gpu=1, kvcache_mem_cpu=0)
+        tiny_llm(seed=3, device=Device(1))
 
 
 def test_serve_refuses_a_device_the_backend_lacks_before_loading(tmp_path):

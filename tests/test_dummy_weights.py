@@ -118,10 +118,10 @@ def test_a_tiny_dummy_model_of_every_architecture_gives_finite_spread_logits(sav
     assert all(0 <= token < model.config.vocab_size for token in tokens)
 
 
-def test_llm_serves_a_config_alone_through_the_stand_in_tokenizer(tmp_path, monkeypatch):
+def test_llm_serves_a_config_alone_through_the_stand_in_tokenizer(tmp_path, monkeypatch, tiny_llm):
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path / "cache"))
     folder = write_config(tmp_path / "tiny")
-    llm = LLM(folder, backend="cpu", load_format="dummy", kvcache_mem_gpu=1, kvcache_mem_cpu=0)
+    llm = tiny_llm(folder=folder, load_format="dummy")
     assert isinstance(llm.checkpoint, DummyCheckpoint)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     text, ids = llm.generate(["héllo, world", [5, 6, 7]], params, progress=False)

@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from candelabra.conformance.engine_cases import ENGINE_CASES, write_tiny_checkpoint
-from candelabra.core.llm import LLM
+from candelabra.conformance.engine_cases import ENGINE_CASES
 from candelabra.core.requests.sampling_params import SamplingParams
 from support import available_backends, run_candelabra
 
@@ -14,10 +13,8 @@ EOS = 1
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    write_tiny_checkpoint(folder, seed=5)
-    return LLM(folder, backend="cpu", kvcache_mem_gpu=4, kvcache_mem_cpu=1, block_size=16)
+def llm(tiny_llm):
+    return tiny_llm(seed=5, kvcache_mem_cpu=1)
 
 
 def greedy(**options):
@@ -176,11 +173,10 @@ def test_a_backend_that_runs_steps_at_fixed_padded_sizes_passes_the_engine_level
     assert len(cases) >= 6 and all(c["status"] == "passed" for c in cases)
 
 
-def test_a_padding_backend_generates_what_the_reference_does_and_really_pads(llm, tmp_path):
+def test_a_padding_backend_generates_what_the_reference_does_and_really_pads(llm, tiny_llm):
     from padded_backend import SIZES, PaddedCpuBackend
 
-    write_tiny_checkpoint(tmp_path, seed=5)
-    padded = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=4, kvcache_mem_cpu=1, block_size=16)
+    padded = tiny_llm(seed=5, backend=PaddedCpuBackend, kvcache_mem_cpu=1)
     prompts = [PROMPT, PROMPT[:2], list(range(3, 40))]
     params = [greedy(max_tokens=7, ignore_eos=True), SamplingParams(n=2, temperature=0.9, seed=8, max_tokens=5),
               greedy(max_tokens=3, ignore_eos=True, logprobs=2)]
@@ -191,18 +187,16 @@ def test_a_padding_backend_generates_what_the_reference_does_and_really_pads(llm
     assert shapes and all(tokens in SIZES and rows in (0, *SIZES) for tokens, _, rows in shapes)
 
 
-def test_the_executor_warms_up_once_before_the_first_step_for_the_engine_batch_limit(tmp_path):
+def test_the_executor_warms_up_once_before_the_first_step_for_the_engine_batch_limit(tiny_llm):
     from padded_backend import PaddedCpuBackend
 
-    write_tiny_checkpoint(tmp_path, seed=5)
-    padded = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=4, kvcache_mem_cpu=0, block_size=16,
-                 max_num_seqs=5)
+    padded = tiny_llm(seed=5, backend=PaddedCpuBackend, max_num_seqs=5)
     padded.generate([PROMPT], greedy(max_tokens=3), progress=False)
     executor = padded.engine.runner.executor
     assert executor.warm_ups == [(5, 0)] and executor.shapes
 
 
-def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
+def test_padded_steps_sample_what_unpadded_steps_do(tiny_llm):
     """A mixed step (a decode beside a chunk of prefill), padded, gives the same tokens and
     logprobs in its real rows as unpadded, and writes nothing to the cache for its padding."""
     import numpy as np
@@ -213,8 +207,7 @@ def test_padded_steps_sample_what_unpadded_steps_do(tmp_path):
     from candelabra.core.worker.sampling_inputs import sampling_metadata
     from padded_backend import PaddedCpuBackend
 
-    write_tiny_checkpoint(tmp_path, seed=9)
-    llm = LLM(tmp_path, backend=PaddedCpuBackend, kvcache_mem_gpu=1, kvcache_mem_cpu=0, block_size=16)
+    llm = tiny_llm(seed=9, backend=PaddedCpuBackend)
     rng = np.random.default_rng(4)
     first, second = rng.integers(2, 150, 20).tolist(), rng.integers(2, 150, 30).tolist()
     runner = ModelRunner(llm.model, num_blocks=8, block_size=16)

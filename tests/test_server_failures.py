@@ -7,7 +7,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from candelabra.core.engine.async_engine import AsyncEngine
-from candelabra.core.llm import LLM
 from candelabra.core.server.app import build_app
 from candelabra.core.server.metrics import ServerMetrics
 from candelabra.core.server.serving import ServedModel
@@ -17,9 +16,8 @@ BODY = {"prompt": "w10 w11 w12", "max_tokens": 6, "temperature": 0, "ignore_eos"
 
 
 @pytest.fixture(scope="module")
-def app_and_runner(tmp_path_factory):
-    folder = write_chat_checkpoint(tmp_path_factory.mktemp("failing"))
-    llm = LLM(folder, backend="cpu", kvcache_mem_gpu=2, kvcache_mem_cpu=0)
+def app_and_runner(tmp_path_factory, tiny_llm):
+    llm = tiny_llm(folder=write_chat_checkpoint(tmp_path_factory.mktemp("failing")))
     engine = AsyncEngine(llm.engine)
     served = ServedModel("tiny", engine, ServerMetrics(engine, "tiny"))
     yield build_app(served), llm.engine.runner

@@ -10,7 +10,6 @@ import numpy as np
 import openai
 import pytest
 
-from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams, StructuredOutput
 from candelabra.core.server.protocol import ChatCompletionRequest, ConstraintError
 from support import available_backends
@@ -75,13 +74,9 @@ def tiny_model(tmp_path_factory):
     return folder
 
 
-def _tiny_llm(folder, backend="cpu"):
-    return LLM(folder, backend=backend, load_format="dummy", kvcache_mem_gpu=1, kvcache_mem_cpu=0)
-
-
 @pytest.mark.parametrize("backend", available_backends())
-def test_random_samples_of_a_random_model_keep_to_the_constraint(tiny_model, backend):
-    llm = _tiny_llm(tiny_model, backend)
+def test_random_samples_of_a_random_model_keep_to_the_constraint(tiny_model, tiny_llm, backend):
+    llm = tiny_llm(folder=tiny_model, load_format="dummy", backend=backend)
     choice = SamplingParams(n=6, temperature=1.5, seed=3, max_tokens=12, ignore_eos=True,
                             structured_output=StructuredOutput(choice=CHOICES))
     regex = SamplingParams(n=4, temperature=1.5, seed=4, max_tokens=8, ignore_eos=True,
@@ -103,8 +98,8 @@ def test_random_samples_of_a_random_model_keep_to_the_constraint(tiny_model, bac
     assert [o.token_ids for o in outputs[2].outputs] == [o.token_ids for o in alone.outputs]
 
 
-def test_an_invalid_constraint_is_refused_when_the_request_is_checked(tiny_model):
-    llm = _tiny_llm(tiny_model)
+def test_an_invalid_constraint_is_refused_when_the_request_is_checked(tiny_model, tiny_llm):
+    llm = tiny_llm(folder=tiny_model, load_format="dummy")
     for spec, says in [(StructuredOutput(regex="(a"), "invalid regex"),
                        (StructuredOutput(json_schema={"type": "nonsense"}), "invalid json_schema"),
                        (StructuredOutput(grammar="start: missing_rule"), "invalid grammar"),
@@ -114,10 +109,10 @@ def test_an_invalid_constraint_is_refused_when_the_request_is_checked(tiny_model
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_mask_reaches_sampling_for_constrained_rows_only(tiny_model):
+def test_the_mask_reaches_sampling_for_constrained_rows_only(tiny_model, tiny_llm):
     from candelabra.core.worker.sampling_inputs import sampling_metadata
 
-    llm = _tiny_llm(tiny_model)
+    llm = tiny_llm(folder=tiny_model, load_format="dummy")
     engine = llm.engine
     engine.add_request("constrained", [5, 9], SamplingParams(structured_output=StructuredOutput(choice=["xy"])))
     engine.add_request("free", [5, 9], SamplingParams())
@@ -244,8 +239,8 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, says):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_min_tokens_and_ignore_eos_hold_while_the_grammar_allows_more(tiny_model):
-    llm = _tiny_llm(tiny_model)
+def test_min_tokens_and_ignore_eos_hold_while_the_grammar_allows_more(tiny_model, tiny_llm):
+    llm = tiny_llm(folder=tiny_model, load_format="dummy")
     free_end = StructuredOutput(regex="[a-c]+")
     held = [SamplingParams(n=4, temperature=1.5, seed=8, max_tokens=6, min_tokens=6, structured_output=free_end),
             SamplingParams(n=4, temperature=1.5, seed=9, max_tokens=6, ignore_eos=True, structured_output=free_end)]
