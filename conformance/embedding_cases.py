@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from candelabra.conformance.compare import MODEL_NMSE_THRESHOLDS, nmse
-from candelabra.conformance.model_cases import BLOCK_SIZE, VOCAB, ModelCase, make_reference
+from candelabra.conformance.model_cases import BLOCK_SIZE, VOCAB, ModelCase, make_reference, quiet_reference
 from candelabra.core.contract.backend import Backend
 from candelabra.core.engine.pooling import POOLINGS, embed
 from candelabra.core.scheduling.block_manager import BlockManager
@@ -46,7 +46,7 @@ def reference_embeddings(model, prompts: list[np.ndarray], pooling: str) -> np.n
     import torch
 
     vectors = []
-    with torch.no_grad():
+    with quiet_reference():
         for prompt in prompts:
             output = model(torch.tensor(prompt, dtype=torch.long)[None], output_hidden_states=True)
             states = output.hidden_states[-1][0].double()

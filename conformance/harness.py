@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from candelabra.conformance.compare import LOW_PRECISION, nmse, nmse_beside_rounding_flips, op_threshold, round_to
+from candelabra.conformance.mismatch import describe_cache_slots, describe_mismatch
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.dtypes import FLOAT_DTYPES
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported
+from candelabra.core.contract.step_metadata import NO_SLOT
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 
 PASSED, FAILED, NOT_SUPPORTED = "passed", "failed", "not supported"
@@ -147,7 +149,7 @@ class Harness:
         limit = self.threshold if threshold is None else threshold
         if error <= limit or (dtype in LOW_PRECISION and nmse_beside_rounding_flips(output, reference, dtype) <= limit):
             return
-        self.failures.append(f"{name}: NMSE {error:.3g} > {limit:.0e}")
+        self.failures.append(f"{name}: {describe_mismatch(output, reference, error, limit, dtype or self.dtype)}")
 
     def equal(self, name: str, output: Any, reference: np.ndarray) -> None:
         output = output if isinstance(output, np.ndarray) else self.host(output)
@@ -155,6 +157,15 @@ class Harness:
             wrong = "shape " + str(output.shape) if output.shape != reference.shape else (
                 f"{int(np.sum(output != reference))} of {reference.size} differ")
             self.failures.append(f"{name}: not equal ({wrong})")
+
+    def slots_equal(self, name: str, output: Any, expected: np.ndarray, slots: np.ndarray,
+                    new_rows: np.ndarray) -> None:
+        """Require a cache part ([blocks, block_size, ...]) to equal `expected` after the step's rows
+        `new_rows` went to `slots`, naming the kind of each slot that differs."""
+        output = output if isinstance(output, np.ndarray) else self.host(output)
+        problem = describe_cache_slots(output, expected, slots, new_rows, NO_SLOT)
+        if problem:
+            self.failures.append(f"{name}: {problem}")
 
     def require(self, name: str, condition: bool, detail: str = "") -> None:
         if not condition:

@@ -16,6 +16,7 @@ dtype's rounding can tell apart.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -140,10 +141,22 @@ def make_reference(case: ModelCase, seed: int):
     return model.eval()
 
 
+@contextlib.contextmanager
+def quiet_reference():
+    """No grad, and none of transformers' notices about its own API (deprecated arguments), which are
+    not the backend's doing and would bury the suite's report."""
+    import torch
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
 def reference_logits(model, token_ids: np.ndarray) -> np.ndarray:
     import torch
 
-    with torch.no_grad():
+    with quiet_reference():
         return model(torch.tensor(token_ids, dtype=torch.long)[None]).logits[0].double().numpy()
 
 
@@ -155,12 +168,12 @@ class _IncrementalReference:
         import torch
 
         self.model, self.torch = model, torch
-        with torch.no_grad():
+        with quiet_reference():
             output = model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True)
         self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
 
     def feed(self, token: int) -> None:
-        with self.torch.no_grad():
+        with quiet_reference():
             output = self.model(self.torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
         self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
 

@@ -17,7 +17,7 @@ from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS, round_to
 from candelabra.conformance.harness import Case, Harness
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
-from candelabra.core.contract.ops import OpNotSupported
+from candelabra.core.contract.ops import KVCache, OpNotSupported
 from candelabra.core.contract.step_metadata import (
     NO_SLOT,
     SamplingMetadata,
@@ -174,8 +174,8 @@ def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, to
                    h.upload(value), h.upload(slots))
     ref_key, ref_value = oracle.write_kv(key_cache, value_cache, key, value, slots)
     h.require("cache dtype", h.backend.dtype_of(cache.key) == kv_dtype, h.backend.dtype_of(cache.key))
-    h.equal("key cache", h.host(cache.key), round_to(ref_key, kv_dtype))
-    h.equal("value cache", h.host(cache.value), round_to(ref_value, kv_dtype))
+    h.slots_equal("key cache", cache.key, round_to(ref_key, kv_dtype), slots, round_to(key, kv_dtype))
+    h.slots_equal("value cache", cache.value, round_to(ref_value, kv_dtype), slots, round_to(value, kv_dtype))
 
 
 def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: int, block_size: int, style: str,
@@ -205,7 +205,7 @@ def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: i
     keys = h.host(cache.key).reshape(num_blocks * block_size, kv_heads, head_dim)
     h.close("written keys", keys[written], round_to(ref_key.reshape(keys.shape)[written], h.dtype))
     h.equal("untouched keys", keys[untouched], key_cache.reshape(keys.shape)[untouched])
-    h.equal("value cache", h.host(cache.value), round_to(ref_value, h.dtype))
+    h.slots_equal("value cache", cache.value, round_to(ref_value, h.dtype), slots, round_to(v, h.dtype))
 
 
 # (query_len, seq_len) per sequence: decodes, full prefills, chunks of a prefill after cached
@@ -409,8 +409,8 @@ def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int) -> 
         h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
 
 
-def check_swap(h: Harness, layers: int, block_size: int, blocks: int) -> None:
-    """Swap some blocks out to host space, then back in to other device blocks."""
+def _swap_setup(h: Harness, layers: int, block_size: int, blocks: int):
+    """Device caches of random blocks, some of them (`out_ids`) to go to `host_ids` of a new swap space."""
     device_blocks, host_blocks = 2 * blocks + 2, blocks + 3
     spec = KVCacheSpec(layers, host_blocks, block_size, 2, 64, h.dtype)
     device_shape = (device_blocks, *spec.block_shape[1:])
@@ -419,13 +419,55 @@ def check_swap(h: Harness, layers: int, block_size: int, blocks: int) -> None:
     device_ids = h.rng.permutation(device_blocks)
     out_ids, in_ids = device_ids[:blocks], device_ids[blocks: 2 * blocks]
     host_ids = h.rng.permutation(host_blocks)[:blocks]
+    return spec, host, caches, out_ids, in_ids, host_ids
+
+
+def _swap_space_errors(h: Harness, swap, host, out_ids, host_ids) -> list[str]:
+    """What the swap space's `host_ids` blocks hold that differs from the device blocks `out_ids`."""
+    if not isinstance(swap, (list, tuple)) or len(swap) != len(host) or not all(isinstance(s, KVCache) for s in swap):
+        return [f"allocate_swap_space/swap_out gave {type(swap).__name__}, not a KVCache per layer"]
+    errors = []
+    for layer, ((key, value), space) in enumerate(zip(host, swap)):
+        for part, expected, held in (("key", key, space.key), ("value", value, space.value)):
+            held = np.asarray(held if isinstance(held, np.ndarray) else h.host(held), dtype=np.float32)
+            if not np.array_equal(held[host_ids], expected[out_ids]):
+                errors.append(f"layer {layer} {part}")
+    return errors
+
+
+def check_swap_out(h: Harness, layers: int, block_size: int, blocks: int) -> None:
+    """Device blocks to host blocks: the swap space then holds them where the mapping says."""
+    spec, host, caches, out_ids, _, host_ids = _swap_setup(h, layers, block_size, blocks)
     swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
+    for where in _swap_space_errors(h, swap, host, out_ids, host_ids):
+        h.require(f"swap space {where}", False, f"swap_out did not copy device blocks {_listed(out_ids)} to host "
+                                               f"blocks {_listed(host_ids)}")
+
+
+def check_swap_in(h: Harness, layers: int, block_size: int, blocks: int) -> None:
+    """Host blocks back to other device blocks, after a swap_out that filled them; only the
+    mapped device blocks change."""
+    spec, host, caches, out_ids, in_ids, host_ids = _swap_setup(h, layers, block_size, blocks)
+    swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
+    if _swap_space_errors(h, swap, host, out_ids, host_ids):
+        h.require("swap_in not checked", False, "swap_out did not fill the swap space it reads (the swap_out "
+                                                "cases say how)")
+        return
     caches = h.backend.swap_in(caches, swap, np.stack([host_ids, in_ids], axis=1))
     for layer, (key, value) in enumerate(host):
         key, value = key.copy(), value.copy()
         key[in_ids], value[in_ids] = key[out_ids], value[out_ids]
-        h.equal(f"layer {layer} key", h.host(caches[layer].key), key)
-        h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
+        for part, expected, got in (("key", key, caches[layer].key), ("value", value, caches[layer].value)):
+            got = h.host(got)
+            if not np.array_equal(got, expected):
+                differ = np.flatnonzero(np.any((got != expected).reshape(len(got), -1), axis=1))
+                h.require(f"layer {layer} {part}", False,
+                          f"device blocks {_listed(differ)} differ after swap_in from host blocks "
+                          f"{_listed(host_ids)} to device blocks {_listed(in_ids)}")
+
+
+def _listed(ids) -> str:
+    return "[" + ", ".join(str(int(i)) for i in ids) + "]"
 
 
 def check_array_subset(h: Harness, shape: tuple) -> None:
@@ -546,6 +588,27 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),
         *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),
-        *_grid("swap", check_swap, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
+        *_grid("swap_out", check_swap_out, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
+        *_grid("swap_in", check_swap_in, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
         *_grid("array_subset", check_array_subset, dtypes, shape=[(4, 6, 8)]),
     ]
+
+
+# The ops level's op names beyond the contract's ops, and the calls each checks.
+CONTRACT_CALL_CASES = {
+    "allocate_kv_cache": "Backend.allocate_kv_cache: one KVCache per layer, of the spec's shape and dtype",
+    "copy_blocks": "Backend.copy_blocks: whole blocks within the device cache",
+    "swap_out": "Backend.allocate_swap_space and swap_out: device blocks to the host swap space",
+    "swap_in": "Backend.swap_in: host blocks back to device blocks (after a swap_out that filled them)",
+    "array_subset": "the tensor methods model graphs use: reshape, indexing and slicing, + and * (ops module)",
+}
+
+
+def op_names() -> list[str]:
+    """Every op name `--op` takes, in the order the level runs them."""
+    return list(dict.fromkeys(case.op for case in op_cases(("float32",))))
+
+
+def op_listing() -> str:
+    """Every op name `--op` takes, with what its cases check."""
+    return "\n".join(f"{name:<20} {CONTRACT_CALL_CASES.get(name, f'Ops.{name}')}" for name in op_names())

@@ -7,6 +7,7 @@ import numpy as np
 
 from candelabra.backends.cpu import CpuBackend, attention
 from candelabra.backends.cpu.ops import NumpyOps
+from candelabra.core.contract.backend import Backend
 
 
 class _OneBrokenOp(CpuBackend):
@@ -146,3 +147,89 @@ LowPrecisionRmsNorm = _torch_backend_with(_rms_norm_in_input_dtype())
 LowPrecisionRmsNorm.name = "broken-low-precision-rms-norm"
 DoubleRoundedSilu = _torch_backend_with(_silu_rounded_twice())
 DoubleRoundedSilu.name = "broken-double-rounded-silu"
+
+
+# Faults a vendor planted in a backend of their own, each to be named by its cause in the message.
+
+
+class MissingSynchronizeAndDtypeOf(CpuBackend):
+    """Leaves synchronize and dtype_of to the base class, which declares them required."""
+
+    name = "broken-missing-methods"
+    synchronize = Backend.synchronize
+    dtype_of = Backend.dtype_of
+
+
+class NoOpSwapOut(CpuBackend):
+    name = "broken-swap-out"
+
+    def swap_out(self, caches, swap, mapping):
+        return swap
+
+
+class NoOpSwapIn(CpuBackend):
+    name = "broken-swap-in"
+
+    def swap_in(self, caches, swap, mapping):
+        return caches
+
+
+class _NanInOutput(NumpyOps):
+    def gelu(self, x, approximate="none"):
+        out = super().gelu(x, approximate)
+        out.reshape(-1)[len(out.reshape(-1)) // 2] = np.nan
+        return out
+
+
+class NanInOutput(_OneBrokenOp):
+    """One element of gelu's output is NaN, as an uninitialised or overflowing kernel leaves."""
+
+    name = "broken-nan"
+    ops_class = _NanInOutput
+
+
+def _round_bfloat16(x):
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+class _NormAccumulatedInBfloat16(NumpyOps):
+    def rms_norm(self, x, weight, eps, weight_offset=0.0):
+        mean_square = _round_bfloat16(np.mean(np.square(_round_bfloat16(x)), axis=-1, keepdims=True))
+        return _round_bfloat16(x / np.sqrt(mean_square + np.float32(eps))) * (np.float32(weight_offset) + weight)
+
+
+class NormAccumulatedInBfloat16(_OneBrokenOp):
+    """Declares float32 but computes rms_norm's intermediates in bfloat16."""
+
+    name = "broken-bfloat16-norm"
+    ops_class = _NormAccumulatedInBfloat16
+
+
+class _WritesNextSlot(NumpyOps):
+    def write_kv(self, cache, key, value, slot_mapping):
+        shifted = np.where(slot_mapping >= 0, (slot_mapping + 1) % (cache.key.shape[0] * cache.key.shape[1]), -1)
+        return super().write_kv(cache, key, value, shifted)
+
+
+class WritesNextSlot(_OneBrokenOp):
+    """Writes each token one slot too far."""
+
+    name = "broken-next-slot"
+    ops_class = _WritesNextSlot
+
+
+class _FlatTopWhenNoneAsked(NumpyOps):
+    def token_logprobs(self, logits, token_ids, num_top):
+        result = super().token_logprobs(logits, token_ids, num_top)
+        if num_top == 0:
+            return result._replace(top_token_ids=result.top_token_ids.reshape(-1),
+                                   top_logprobs=result.top_logprobs.reshape(-1))
+        return result
+
+
+class FlatTopWhenNoneAsked(_OneBrokenOp):
+    """With num_top 0 returns its empty top tensors as [N] instead of [N, 0]."""
+
+    name = "broken-empty-top"
+    ops_class = _FlatTopWhenNoneAsked

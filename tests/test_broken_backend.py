@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+import broken_backends
+from candelabra.conformance.harness import FAILED, run_case
+from candelabra.conformance.op_cases import op_cases
 from candelabra.core.contract.ops import FUSED_OPS, OP_NAMES
 from support import run_candelabra
 
@@ -51,3 +54,64 @@ def test_conformance_catches_low_precision_arithmetic_at_exactly_the_low_precisi
     by_dtype = json.loads(results.read_text())["summary_by_dtype"]
     failing = {(op, dtype) for op, dtypes in by_dtype.items() for dtype, counts in dtypes.items() if counts["failed"]}
     assert failing == {(op, dtype) for op in broken_ops for dtype in ("float16", "bfloat16")}
+
+
+def failures_of(backend, op, dtype="float32", seed=7):
+    """The messages of the backend's failing cases of `op`, run in process."""
+    cases = [case for case in op_cases(backend.dtypes) if case.op == op and case.dtype == dtype]
+    assert cases, f"no {op} cases"
+    return [result.message for case in cases if (result := run_case(backend, case, seed)).status == FAILED]
+
+
+def test_a_backend_missing_required_methods_is_refused_when_built_naming_them_and_the_page():
+    with pytest.raises(TypeError) as refused:
+        broken_backends.MissingSynchronizeAndDtypeOf()
+    assert "MissingSynchronizeAndDtypeOf does not implement dtype_of, synchronize" in str(refused.value)
+    assert "docs/backend-contract.md" in str(refused.value)
+
+
+def test_a_no_op_swap_out_is_named_as_swap_outs_and_swap_in_is_not_blamed():
+    backend = broken_backends.NoOpSwapOut()
+    out, back = failures_of(backend, "swap_out"), failures_of(backend, "swap_in")
+    assert out and all("swap_out did not copy device blocks" in message for message in out)
+    assert back and all("swap_in not checked: swap_out did not fill the swap space" in message for message in back)
+
+
+def test_a_no_op_swap_in_fails_only_swap_in_naming_the_blocks_it_left():
+    backend = broken_backends.NoOpSwapIn()
+    assert failures_of(backend, "swap_out") == []
+    back = failures_of(backend, "swap_in")
+    assert back and all("differ after swap_in from host blocks" in message for message in back)
+
+
+def test_a_nan_in_an_output_is_counted_and_named_not_reported_as_an_infinite_error():
+    messages = failures_of(broken_backends.NanInOutput(), "gelu")
+    assert messages and all("1 NaN of" in m and "where the reference is finite" in m for m in messages)
+    assert not any("NMSE inf" in m for m in messages)
+
+
+def test_a_norm_computed_in_bfloat16_while_declaring_float32_is_named_as_lower_precision():
+    messages = failures_of(broken_backends.NormAccumulatedInBfloat16(), "rms_norm")
+    assert messages and all("bfloat16 arithmetic" in m and "dtype is float32" in m for m in messages)
+
+
+def test_writing_padding_tokens_names_the_no_slot_padding():
+    messages = failures_of(broken_backends.PaddingSlotWrite(), "write_kv")
+    assert messages and all("a token whose slot is NO_SLOT (-1) was written" in m for m in messages)
+
+
+def test_writing_the_wrong_slots_names_the_steps_slots_and_the_ones_outside_it():
+    messages = failures_of(broken_backends.WritesNextSlot(), "write_kv")
+    assert messages and all("of the step's" in m and "slots hold wrong values" in m for m in messages)
+    assert any("slots outside the step changed" in m for m in messages)
+
+
+def test_empty_top_tensors_of_the_wrong_shape_are_named_by_their_shape():
+    messages = failures_of(broken_backends.FlatTopWhenNoneAsked(), "token_logprobs")
+    assert messages and all("top token ids shape" in m for m in messages)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_an_overflowing_softmax_is_named_as_non_finite_values():
+    messages = failures_of(broken_backends.UnshiftedSoftmax(), "softmax")
+    assert messages and all("NaN" in m and "overflow" in m for m in messages)

@@ -20,6 +20,7 @@ Every call that changes a cache or swap space returns it, so a backend with immu
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import InitVar, dataclass, fields
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -63,9 +64,13 @@ class Probe:
             object.__setattr__(self, "detail", device)
 
 
-class Backend:
+CONTRACT_PAGE = "docs/backend-contract.md"
+
+
+class Backend(ABC):
     """Base class of every backend. Subclasses set `name`, `dtypes` and `ops`, and implement the
-    memory and cache calls; the metadata calls have working defaults built on `to_device`."""
+    abstract methods (`REQUIRED`: probe, memory, the KV cache and its blocks); every other method
+    has a working default. CONTRACT_PAGE's table lists each member, required or optional."""
 
     name: ClassVar[str] = ""
     # Compute dtypes this backend runs ops in; the first is its default.
@@ -81,14 +86,22 @@ class Backend:
     eager_steps: bool = False
     ops: Ops
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Backend:
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}, which every backend must; "
+                            f"{CONTRACT_PAGE} ('What a backend implements') says what each must do")
+        return super().__new__(cls)
+
     def __init__(self, device: Device | None = None) -> None:
         """A backend for `device` (None: device 0). Subclasses call this first, then set `ops`."""
         self.device = self.check_device(device or Device())
 
     @classmethod
+    @abstractmethod
     def probe(cls) -> Probe:
         """Report availability without raising: a missing library or device is a reason string."""
-        raise NotImplementedError(f"{cls.__name__} must implement probe()")
+        raise NotImplementedError(_required("probe", cls, "say whether the backend can run here, and why not"))
 
     @classmethod
     def device_count(cls) -> int:
@@ -129,14 +142,19 @@ class Backend:
 
     # memory
 
+    @abstractmethod
     def to_device(self, array: np.ndarray, dtype: DType | None = None) -> Tensor:
-        """A backend tensor holding `array`; float arrays are cast to `dtype` when given,
-        integer arrays keep an integer type."""
-        raise NotImplementedError
+        """A backend tensor holding `array`. Float arrays (float64 included) become `dtype` when given,
+        else float32; integer arrays (the core sends int32, and int64 only where a test does) keep an
+        integer type, int64 narrowed to int32 or not. The core sends no bool arrays (masks travel as
+        int32 bit words). The backend may keep `array` itself instead of a copy where its memory is the
+        host's: the caller never changes an array it handed over."""
+        raise NotImplementedError(_required("to_device", self, "move a host array to the device"))
 
+    @abstractmethod
     def to_host(self, tensor: Tensor) -> np.ndarray:
         """A numpy copy of `tensor`; bfloat16 comes back as float32."""
-        raise NotImplementedError
+        raise NotImplementedError(_required("to_host", self, "copy a device tensor to a numpy array"))
 
     def fetch(self, *tensors: Tensor) -> tuple[np.ndarray, ...]:
         """Numpy copies of `tensors` in one device-to-host transfer: the model runner calls this
@@ -145,16 +163,24 @@ class Backend:
         unified memory); a backend with memory of its own packs the tensors first."""
         return tuple(self.to_host(tensor) for tensor in tensors)
 
+    @abstractmethod
     def dtype_of(self, tensor: Tensor) -> str:
-        """The dtype name of a backend tensor: a compute dtype, "int32" or "int64"."""
-        raise NotImplementedError
+        """The dtype name of a backend tensor: a compute dtype, "int32" or "int64". Conformance uses it
+        to check outputs' dtypes and to poison float inputs with NaN."""
+        raise NotImplementedError(_required("dtype_of", self, "name a device tensor's dtype"))
 
+    @abstractmethod
     def zeros(self, shape: tuple[int, ...], dtype: DType) -> Tensor:
-        raise NotImplementedError
+        """A tensor of zeros of `shape` in `dtype` (a compute or KV cache dtype), for caches and the
+        conformance harness."""
+        raise NotImplementedError(_required("zeros", self, "make a tensor of zeros"))
 
+    @abstractmethod
     def free_memory(self) -> int:
-        """Bytes this backend could still allocate, for sizing the KV cache."""
-        raise NotImplementedError
+        """Bytes this backend could still allocate, for sizing the KV cache when the user gives no size:
+        it takes `kv_cache_fraction()` of them. A device whose memory is the host's RAM answers the RAM
+        available to programs (psutil's `virtual_memory().available`) and lowers `kv_cache_fraction`."""
+        raise NotImplementedError(_required("free_memory", self, "say how many bytes it could still allocate"))
 
     def kv_cache_fraction(self) -> float:
         """The share of `free_memory()` the KV cache takes when no size is given: a device of its
@@ -177,9 +203,12 @@ class Backend:
         throughput."""
         return 2048
 
+    @abstractmethod
     def synchronize(self) -> None:
-        """Wait until all work handed to the device so far has finished."""
-        raise NotImplementedError
+        """Wait until all work handed to the device so far has finished (nothing to do for a backend
+        whose calls return finished results). Conformance calls it after every op, so a lazy or
+        asynchronous op's failure shows at the op that caused it."""
+        raise NotImplementedError(_required("synchronize", self, "wait for the device's work"))
 
     def release_cached_memory(self) -> None:
         """Give back to the system what this backend keeps for reuse between steps (freed host
@@ -232,28 +261,38 @@ class Backend:
 
     # KV cache
 
+    @abstractmethod
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        """One KVCache per layer, each of `spec.block_shape` in `spec.dtype`."""
-        raise NotImplementedError
+        """One KVCache per layer, each of `spec.block_shape` in `spec.dtype`. Its content before the
+        first write does not matter (zeros or not): slots not written yet are never read as keys."""
+        raise NotImplementedError(_required("allocate_kv_cache", self, "allocate the paged KV cache"))
 
-    def allocate_swap_space(self, spec: KVCacheSpec) -> Any:
-        """Host memory for `spec.num_blocks` blocks of every layer, as the backend likes it."""
-        raise NotImplementedError
+    @abstractmethod
+    def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
+        """Host memory for `spec.num_blocks` blocks of every layer: one KVCache per layer of
+        `spec.block_shape`, held in host memory (numpy arrays, or tensors that `to_host` reads; pinned
+        where the device copies faster from pinned memory), in `spec.dtype` or, where the host has no
+        such type (bfloat16 in numpy), a wider one that holds its values exactly (float32).
+        Conformance reads it to check `swap_out` apart from `swap_in`."""
+        raise NotImplementedError(_required("allocate_swap_space", self, "allocate host swap space"))
 
+    @abstractmethod
     def copy_blocks(self, caches: list[KVCache], mapping: np.ndarray) -> list[KVCache]:
         """Copy whole blocks within the device cache of every layer. `mapping` [N, 2] int holds
         (source, destination) pairs; sources and destinations are disjoint sets."""
-        raise NotImplementedError
+        raise NotImplementedError(_required("copy_blocks", self, "copy KV blocks"))
 
-    def swap_out(self, caches: list[KVCache], swap: Any, mapping: np.ndarray) -> Any:
-        """Copy device blocks to host blocks: `mapping` [N, 2] holds (device, host) pairs.
-        Returns the updated swap space."""
-        raise NotImplementedError
+    @abstractmethod
+    def swap_out(self, caches: list[KVCache], swap: list[KVCache], mapping: np.ndarray) -> list[KVCache]:
+        """Copy device blocks to host blocks: `mapping` [N, 2] int holds (device, host) pairs.
+        Returns the updated swap space; the device caches stay as they are."""
+        raise NotImplementedError(_required("swap_out", self, "copy KV blocks to the host"))
 
-    def swap_in(self, caches: list[KVCache], swap: Any, mapping: np.ndarray) -> list[KVCache]:
-        """Copy host blocks to device blocks: `mapping` [N, 2] holds (host, device) pairs.
-        Returns the updated caches."""
-        raise NotImplementedError
+    @abstractmethod
+    def swap_in(self, caches: list[KVCache], swap: list[KVCache], mapping: np.ndarray) -> list[KVCache]:
+        """Copy host blocks to device blocks: `mapping` [N, 2] int holds (host, device) pairs.
+        Returns the updated caches; only the mapped device blocks change."""
+        raise NotImplementedError(_required("swap_in", self, "copy KV blocks back from the host"))
 
     # communication
 
@@ -276,12 +315,22 @@ class Backend:
     # step metadata
 
     def prepare_step(self, meta: StepMetadata) -> Any:
-        """The step's metadata as backend tensors, built once and shared by every layer."""
+        """The step's metadata as backend tensors, built once and shared by every layer. The core reads
+        `slot_mapping`, `rope_positions` and `logits_rows` from it; the rest is for the backend's own
+        `paged_attention`. The default keeps each field of `StepMetadata` under its own name."""
         return _upload_arrays(self, meta)
 
     def prepare_sampling(self, meta: SamplingMetadata) -> Any:
-        """The batch's sampling parameters as backend tensors."""
+        """The batch's sampling parameters as backend tensors, handed to `Ops.sample` as its `params`.
+        The default keeps each field of `SamplingMetadata` under its own name (arrays uploaded, floats
+        as float32; `num_top_logprobs` stays an int) plus `host`, the metadata itself; a backend that
+        overrides it may return any object its own `sample` reads."""
         return _upload_arrays(self, meta)
+
+
+def _required(method: str, backend: Any, what: str) -> str:
+    name = backend.__name__ if isinstance(backend, type) else type(backend).__name__
+    return f"{name}.{method} must {what}: every backend implements it ({CONTRACT_PAGE}, 'What a backend implements')"
 
 
 def _upload_arrays(backend: Backend, meta: Any) -> SimpleNamespace:

@@ -19,7 +19,9 @@ Everything heavier is an op below. Shared conventions:
   `write_kv`, which returns the updated cache (a backend may update it in place and return the
   same object; the caller must use the returned value either way).
 * Nothing here synchronises with the host or has a data-dependent output shape, so a backend can
-  capture a whole decode step in a graph or evaluate it lazily.
+  capture a whole decode step in a graph or evaluate it lazily. That binds what an op returns, not
+  how it computes it: an op may use boolean masks or host-side indexing inside where its backend
+  neither captures nor compiles steps (the numpy backend does), at the price of never doing so.
 * A backend that cannot run an op (at all, or for some argument) raises `OpNotSupported`; the
   base class raises it for every op a backend does not override.
 """
@@ -77,7 +79,8 @@ class SampleResult(NamedTuple):
     """What `Ops.sample` returns, as backend tensors.
 
     token_ids[B] int32; logprobs[B] float32 (of the chosen tokens); top_token_ids[B, K] int32 and
-    top_logprobs[B, K] float32 with K = num_top_logprobs, most probable first.
+    top_logprobs[B, K] float32 with K = num_top_logprobs, most probable first. With K = 0 the two
+    top tensors still come back, of shape [B, 0].
     """
 
     token_ids: Tensor
@@ -90,7 +93,8 @@ class TokenLogprobs(NamedTuple):
     """What `Ops.token_logprobs` returns, as backend tensors.
 
     logprobs[N] float32 (of the given tokens); ranks[N] int32 (1 for the most likely);
-    top_token_ids[N, K] int32 and top_logprobs[N, K] float32 with K = num_top, most probable first.
+    top_token_ids[N, K] int32 and top_logprobs[N, K] float32 with K = num_top, most probable first;
+    [N, 0] when num_top is 0.
     """
 
     logprobs: Tensor
@@ -139,7 +143,8 @@ class Ops:
 
         `weight` is what `Backend.upload_weight` returned for a linear or lm_head role, and W its
         values: the dense array handed over, or the `QuantizedTensor`'s `dequantize()`. `bias` is
-        what it returned for the bias role. Products are accumulated in at least float32; with a
+        what it returned for the bias role. Products are accumulated in at least float32 (a native
+        bfloat16 or float16 matmul that accumulates in float32 and rounds once meets this); with a
         quantized weight a backend may first round x to 8-bit integers with one scale per block of
         32 values along K (256 for the K formats), as llama.cpp's kernels do; the conformance
         thresholds per format allow that much and no more.

@@ -1,0 +1,55 @@
+"""The limits the suite holds a backend to, as `candelabra conformance --thresholds` prints them and
+docs/backend-contract.md shows them (a test keeps the two the same)."""
+
+from __future__ import annotations
+
+from candelabra.conformance.compare import (
+    MODEL_NMSE_THRESHOLDS,
+    NMSE_THRESHOLDS,
+    OP_NMSE_MEASURED,
+    OP_NMSE_THRESHOLDS,
+    QUANTIZED_NMSE_THRESHOLDS,
+    ROUNDING_FLIP_SHARE,
+)
+from candelabra.core.text_table import format_table
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Ops whose float outputs are compared by NMSE; the rest of the ops level compares exactly (cache
+# writes, gathers, block copies and swaps, chosen token ids, ranks).
+NMSE_OPS = ("embedding", "linear", "rms_norm", "add_rms_norm", "layer_norm", "rotary", "rotary_and_write_kv",
+            "silu_and_mul", "gelu_and_mul", "gelu", "paged_attention", "softcap", "softmax", "sample",
+            "token_logprobs", "array_subset")
+EXACT_OPS = ("gather_rows", "write_kv", "copy_blocks", "swap_out", "swap_in", "allocate_kv_cache")
+
+
+def _basis(op: str) -> str:
+    measured = OP_NMSE_MEASURED.get(op)
+    if measured is None:
+        return "general limit of the dtype"
+    seen = ", ".join(f"{dtype} {value:.2g}" for dtype, value in measured.items())
+    return f"worst seen on torch and metal: {seen}"
+
+
+def threshold_table() -> str:
+    """Every limit, with what it rests on, as plain text."""
+    ops = format_table(
+        ("op", *DTYPES, "basis"),
+        [(op, *(f"{OP_NMSE_THRESHOLDS.get(op, {}).get(d, NMSE_THRESHOLDS[d]):.0e}" for d in DTYPES), _basis(op))
+         for op in NMSE_OPS])
+    quantized = format_table(("linear on a quantized weight", "NMSE limit"),
+                             [(fmt, f"{limit:.0e}") for fmt, limit in QUANTIZED_NMSE_THRESHOLDS.items()])
+    models = format_table(("models level: logits against transformers", "NMSE limit"),
+                          [(dtype, f"{MODEL_NMSE_THRESHOLDS[dtype]:.0e}") for dtype in DTYPES])
+    return "\n\n".join([
+        "ops level: NMSE of each float output against the float64 oracle's result rounded once to the output's "
+        f"dtype.\nAt float16 and bfloat16 an output also passes when up to {ROUNDING_FLIP_SHARE:.0%} of its "
+        "elements are one unit in the last place off and the rest meet the limit.",
+        ops,
+        f"Compared exactly: {', '.join(EXACT_OPS)}; and sample's token ids (a draw near a boundary may take "
+        "either neighbour) and token_logprobs' ranks.",
+        quantized,
+        models,
+        "engine level: every request's greedy tokens equal the numpy reference backend's, and its logprobs within "
+        "the model limit of the dtype.",
+    ])
