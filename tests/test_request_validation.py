@@ -60,6 +60,8 @@ def test_each_completion_prompt_form_reads_as_a_list_of_texts_or_of_token_lists(
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "nothing to return"),
+    ({"prompt": "x", "max_tokens": -1, "echo": True}, "greater than or equal to 0"),
 ])
 def test_invalid_completion_requests_are_refused_naming_the_field_or_the_problem(fields, problem):
     with pytest.raises(ValidationError, match=problem):
@@ -72,3 +74,34 @@ def test_echoed_prompt_is_scored_at_the_larger_of_logprobs_and_prompt_logprobs()
     assert CompletionRequest(prompt="x", logprobs=3).num_prompt_logprobs is None
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], prompt_logprobs=0)
     assert chat.num_prompt_logprobs == 0
+
+
+def test_max_tokens_0_with_echo_only_echoes_and_without_echo_is_refused_at_max_tokens():
+    assert CompletionRequest(prompt="x", echo=True, max_tokens=0).only_echoes
+    assert not CompletionRequest(prompt="x", echo=True, max_tokens=1).only_echoes
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest(prompt="x", max_tokens=0)
+    assert [error["loc"] for error in caught.value.errors()] == [("max_tokens",)]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+
+
+@pytest.mark.parametrize("message, location, problem", [
+    ({"role": "tool", "content": "3"}, ("messages", 1, "tool_call_id"), 'role "tool"'),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "add", "arguments": {"a": 1}}}]},
+     ("messages", 1, "tool_calls", 0, "function", "arguments"), "not an object"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "add"}}]},
+     ("messages", 1, "tool_calls", 0, "function", "arguments"), "required"),
+])
+def test_tool_history_is_refused_at_the_field_that_breaks_openais_shape(message, location, problem):
+    with pytest.raises(ValidationError, match=problem) as caught:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, message])
+    assert caught.value.errors()[0]["loc"] == location
+
+
+def test_tool_history_reaches_the_template_as_it_was_sent():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    request = ChatCompletionRequest(messages=messages)
+    assert [m.for_template() for m in request.messages] == [{**m, "content": m["content"] or ""} for m in messages]

@@ -174,12 +174,27 @@ def test_invalid_requests_are_400_in_openai_shape(client, live_server):
     assert error.body["param"] == "logit_bias"
     error = bad_request(lambda: chat(model=live_server.model, messages=MESSAGES, n=0))
     assert error.body["param"] == "n"
-    error = bad_request(lambda: chat(model=live_server.model, messages=[{"role": "tool", "content": "w1"}]))
+    tool_result = {"role": "tool", "tool_call_id": "call_1", "content": "w1"}
+    error = bad_request(lambda: chat(model=live_server.model, messages=[tool_result]))
     assert "template" in error.body["message"]
     error = bad_request(lambda: client.completions.create(model=live_server.model, prompt=[]))
     assert error.body["param"] == "prompt"
     error = bad_request(lambda: client.completions.create(model=live_server.model, prompt=[999]))
     assert "[0, 160)" in error.body["message"]
+
+
+def test_tool_history_without_a_call_id_or_with_arguments_not_as_json_text_is_refused_naming_the_field(
+        client, live_server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    history = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "content": "w2"}]
+    error = bad_request(lambda: client.chat.completions.create(model=live_server.model, messages=history))
+    assert error.body["param"] == "messages.2.tool_call_id" and '"tool"' in error.body["message"]
+    history[1]["tool_calls"] = [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]
+    history[2]["tool_call_id"] = "call_1"
+    error = bad_request(lambda: client.chat.completions.create(model=live_server.model, messages=history))
+    assert error.body["param"] == "messages.1.tool_calls.0.function.arguments"
+    assert "not an object" in error.body["message"]
 
 
 def test_prompt_plus_max_tokens_over_the_context_names_both(client, live_server):
@@ -207,8 +222,8 @@ def test_malformed_bodies_are_400s_and_unknown_paths_404s_with_an_error_message(
 
 def test_the_server_keeps_serving_after_failed_requests(client, live_server):
     for _ in range(3):
-        bad_request(lambda: client.chat.completions.create(model=live_server.model,
-                                                           messages=[{"role": "tool", "content": "w1"}]))
+        bad_request(lambda: client.chat.completions.create(
+            model=live_server.model, messages=[{"role": "tool", "tool_call_id": "call_1", "content": "w1"}]))
     assert httpx.get(f"{live_server.url}/health").json() == {"status": "ok"}
     assert client.chat.completions.create(model=live_server.model, messages=MESSAGES, **GREEDY).choices
 

@@ -60,6 +60,29 @@ def test_echo_with_logprobs_covers_the_prompt_then_the_output(client, live_serve
     assert [v for part in streamed for v in part.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_and_generates_nothing(client, live_server, reference):
+    whole = client.completions.create(model=live_server.model, prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    choice, lp = whole.choices[0], whole.choices[0].logprobs
+    assert choice.text == " ".join(f"w{t}" for t in PROMPT) and choice.finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(PROMPT), 0)
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = reference(PROMPT)
+    assert lp.token_logprobs[1:] == pytest.approx([expected[p - 1][PROMPT[p]] for p in range(1, len(PROMPT))],
+                                                  abs=TOLERANCE)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+    chunks = list(client.completions.create(model=live_server.model, prompt=PROMPT, echo=True, logprobs=2,
+                                            max_tokens=0, stream=True, stream_options={"include_usage": True}))
+    [only] = [c.choices[0] for c in chunks if c.choices]
+    assert (only.text, only.finish_reason, only.logprobs.tokens) == (choice.text, "length", lp.tokens)
+    assert chunks[-1].usage.completion_tokens == 0
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=live_server.model, prompt=PROMPT, max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens" and "nothing to return" in caught.value.body["message"]
+
+
 def test_vllm_prompt_logprobs_on_completions(client, live_server, reference):
     response = client.completions.create(model=live_server.model, prompt=PROMPT, max_tokens=2, temperature=0,
                                          extra_body={"prompt_logprobs": 2})

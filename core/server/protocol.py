@@ -8,6 +8,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from candelabra.core.requests.sampling_params import StructuredOutput
 
@@ -150,6 +151,13 @@ def _vllm_structured_output(given: StructuredOutputs) -> StructuredOutput:
     return _structured("structured_outputs", **fields)
 
 
+def _field_error(field_name: str, message: str, value: Any) -> ValidationError:
+    """An error located at one field, from a check that reads other fields to decide (a field's
+    own validator sees only the fields declared before it)."""
+    return ValidationError.from_exception_data("request", [InitErrorDetails(
+        type=PydanticCustomError("value_error", message), loc=(field_name,), input=value)])
+
+
 class ConstraintError(ValueError):
     def __init__(self, message: str, field_name: str) -> None:
         super().__init__(message)
@@ -181,12 +189,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str  # JSON text, as the server answered it
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments_as_json_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string holding the arguments as JSON, not {_json_kind(value)}; send the "
+                             "arguments as the server returned them")
+        return value
+
+
+class HistoryToolCall(BaseModel):
+    """A call in an assistant message of the history, as the server returned it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None  # of an assistant message
+    tool_call_id: str | None = Field(default=None, validate_default=True)  # of a tool message: the call it answers
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_results_name_their_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError('is required on a message with role "tool": the id of the call it answers')
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -205,10 +247,18 @@ class ChatMessage(BaseModel):
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
-        for key, value in (self.model_extra or {}).items():
-            if key in ("reasoning_content", "tool_calls", "tool_call_id"):
-                message[key] = value
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump(exclude_unset=True) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if "reasoning_content" in (self.model_extra or {}):
+            message["reasoning_content"] = self.model_extra["reasoning_content"]
         return message
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 class FunctionDefinition(BaseModel):
@@ -310,6 +360,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: only score the prompt
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -334,7 +385,16 @@ class CompletionRequest(GenerationRequest):
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and best_of != self.n:
             raise ValueError("best_of other than n is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise _field_error("max_tokens", "0 generates nothing, and without echo there would be nothing to "
+                               "return; set echo to get the prompt back (scored, with logprobs), or ask for at "
+                               "least 1 token", self.max_tokens)
         return self
+
+    @property
+    def only_echoes(self) -> bool:
+        """Whether the request only scores and returns its prompt: echo with max_tokens 0."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def max_new_tokens(self) -> int | None:

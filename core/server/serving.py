@@ -4,6 +4,7 @@ whole JSON bodies, or server-sent event streams of chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -90,8 +91,9 @@ class Generation:
     """One API request in flight: its engine requests (one per prompt), timers, and choices."""
 
     def __init__(self, served: ServedModel, kind: str, request: GenerationRequest, prompts: list[list[int]],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, keeps_output: bool = True) -> None:
         self.served, self.request = served, request
+        self.keeps_output = keeps_output  # False: the request only scores its prompts; what is sampled is dropped
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         engine = served.engine
@@ -149,6 +151,8 @@ class Generation:
                 task.cancel()
 
     def _seen(self, i: int, output: RequestOutput) -> RequestOutput:
+        if not self.keeps_output:
+            output = _nothing_generated(output)
         self.timers[i].tokens(sum(len(o.delta_token_ids) for o in output.outputs))
         if output.finished:
             self.finals[i] = output
@@ -181,6 +185,14 @@ class Generation:
 
     def choice_index(self, prompt_index: int, output: CompletionOutput) -> int:
         return prompt_index * self.request.n + output.index
+
+
+def _nothing_generated(output: RequestOutput) -> RequestOutput:
+    """The output of a request run only to score its prompt: its sampled token dropped, each
+    sample ended by its length of 0."""
+    samples = [CompletionOutput(index=o.index, text="", token_ids=[], logprobs=None if o.logprobs is None else [],
+                                finish_reason=None if o.finish_reason is None else "length") for o in output.outputs]
+    return dataclasses.replace(output, outputs=samples)
 
 
 def sampling_params(request: GenerationRequest, served: ServedModel, max_tokens: int | None,
@@ -430,9 +442,10 @@ async def completion(served: ServedModel, request: CompletionRequest, http: Requ
     check_model(served, request.model)
     tokenizer = served.tokenizer
     prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
-    params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs,
-                             request.num_prompt_logprobs)
-    generation = Generation(served, "completion", request, prompts, params)
+    # The engine samples at least one token per request: a prompt only to score runs with one, dropped.
+    max_tokens = 1 if request.only_echoes else request.max_new_tokens
+    params = sampling_params(request, served, max_tokens, request.num_logprobs, request.num_prompt_logprobs)
+    generation = Generation(served, "completion", request, prompts, params, keeps_output=not request.only_echoes)
     echoes = [_echo_text(tokenizer, p) for p in request.prompts()] if request.echo else None
     if request.stream:
         return _event_stream(_completion_chunks(generation, echoes), generation)
