@@ -61,34 +61,3 @@ def test_a_model_without_chat_template_says_what_to_do(tmp_path):
     tokenizer = Tokenizer.from_checkpoint(_checkpoint(tmp_path, template=None))
     with pytest.raises(ChatTemplateError, match="no chat template; send it plain text"):
         tokenizer.render_chat([{"role": "user", "content": "hi"}])
-
-
-def test_a_gguf_tokenizer_is_built_once_saying_so_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
-    import logging
-
-    from transformers import AutoTokenizer
-
-    from candelabra.core.engine.tokenizer import _from_gguf
-
-    (tmp_path / "source").mkdir()
-    _checkpoint(tmp_path / "source")
-    (tmp_path / "model.gguf").write_bytes(b"GGUF stand-in: only its name, size and time key the cache")
-    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path / "cache"))
-    loads = []
-
-    class Loader:  # transformers' GGUF conversion, which takes tens of seconds for a real vocabulary
-        @staticmethod
-        def from_pretrained(pretrained_model_name_or_path, gguf_file=None):
-            loads.append("gguf" if gguf_file else "cache")
-            return AutoTokenizer.from_pretrained(tmp_path / "source" if gguf_file else pretrained_model_name_or_path)
-
-    files = {"pretrained_model_name_or_path": str(tmp_path), "gguf_file": "model.gguf"}
-    with caplog.at_level(logging.INFO, logger="candelabra"):
-        built = _from_gguf(Loader, files)
-    assert "building the tokenizer from model.gguf" in caplog.text and "first start only" in caplog.text
-    assert "tokenizer built in" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="candelabra"):
-        cached = _from_gguf(Loader, files)
-    assert caplog.text == "" and loads == ["gguf", "cache"]
-    assert cached.encode("hello world ?") == built.encode("hello world ?")

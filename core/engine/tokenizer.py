@@ -6,45 +6,16 @@ jinja2's immutable sandbox, so a template cannot reach Python internals or chang
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import time
 import warnings
+from functools import partial
 from pathlib import Path
 
+from candelabra.core.engine.gguf_tokenizer_cache import cached_gguf_tokenizer
 from candelabra.core.weights import Checkpoint, CheckpointError
-
-log = logging.getLogger("candelabra")
 
 
 class ChatTemplateError(ValueError):
     pass
-
-
-def _from_gguf(auto_tokenizer, files: dict):
-    """Building a tokenizer from a GGUF's vocabulary takes transformers tens of seconds for a
-    150k vocabulary, so the converted tokenizer is kept in the cache, keyed by the file's
-    name, size and modification time."""
-    from candelabra.core.weights.default_model import default_cache_dir
-
-    gguf = Path(files["pretrained_model_name_or_path"]) / files["gguf_file"]
-    stat = gguf.stat()
-    cached = default_cache_dir() / "tokenizers" / f"{gguf.name}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (cached / "tokenizer_config.json").exists():
-        return auto_tokenizer.from_pretrained(cached)
-    log.info("building the tokenizer from %s's vocabulary: on first start only, this takes a while; it is then "
-             "kept in %s", gguf.name, cached.parent)
-    started = time.perf_counter()
-    tokenizer = auto_tokenizer.from_pretrained(**files)
-    log.info("tokenizer built in %.1f s", time.perf_counter() - started)
-    partial = cached.with_name(cached.name + f".partial-{os.getpid()}")
-    tokenizer.save_pretrained(partial)
-    if cached.exists():  # another process got there first
-        shutil.rmtree(partial, ignore_errors=True)
-    else:
-        partial.replace(cached)
-    return tokenizer
 
 
 class Tokenizer:
@@ -73,7 +44,9 @@ class Tokenizer:
                 warnings.simplefilter("ignore")
                 if "gguf_file" not in files:
                     return cls(AutoTokenizer.from_pretrained(**files), eos_token_ids)
-                return cls(_from_gguf(AutoTokenizer, files), eos_token_ids)
+                gguf = Path(files["pretrained_model_name_or_path"]) / files["gguf_file"]
+                build = partial(AutoTokenizer.from_pretrained, **files)
+                return cls(cached_gguf_tokenizer(gguf, build, AutoTokenizer.from_pretrained), eos_token_ids)
         except (OSError, ValueError, KeyError) as exc:
             problem = " ".join(str(exc).split())
             raise CheckpointError(checkpoint.path, f"its tokenizer cannot be loaded: {problem}") from exc

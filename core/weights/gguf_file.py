@@ -110,13 +110,23 @@ class GGUFFile:
             self._mapped = MappedFile(self.path)
             if self._mapped.size == 0:
                 raise CheckpointError(self.path, "is empty; expected a GGUF file")
-            self.metadata, self.tensors, self.data_start = _HeaderParser(self.path, self._mapped.map).parse()
+            parser = _HeaderParser(self.path, self._mapped.map)
+            self.metadata, self.tensors, self.data_start = parser.parse()
+            self._entry_spans = parser.entry_spans
         except OSError as error:
             self.close()
             raise CheckpointError(self.path, f"cannot be read: {error.strerror or error}") from None
         except BaseException:
             self.close()
             raise
+
+    def metadata_entry(self, key: str) -> bytes:
+        """The metadata entry for `key` as the file stores it (key, value type and value, string
+        arrays included), for a digest of values this reader does not decode."""
+        start, end = self._entry_spans[key]
+        if self._mapped is None:
+            raise CheckpointError(self.path, "is closed; open it again to read its metadata")
+        return bytes(self._mapped.map[start:end])
 
     def read_rows(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) of the tensor (its row-major layout's leading dims, flattened),
@@ -163,6 +173,7 @@ class _HeaderParser:
 
     def __init__(self, path: Path, data: mmap.mmap) -> None:
         self.path, self.data, self.size, self.pos = path, data, len(data), 0
+        self.entry_spans: dict[str, tuple[int, int]] = {}  # metadata key -> where its entry lies
 
     def fail(self, problem: str) -> CheckpointError:
         return CheckpointError(self.path, problem)
@@ -173,10 +184,12 @@ class _HeaderParser:
         kv_count = self._count("metadata entries", _MIN_KV_BYTES)
         metadata: dict[str, object] = {}
         for _ in range(kv_count):
+            start = self.pos
             key = self._string("a metadata key")
             if key in metadata:
                 raise self.fail(f"repeats metadata key {key!r}")
             metadata[key] = self._value(key, self._u32())
+            self.entry_spans[key] = (start, self.pos)
         raw_infos = [self._tensor_info() for _ in range(tensor_count)]
         alignment = self._alignment(metadata)
         data_start = -(-self.pos // alignment) * alignment
