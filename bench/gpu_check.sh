@@ -10,6 +10,8 @@
 #   models-fp16         conformance models level in float16
 #   models-bf16         conformance models level in bfloat16
 #   engine              conformance engine level in float16 and bfloat16
+#   tests               the cuda backend's own tests (tests/test_cuda_*.py), which run the kernels on the GPU
+#                       wherever torch sees one, the compile check for sm_90a and sm_80 among them
 #   bench-bf16          bench/cuda_decode.py: batch 1/16/64 decode beside the roofline measured in the
 #                       same run, TTFT at 2,048 tokens (Llama-3-8B shapes, dummy weights, bfloat16)
 #   bench-int4          bench/cuda_decode.py: Q4_K (int4) batch 1 against bfloat16 batch 1
@@ -29,7 +31,7 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env ops models-fp16 models-bf16 engine bench-bf16 bench-int4 bench-transformers profile profile-int4 int4-tiles)
+STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-transformers profile profile-int4 int4-tiles)
 
 results=${OUT:-./gpu-check}
 steps=()
@@ -58,14 +60,15 @@ if ! python3 -c "import candelabra.backends.cuda" 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e .
 fi
 python3 -c "import gguf" 2>/dev/null || echo "warning: gguf is not installed; steps that read GGUF files fail" >&2
+# The kernels compiled for the GPU, even where the caller's shell turned Triton's interpreter on.
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 candelabra() { python3 -m candelabra.core.cli "$@"; }
 # Conformance's cases spread over the cores where pytest-xdist is installed, so that Triton's compiles do
 # (on a 16-core H200 machine the ops level took 37 s so, each models level about 25, the engine level 27).
 # Each worker then keeps torch's CPU threads (transformers' reference) to a few.
-parallel=() threads=${OMP_NUM_THREADS:-$(nproc)}
+parallel=() spread=() threads=${OMP_NUM_THREADS:-$(nproc)}
 if python3 -c "import xdist" 2>/dev/null; then
-    parallel=(-- -n "$(nproc)") threads=${OMP_NUM_THREADS:-2}
+    parallel=(-- -n "$(nproc)") spread=(-n "$(nproc)" --dist loadfile) threads=${OMP_NUM_THREADS:-2}
 fi
 
 run_step() {
@@ -86,6 +89,8 @@ run_step() {
         engine)
             OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" "${parallel[@]}" &&
             OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" "${parallel[@]}" ;;
+        tests)
+            OMP_NUM_THREADS=$threads python3 -m pytest -q -p no:cacheprovider "${spread[@]}" tests/test_cuda_*.py ;;
         bench-bf16)
             python3 bench/cuda_decode.py --parts bfloat16 --json "$results/bench-bf16.json" ;;
         bench-int4)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from candelabra.plugins import installed_plugins
+from support import interpret_the_kernels_without_a_gpu
 
 # Under xdist each worker's torch (and every server or rank a test starts) sizes its OpenMP team to all
 # the cores, so teams outnumber cores; waiting threads then sleep at once instead of spinning on a core
@@ -23,6 +24,12 @@ LONGEST_FIRST = (
     "test_metal_backend.py", "test_engine.py", "test_conformance_cpu.py", "test_server.py",
     "test_conformance_models.py", "test_tool_calls_served.py", "test_structured_output.py",
 )
+
+
+def pytest_configure(config):
+    """Where the cuda kernels run, chosen once: before collection imports a test module, and so
+    before Triton decorates any kernel."""
+    interpret_the_kernels_without_a_gpu()
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it

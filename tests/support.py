@@ -1,6 +1,6 @@
-"""What many test modules share that is not a fixture: running the real command, probing a backend
-without a library, guards against hangs and runaway allocations, resident memory from
-/proc/self/smaps, and installed distributions made on the fly."""
+"""What many test modules share that is not a fixture: where the cuda kernels run, running the real
+command, probing a backend without a library, guards against hangs and runaway allocations, resident
+memory from /proc/self/smaps, and installed distributions made on the fly."""
 
 import contextlib
 import os
@@ -11,27 +11,56 @@ import textwrap
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from candelabra.backends.cuda.availability import INTERPRETER_VARIABLE, cuda_missing, interpreting
 from candelabra.plugins import installed_plugins
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The cuda kernel tests run their kernels on CPU tensors, which only Triton's interpreter can; each of
-# their modules sets TRITON_INTERPRET=1 unless the environment already says otherwise, so the condition
-# is a string, read when the tests run rather than when this file is imported.
-triton_interpreter_only = pytest.mark.skipif(
-    'os.environ.get("TRITON_INTERPRET") != "1"',
-    reason="the cuda kernel tests run CPU tensors through Triton's interpreter, and TRITON_INTERPRET is not 1 here; "
-           "on a GPU, `candelabra conformance --backend cuda` checks the same kernels")
+def interpret_the_kernels_without_a_gpu() -> None:
+    """The cuda kernel tests run the kernels on the GPU where torch sees one, and elsewhere on CPU
+    tensors through Triton's interpreter: TRITON_INTERPRET=1 for this process where there is no GPU,
+    unless the environment already says. Triton reads it when @triton.jit decorates a kernel, which
+    is when the kernel's module is imported, and CudaBackend reads it when its class is made: conftest
+    calls this before collection imports any test module."""
+    import torch
+
+    if INTERPRETER_VARIABLE not in os.environ and cuda_missing(torch):
+        os.environ[INTERPRETER_VARIABLE] = "1"
+
+
+def kernel_device():
+    """Where the cuda kernel tests place their tensors: the CPU where Triton interprets the kernels,
+    else the first GPU, with its index, as a tensor there names its device (the kernels key the
+    buffers they keep by it)."""
+    import torch
+
+    return torch.device("cpu") if interpreting() else torch.device("cuda", 0)
+
+
+def float64_values(tensor) -> np.ndarray:
+    """A tensor's values as a float64 numpy array, from the GPU or the CPU."""
+    return tensor.detach().double().cpu().numpy()
+
+
+def skip_where_the_kernels_cannot_run() -> pytest.MarkDecorator:
+    """The cuda kernel tests' mark: skipped where there is no GPU and TRITON_INTERPRET, set by whoever
+    runs the tests, keeps Triton's interpreter off."""
+    import torch
+
+    missing = None if interpreting() else cuda_missing(torch)
+    setting = os.environ.get(INTERPRETER_VARIABLE)
+    return pytest.mark.skipif(missing is not None, reason=f"{missing} ({INTERPRETER_VARIABLE}={setting!r} here)")
 
 
 def available_backends() -> list[str]:
     """Every installed backend that can run here, by name, from the plugin registry: tests over
     backends then cover one installed tomorrow too. A backend available only for testing its
-    kernels (cuda through the Triton interpreter, priority 1, which the cuda tests set up) is left
-    to its own tests: serving a model through an interpreter takes hours."""
+    kernels (cuda through the Triton interpreter, priority 1, which conftest sets up without a GPU) is
+    left to its own tests: serving a model through an interpreter takes hours."""
     return [registration.name for registration in installed_plugins().backends.registrations()
             if (probe := registration.value.probe()).available and probe.priority > 1]
 
@@ -54,9 +83,10 @@ def probe_without(module: str, backend: str) -> tuple[str, str]:
 
 def run_candelabra(*args: str, env_extra: dict | None = None, cwd=None, timeout: float = 600
                    ) -> subprocess.CompletedProcess:
-    """The real console command, in a child process, as a user would run it; `timeout` guards
-    against a hang, far above any machine's time for the work."""
-    env = {**os.environ, **(env_extra or {})}
+    """The real console command, in a child process, as a user would run it: without TRITON_INTERPRET, which
+    the kernel tests may have turned on in this process (a child that needs it says so in `env_extra`).
+    `timeout` guards against a hang, far above any machine's time for the work."""
+    env = {key: value for key, value in os.environ.items() if key != INTERPRETER_VARIABLE} | (env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "candelabra.core.cli", *args],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,

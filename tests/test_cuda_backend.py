@@ -1,25 +1,22 @@
 """The cuda backend as a whole: what it says where it cannot run, the whole op conformance level
-through the Triton interpreter on CPU tensors, and decode steps through the persistent padded
-buffers the CUDA graphs replay."""
+on the GPU or through the Triton interpreter on CPU tensors, and decode steps through the persistent
+padded buffers the CUDA graphs replay."""
 
-import os
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from candelabra.backends.cuda import availability  # noqa: E402
-from candelabra.backends.cuda.backend import CudaBackend  # noqa: E402
-from candelabra.backends.cuda.graphs import capture_size  # noqa: E402
-from candelabra.backends.cuda.quantized import INT4_FORMATS  # noqa: E402
-from candelabra.core.contract.ops import OP_NAMES  # noqa: E402
+from candelabra.backends.cuda import availability
+from candelabra.backends.cuda.backend import CudaBackend
+from candelabra.backends.cuda.graphs import capture_size
+from candelabra.backends.cuda.quantized import INT4_FORMATS
+from candelabra.core.contract.ops import OP_NAMES
+from support import run_candelabra
 
 pytestmark = pytest.mark.skipif(not CudaBackend.probe().available, reason=CudaBackend.probe().reason)
 
@@ -47,14 +44,15 @@ def test_a_visible_device_is_no_reason():
 def test_listed_as_unavailable_without_the_interpreter_on_a_machine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    listed = subprocess.run([sys.executable, "-m", "candelabra.core.cli", "backends", "--json"], env=env,
-                            capture_output=True, text=True, check=True)
+    listed = run_candelabra("backends", "--json")  # as a user runs it: without this process's TRITON_INTERPRET
+    assert listed.returncode == 0, listed.stderr
     cuda = next(b for b in json.loads(listed.stdout)["backends"] if b["name"] == "cuda")
     assert cuda["available"] is False and "torch has no CUDA" in cuda["detail"]
 
 
 def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
+    if not availability.interpreting():
+        pytest.skip("the kernels run on the GPU here")
     probe = CudaBackend.probe()
     assert probe.priority < 10 and "interpreter" in probe.detail
     assert CudaBackend.dtypes == ("float32", "float16")
@@ -71,16 +69,16 @@ INTERPRETER_SHARDS = ("paged_attention-float16 and (16-batch or softcap)", "not 
 
 
 @pytest.mark.slow
-def test_every_op_case_passes_through_the_interpreter(tmp_path):
-    """`TRITON_INTERPRET=1 candelabra conformance --backend cuda --level ops`, as CI runs it: every
-    Triton kernel on CPU tensors in float16 (see INTERPRETER_SHARDS), every GGUF format through `linear`."""
+def test_every_op_case_passes_on_the_gpu_or_through_the_interpreter(tmp_path):
+    """`candelabra conformance --backend cuda --level ops`, where this process runs the kernels: every
+    Triton kernel in float16 (see INTERPRETER_SHARDS), every GGUF format through `linear`. CI runs it
+    without a GPU, on CPU tensors through the interpreter (TRITON_INTERPRET=1, inherited)."""
     runs = []
     for index, selection in enumerate(INTERPRETER_SHARDS):
         results = tmp_path / f"cuda-{index}.json"
         command = [sys.executable, "-m", "candelabra.core.cli", "conformance", "--backend", "cuda", "--level", "ops",
                    "--json", str(results), "--", "-k", selection]
-        runs.append((results, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               env={**os.environ, "TRITON_INTERPRET": "1"})))
+        runs.append((results, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     cases = []
     for results, run in runs:
         output, _ = run.communicate(timeout=2400)

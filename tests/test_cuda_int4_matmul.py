@@ -1,24 +1,22 @@
-"""The cuda backend's int4 weights and their dequantizing GEMM, through the Triton interpreter, against
-the float64 product with the GGUF weight's own dequantized values."""
+"""The cuda backend's int4 weights and their dequantizing GEMM, on the GPU or through the Triton interpreter,
+against the float64 product with the GGUF weight's own dequantized values."""
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from candelabra.backends.cuda.availability import assume_multiprocessors
+from candelabra.backends.cuda.kernels import int4_matmul as kernel
+from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles
+from candelabra.backends.cuda.quantized import Int4CudaWeight
+from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
+from candelabra.conformance.quantized_weights import random_quantized
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
-from candelabra.backends.cuda.availability import assume_multiprocessors  # noqa: E402
-from candelabra.backends.cuda.kernels import int4_matmul as kernel  # noqa: E402
-from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles  # noqa: E402
-from candelabra.backends.cuda.quantized import Int4CudaWeight  # noqa: E402
-from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to  # noqa: E402
-from candelabra.conformance.quantized_weights import random_quantized  # noqa: E402
-from support import triton_interpreter_only  # noqa: E402
+pytestmark = skip_where_the_kernels_cannot_run()
 
-pytestmark = triton_interpreter_only
-
+DEVICE = kernel_device()
 FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # float32: the general threshold; the kernel measures about 1.5e-14. float16: the scales and zeros are kept
@@ -34,7 +32,7 @@ def _case(rng, format, dtype, rows, columns, width):
     weight = random_quantized(rng, format, columns, width)
     x = round_to(rng.standard_normal((rows, width)), dtype)
     expected = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T
-    return weight, torch.from_numpy(x).to(DTYPES[dtype]), expected
+    return weight, torch.from_numpy(x).to(DEVICE, DTYPES[dtype]), expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -43,10 +41,10 @@ def _case(rng, format, dtype, rows, columns, width):
 def test_matmul_matches_the_dequantized_product(format, dtype, shape):
     rng = np.random.default_rng([sum(map(ord, format)), len(dtype), *shape])
     weight, x, expected = _case(rng, format, dtype, *shape)
-    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], DEVICE)
     out = kept.matmul(x)
     assert out.dtype == x.dtype and out.shape == expected.shape
-    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
 
 
 @pytest.mark.parametrize("scale_after_dot", [True, False], ids=["scale-after-dot", "dequantize-first"])
@@ -55,13 +53,13 @@ def test_split_k_and_grouped_row_tiles(dtype, scale_after_dot):
     # K = 768 in 12 steps of 64 split three ways; four row tiles walk the column tiles in groups of two
     rng = np.random.default_rng(7)
     weight, x, expected = _case(rng, "Q4_K", dtype, 64, 100, 768)
-    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], DEVICE)
     config = TileConfig(block_m=16, block_n=32, block_k=64, split_k=3, group_m=2, scale_after_dot=scale_after_dot)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert out.dtype == x.dtype
-    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
     # the last split of each tile added the partial sums and reset its arrival count for the next launch
-    assert not kernel.arrival_counts(torch.device("cpu"), 1).any()
+    assert not kernel.arrival_counts(DEVICE, 1).any()
     again = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert torch.equal(again, out)
 
@@ -73,14 +71,14 @@ def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k):
     rng = np.random.default_rng(11)
     torch_dtype = {**DTYPES, "bfloat16": torch.bfloat16}[dtype]
     weight, x, expected = _case(rng, "Q4_1", "float32", 3, 200, 1024)
-    kept = Int4CudaWeight.from_quantized(weight, torch_dtype, "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, torch_dtype, DEVICE)
     x = x.to(torch_dtype)
-    expected = x.double().numpy() @ weight.dequantize().astype(np.float64).T
+    expected = float64_values(x) @ weight.dequantize().astype(np.float64).T
     config = TileConfig(block_m=1, block_n=64, block_k=128, split_k=split_k)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert out.dtype == x.dtype
     # bfloat16: its scales, zeros and output rounded to 8 bits
-    assert nmse(out.float().numpy(), expected) <= THRESHOLDS.get(dtype, 5e-5)
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS.get(dtype, 5e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,31 +86,31 @@ def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k):
 def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_product(format, dtype):
     rng = np.random.default_rng([sum(map(ord, format)), len(dtype), 5])
     weight, x, expected = _case(rng, format, dtype, 70, 96, 512)
-    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], DEVICE)
     config = TileConfig(block_m=32, block_n=64, block_k=128, scale_after_dot=False)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
-    assert nmse(out.float().numpy(), expected) <= THRESHOLDS[dtype]
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
 
 
 def test_split_k_that_does_not_divide_the_steps_falls_back_to_one_that_does():
     rng = np.random.default_rng(8)
     weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 1
-    kept = Int4CudaWeight.from_quantized(weight, torch.float32, "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, torch.float32, DEVICE)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, TileConfig(16, 32, 32, split_k=4))
-    assert nmse(out.numpy(), expected) <= THRESHOLDS["float32"]
+    assert nmse(out.cpu().numpy(), expected) <= THRESHOLDS["float32"]
 
 
 def test_leading_dims_strided_rows_and_no_rows():
     rng = np.random.default_rng(9)
     weight, _, _ = _case(rng, "Q4_0", "float32", 1, 24, 96)
-    kept = Int4CudaWeight.from_quantized(weight, torch.float32, "cpu")
+    kept = Int4CudaWeight.from_quantized(weight, torch.float32, DEVICE)
     dense = weight.dequantize().astype(np.float64)
-    wide = torch.from_numpy(rng.standard_normal((2, 3, 160)).astype(np.float32))
+    wide = torch.from_numpy(rng.standard_normal((2, 3, 160)).astype(np.float32)).to(DEVICE)
     x = wide[..., 32:128]  # rows 160 apart, unit stride along K
     out = kept.matmul(x)
     assert out.shape == (2, 3, 24)
-    assert nmse(out.numpy(), x.numpy().astype(np.float64) @ dense.T) <= THRESHOLDS["float32"]
-    assert kept.matmul(torch.empty(0, 96)).shape == (0, 24)
+    assert nmse(out.cpu().numpy(), float64_values(x) @ dense.T) <= THRESHOLDS["float32"]
+    assert kept.matmul(torch.empty(0, 96, device=DEVICE)).shape == (0, 24)
 
 
 def test_packed_layout_holds_each_group_value_h_and_h_plus_16_in_one_byte():
@@ -131,7 +129,7 @@ def test_packed_layout_holds_each_group_value_h_and_h_plus_16_in_one_byte():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_nbytes_is_half_a_byte_a_weight_plus_scales_and_zeros(dtype):
     rng = np.random.default_rng(11)
-    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_K", 48, 512), dtype, "cpu")
+    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_K", 48, 512), dtype, DEVICE)
     item = torch.tensor([], dtype=dtype).element_size()
     assert kept.shape == (48, 512) and kept.dtype == dtype
     assert kept.packed.dtype == torch.uint8 and kept.packed.numel() == 48 * 512 // 2
@@ -141,14 +139,14 @@ def test_nbytes_is_half_a_byte_a_weight_plus_scales_and_zeros(dtype):
 def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
     rng = np.random.default_rng(12)
     with pytest.raises(ValueError, match="takes Q4_0, Q4_1, Q4_K weights, not Q8_0"):
-        Int4CudaWeight.from_quantized(random_quantized(rng, "Q8_0", 8, 64), torch.float16, "cpu")
+        Int4CudaWeight.from_quantized(random_quantized(rng, "Q8_0", 8, 64), torch.float16, DEVICE)
     with pytest.raises(ValueError, match="computes in"):
-        Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float64, "cpu")
-    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float16, "cpu")
+        Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float64, DEVICE)
+    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float16, DEVICE)
     with pytest.raises(ValueError, match="computes in torch.float16"):
-        kept.matmul(torch.ones(1, 64, dtype=torch.float32))
+        kept.matmul(torch.ones(1, 64, dtype=torch.float32, device=DEVICE))
     with pytest.raises(ValueError, match="has 32 features; the weight is 8 x 64"):
-        kept.matmul(torch.ones(1, 32, dtype=torch.float16))
+        kept.matmul(torch.ones(1, 32, dtype=torch.float16, device=DEVICE))
 
 
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 151936, 896), (8, 14336, 4864), (64, 896, 4864),
@@ -171,7 +169,8 @@ def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
         assert config.split_k == 1
 
 
-def test_interpreter_uses_one_fixed_tiling_for_a_row_and_one_for_more():
+def test_interpreter_uses_one_fixed_tiling_for_a_row_and_one_for_more(monkeypatch):
+    monkeypatch.setattr(kernel, "interpreting", lambda: True)
     assert kernel.choose_config(1, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_GEMV_CONFIG
     assert kernel.choose_config(2, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_CONFIG
     assert kernel.choose_config(3000, 40, 96, torch.device("cpu")).block_k == 32

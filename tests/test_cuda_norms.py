@@ -1,19 +1,17 @@
-"""The cuda backend's RMS norm kernels, through the Triton interpreter, against the float64 oracle."""
+"""The cuda backend's RMS norm kernels, on the GPU or through the Triton interpreter, against the float64
+oracle."""
 
-import os
+import numpy as np
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from candelabra.backends.cuda.kernels.norms import add_rms_norm, rms_norm
+from candelabra.conformance import oracle
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+pytestmark = skip_where_the_kernels_cannot_run()
 
-from candelabra.backends.cuda.kernels.norms import add_rms_norm, rms_norm  # noqa: E402
-from candelabra.conformance import oracle  # noqa: E402
-from support import triton_interpreter_only  # noqa: E402
-
-pytestmark = triton_interpreter_only
-
+DEVICE = kernel_device()
 DTYPES = {"float32": (torch.float32, np.float32), "float16": (torch.float16, np.float16)}
 # rtol, and atol as a fraction of the reference's largest magnitude.
 TOLERANCE = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-5)}
@@ -21,13 +19,13 @@ SHAPES = [(1, 896), (37, 2048), (9, 8, 128), (3, 2560), (4, 640), (2, 80), (5, 1
 
 
 def random_tensor(rng, shape, dtype, scale=1.0):
-    return torch.from_numpy(rng.standard_normal(shape) * scale).to(DTYPES[dtype][0])
+    return torch.from_numpy(rng.standard_normal(shape) * scale).to(DEVICE, DTYPES[dtype][0])
 
 
 def assert_close(out: torch.Tensor, reference: np.ndarray, dtype: str) -> None:
     assert out.dtype == DTYPES[dtype][0] and tuple(out.shape) == reference.shape
     rtol, atol = TOLERANCE[dtype]
-    np.testing.assert_allclose(out.double().numpy(), reference, rtol=rtol, atol=atol * np.abs(reference).max())
+    np.testing.assert_allclose(float64_values(out), reference, rtol=rtol, atol=atol * np.abs(reference).max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -40,7 +38,7 @@ def test_rms_norm_matches_the_oracle(shape, dtype):
 
     out = rms_norm(x, weight, 1e-6)
 
-    assert_close(out, oracle.rms_norm(x.double().numpy(), weight.double().numpy(), 1e-6), dtype)
+    assert_close(out, oracle.rms_norm(float64_values(x), float64_values(weight), 1e-6), dtype)
     assert torch.equal(x, x_before)
 
 
@@ -52,7 +50,7 @@ def test_gemma_weight_offset_and_a_large_eps(dtype):
 
     out = rms_norm(x, weight, 1e-3, weight_offset=1.0)
 
-    assert_close(out, oracle.rms_norm(x.double().numpy(), weight.double().numpy(), 1e-3, 1.0), dtype)
+    assert_close(out, oracle.rms_norm(float64_values(x), float64_values(weight), 1e-3, 1.0), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,10 +66,10 @@ def test_add_rms_norm_normalises_the_sum_rounded_to_the_input_dtype(shape, dtype
 
     numpy_dtype = DTYPES[dtype][1]
     expected_normed, expected_sum = oracle.add_rms_norm(
-        x.double().numpy(), residual.double().numpy(), weight.double().numpy(), 1e-5, offset,
+        float64_values(x), float64_values(residual), float64_values(weight), 1e-5, offset,
         round_sum=lambda s: s.astype(numpy_dtype),
     )
-    assert summed.dtype == x.dtype and np.array_equal(summed.double().numpy(), expected_sum)
+    assert summed.dtype == x.dtype and np.array_equal(float64_values(summed), expected_sum)
     assert_close(normed, expected_normed, dtype)
     assert torch.equal(x, inputs_before[0]) and torch.equal(residual, inputs_before[1])
 
@@ -85,12 +83,12 @@ def test_rows_with_a_stride_wider_than_the_hidden_size():
     normed, summed = add_rms_norm(x, residual, weight, 1e-6)
 
     expected_normed, expected_sum = oracle.add_rms_norm(
-        x.double().numpy(), residual.double().numpy(), weight.double().numpy(), 1e-6,
+        float64_values(x), float64_values(residual), float64_values(weight), 1e-6,
         round_sum=lambda s: s.astype(np.float32),
     )
-    assert np.array_equal(summed.double().numpy(), expected_sum)
+    assert np.array_equal(float64_values(summed), expected_sum)
     assert_close(normed, expected_normed, "float32")
-    expected_alone = oracle.rms_norm(x.double().numpy(), weight.double().numpy(), 1e-6)
+    expected_alone = oracle.rms_norm(float64_values(x), float64_values(weight), 1e-6)
     assert_close(rms_norm(x, weight, 1e-6), expected_alone, "float32")
 
 
@@ -100,18 +98,20 @@ def test_float32_weight_with_float16_activations():
 
     out = rms_norm(x, weight, 1e-6)
 
-    assert_close(out, oracle.rms_norm(x.double().numpy(), weight.double().numpy(), 1e-6), "float16")
+    assert_close(out, oracle.rms_norm(float64_values(x), float64_values(weight), 1e-6), "float16")
 
 
 def test_no_rows_gives_an_empty_result():
-    weight = torch.ones(64)
-    normed, summed = add_rms_norm(torch.empty(0, 64), torch.empty(0, 64), weight, 1e-6)
+    weight = torch.ones(64, device=DEVICE)
+    no_rows = torch.empty(0, 64, device=DEVICE)
+    normed, summed = add_rms_norm(no_rows, no_rows, weight, 1e-6)
     assert normed.shape == summed.shape == (0, 64)
-    assert rms_norm(torch.empty(0, 64), weight, 1e-6).shape == (0, 64)
+    assert rms_norm(no_rows, weight, 1e-6).shape == (0, 64)
 
 
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="weight shape"):
-        rms_norm(torch.ones(2, 64), torch.ones(32), 1e-6)
+        rms_norm(torch.ones(2, 64, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="residual"):
-        add_rms_norm(torch.ones(2, 64), torch.ones(2, 32), torch.ones(64), 1e-6)
+        add_rms_norm(torch.ones(2, 64, device=DEVICE), torch.ones(2, 32, device=DEVICE), torch.ones(64, device=DEVICE),
+                     1e-6)

@@ -1,29 +1,31 @@
-"""The cuda backend's paged-attention kernels under the Triton interpreter, against the float64
-oracle: decode (split-K), prefill, chunked prefill and mixed batches, GQA, sliding window,
+"""The cuda backend's paged-attention kernels on the GPU or under the Triton interpreter, against the
+float64 oracle: decode (split-K), prefill, chunked prefill and mixed batches, GQA, sliding window,
 soft-capping, odd head sizes, NaN in every slot the step does not cover, and workspace reuse."""
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
+import triton
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from candelabra.backends.cuda.availability import NOMINAL_MULTIPROCESSORS, assume_multiprocessors  # noqa: E402
-from candelabra.backends.cuda.kernels.paged_attention import (  # noqa: E402
+from candelabra.backends.cuda.availability import (
+    NOMINAL_MULTIPROCESSORS,
+    assume_multiprocessors,
+    multiprocessor_count,
+)
+from candelabra.backends.cuda.kernels.paged_attention import (
     decode_segments,
     decode_workspace,
     paged_attention,
 )
-from candelabra.backends.cuda.step import CudaStep  # noqa: E402
-from candelabra.conformance.oracle import paged_attention as oracle_attention  # noqa: E402
-from candelabra.core.contract.step_metadata import StepMetadata  # noqa: E402
-from support import triton_interpreter_only  # noqa: E402
+from candelabra.backends.cuda.step import CudaStep
+from candelabra.conformance.oracle import paged_attention as oracle_attention
+from candelabra.core.contract.step_metadata import StepMetadata
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
-pytestmark = triton_interpreter_only
+pytestmark = skip_where_the_kernels_cannot_run()
 
+DEVICE = kernel_device()
 # Largest error allowed, relative to the largest reference value: float32 is computed exactly
 # (ieee dots); float16 rounds the softmax weights and the output to float16.
 TOLERANCE = {torch.float32: 5e-6, torch.float16: 2e-3}
@@ -46,7 +48,7 @@ class Case:
             used += count
         self.meta = StepMetadata.build(query_lens, seq_lens, tables, block_size,
                                        max_blocks=max_blocks or max(needed) + 2)
-        self.step = CudaStep.prepare(self.meta, torch.device("cpu"))
+        self.step = CudaStep.prepare(self.meta, DEVICE)
 
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         key, value = np.full(shape, np.nan), np.full(shape, np.nan)
@@ -55,11 +57,11 @@ class Case:
             blocks, slots = np.asarray(table)[positions // block_size], positions % block_size
             key[blocks, slots] = rng.standard_normal((length, num_kv_heads, head_dim))
             value[blocks, slots] = rng.standard_normal((length, num_kv_heads, head_dim))
-        self.key_cache = torch.from_numpy(key).to(cache_dtype)
-        self.value_cache = torch.from_numpy(value).to(cache_dtype)
+        self.key_cache = torch.from_numpy(key).to(DEVICE, cache_dtype)
+        self.value_cache = torch.from_numpy(value).to(DEVICE, cache_dtype)
         # q is a view into a fused qkv projection, as a model hands it over
         tokens = sum(query_lens)
-        qkv = torch.from_numpy(rng.standard_normal((tokens, num_heads + 2 * num_kv_heads, head_dim))).to(dtype)
+        qkv = torch.from_numpy(rng.standard_normal((tokens, num_heads + 2 * num_kv_heads, head_dim))).to(DEVICE, dtype)
         self.q = qkv[:, :num_heads]
         self.dtype = dtype
 
@@ -68,10 +70,10 @@ class Case:
                               sliding_window=sliding_window, logit_softcap=logit_softcap)
         assert out.dtype == self.q.dtype and out.shape == self.q.shape
         expected = oracle_attention(
-            self.q.double().numpy(), self.key_cache.double().numpy(), self.value_cache.double().numpy(),
+            float64_values(self.q), float64_values(self.key_cache), float64_values(self.value_cache),
             self.meta.query_start_loc, self.meta.seq_lens, self.meta.block_tables, scale,
             sliding_window=sliding_window, logit_softcap=logit_softcap)
-        got = out.double().numpy()
+        got = float64_values(out)
         assert np.isfinite(got).all(), "NaN from an unused cache slot reached the output"
         error = np.abs(got - expected).max() / np.abs(expected).max()
         assert error <= TOLERANCE[self.dtype], f"max relative error {error:.2e}"
@@ -85,9 +87,11 @@ DTYPES = [torch.float32, torch.float16]
 def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
     seq_lens = [1, 17, 70, 200]
     case = Case(1, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
-    # at 64 keys a step, the longest sequence fills 4 segments, the others fewer
+    # planned for NOMINAL_MULTIPROCESSORS whatever the device: at 64 keys a step, the longest sequence fills 4
+    # segments, the others fewer
     assert decode_segments(len(seq_lens), 2, NOMINAL_MULTIPROCESSORS) > triton.cdiv(max(seq_lens), 16)
-    case.run(scale=0.125)
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
+        case.run(scale=0.125)
 
 
 def test_a_decode_batch_that_fills_every_sm_is_not_split():
@@ -157,15 +161,15 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     num_heads, num_kv_heads, head_dim = 4, 2, 64
     first = Case(9, [1, 1, 1], [3, 40, 100], num_heads, num_kv_heads, head_dim, max_blocks=8)
     first.run(scale=0.125)
-    segments = decode_segments(3, num_kv_heads, NOMINAL_MULTIPROCESSORS)
-    workspace = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
+    segments = decode_segments(3, num_kv_heads, multiprocessor_count(DEVICE))
+    workspace = decode_workspace(DEVICE, torch.float32, 3, num_heads, head_dim, segments)
     pointers = [t.data_ptr() for t in (workspace.partial_out, workspace.partial_max, workspace.partial_sum)]
 
     # same shapes, other lengths: what a CUDA graph replay of the first step would see
     second = Case(10, [1, 1, 1], [90, 2, 17], num_heads, num_kv_heads, head_dim, max_blocks=8)
     assert second.step.block_tables.shape == first.step.block_tables.shape
     second.run(scale=0.125)
-    again = decode_workspace(torch.device("cpu"), torch.float32, 3, num_heads, head_dim, segments)
+    again = decode_workspace(DEVICE, torch.float32, 3, num_heads, head_dim, segments)
     assert [t.data_ptr() for t in (again.partial_out, again.partial_max, again.partial_sum)] == pointers
 
 
@@ -174,7 +178,6 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
 def test_a_step_lists_its_decodes_only_beside_longer_queries(query_lens, decode_tokens):
     """Attention tiles the decodes of a mixed step apart from its longer queries."""
     tables = [[i] * 2 for i in range(len(query_lens))]
-    step = CudaStep.prepare(StepMetadata.build(query_lens, [max(q, 9) for q in query_lens], tables, 16),
-                            torch.device("cpu"))
+    step = CudaStep.prepare(StepMetadata.build(query_lens, [max(q, 9) for q in query_lens], tables, 16), DEVICE)
     listed = None if step.decode_tokens is None else step.decode_tokens.tolist()
     assert listed == decode_tokens

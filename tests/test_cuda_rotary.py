@@ -1,21 +1,19 @@
-"""The cuda backend's rotary, KV-cache write and fused rotary + write kernels, through the Triton
-interpreter, against the float64 oracle."""
+"""The cuda backend's rotary, KV-cache write and fused rotary + write kernels, on the GPU or through
+the Triton interpreter, against the float64 oracle."""
 
 import functools
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from candelabra.backends.cuda.kernels.rotary import rotary, rotary_write_kv, write_kv
+from candelabra.conformance import oracle
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
-from candelabra.backends.cuda.kernels.rotary import rotary, rotary_write_kv, write_kv  # noqa: E402
-from candelabra.conformance import oracle  # noqa: E402
-from support import triton_interpreter_only  # noqa: E402
+pytestmark = skip_where_the_kernels_cannot_run()
 
-pytestmark = triton_interpreter_only
-
+DEVICE = kernel_device()
 DTYPES = {"float32": (torch.float32, np.float32), "float16": (torch.float16, np.float16)}
 # rtol, and atol as a fraction of the reference's largest magnitude.
 TOLERANCE = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-5)}
@@ -38,11 +36,11 @@ def cos_sin_table(rotary_dim: int) -> torch.Tensor:
     """[MAX_POSITIONS, rotary_dim] float32: cos then sin of p * BASE**(-2i/rotary_dim)."""
     frequencies = BASE ** (-2 * np.arange(rotary_dim // 2) / rotary_dim)
     angles = np.arange(MAX_POSITIONS)[:, None] * frequencies[None, :]
-    return torch.from_numpy(np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32))
+    return torch.from_numpy(np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)).to(DEVICE)
 
 
 def random_tensor(rng, shape, dtype):
-    return torch.from_numpy(rng.standard_normal(shape)).to(DTYPES[dtype][0])
+    return torch.from_numpy(rng.standard_normal(shape)).to(DEVICE, DTYPES[dtype][0])
 
 
 def random_positions(rng, num_tokens, index_dtype):
@@ -50,17 +48,17 @@ def random_positions(rng, num_tokens, index_dtype):
     positions[0] = MAX_POSITIONS - 1  # the table's last row
     if num_tokens > 1:
         positions[1] = 0
-    return torch.from_numpy(positions).to(index_dtype)
+    return torch.from_numpy(positions).to(DEVICE, index_dtype)
 
 
 def assert_close(out: torch.Tensor, reference: np.ndarray, dtype: str) -> None:
     assert out.dtype == DTYPES[dtype][0] and tuple(out.shape) == reference.shape
     rtol, atol = TOLERANCE[dtype]
-    np.testing.assert_allclose(out.double().numpy(), reference, rtol=rtol, atol=atol * np.abs(reference).max())
+    np.testing.assert_allclose(float64_values(out), reference, rtol=rtol, atol=atol * np.abs(reference).max())
 
 
 def oracle_rotary(q, k, positions, rotary_dim, style):
-    return oracle.rotary(q.double().numpy(), k.double().numpy(), positions.numpy(), rotary_dim, BASE, style)
+    return oracle.rotary(float64_values(q), float64_values(k), positions.cpu().numpy(), rotary_dim, BASE, style)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +86,7 @@ def test_rotary_matches_the_oracle(shape, style, dtype):
 def test_the_two_styles_pair_different_features():
     rng = np.random.default_rng(3)
     q, k = random_tensor(rng, (3, 2, 64), "float32"), random_tensor(rng, (3, 1, 64), "float32")
-    positions = torch.tensor([5, 17, 300])
+    positions = torch.tensor([5, 17, 300], device=DEVICE)
     neox, gptj = rotary(q, k, positions, cos_sin_table(64), "neox"), rotary(q, k, positions, cos_sin_table(64), "gptj")
     assert not torch.allclose(neox[0], gptj[0], atol=1e-2)
 
@@ -120,14 +118,14 @@ def random_slots(rng, num_tokens, num_slots, padding, index_dtype):
         slots[rng.choice(num_tokens, size=max(1, num_tokens // 3), replace=False)] = NO_SLOT
     elif padding == "all":
         slots[:] = NO_SLOT
-    return torch.from_numpy(slots).to(index_dtype)
+    return torch.from_numpy(slots).to(DEVICE, index_dtype)
 
 
 def expected_caches(key_cache, value_cache, key, value, slots):
     """The oracle's caches, rounded to the cache dtype as the cast into the cache does."""
     new_key, new_value = oracle.write_kv(
-        key_cache.double().numpy(), value_cache.double().numpy(), key.double().numpy(), value.double().numpy(),
-        slots.numpy(),
+        float64_values(key_cache), float64_values(value_cache), float64_values(key), float64_values(value),
+        slots.cpu().numpy(),
     )
     cache_dtype = DTYPES[str(key_cache.dtype).removeprefix("torch.")][1]
     return new_key.astype(cache_dtype).astype(np.float64), new_value.astype(cache_dtype).astype(np.float64)
@@ -135,8 +133,8 @@ def expected_caches(key_cache, value_cache, key, value, slots):
 
 def assert_caches_equal(key_cache, value_cache, expected_key, expected_value):
     # Exact: written rows are casts, and every other slot must keep its contents bit for bit.
-    assert np.array_equal(key_cache.double().numpy(), expected_key)
-    assert np.array_equal(value_cache.double().numpy(), expected_value)
+    assert np.array_equal(float64_values(key_cache), expected_key)
+    assert np.array_equal(float64_values(value_cache), expected_value)
 
 
 # (input dtype, cache dtype, block size, padding, slot index dtype)
@@ -221,20 +219,21 @@ def test_rotary_write_kv_rotates_q_like_rotary_and_caches_the_rotated_k(
 
 
 def test_bad_arguments_are_refused():
-    q, k = torch.ones(2, 2, 64), torch.ones(2, 1, 64)
-    positions = torch.zeros(2, dtype=torch.int64)
+    q, k = torch.ones(2, 2, 64, device=DEVICE), torch.ones(2, 1, 64, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="style"):
         rotary(q, k, positions, cos_sin_table(64), "llama")
     with pytest.raises(ValueError, match="rotary dim"):
-        rotary(q, k, positions, torch.ones(8, 128), "neox")
+        rotary(q, k, positions, torch.ones(8, 128, device=DEVICE), "neox")
     with pytest.raises(ValueError, match="cache"):
-        write_kv(torch.ones(2, 16, 2, 64), torch.ones(2, 16, 2, 64), k, k, positions)
+        cache = torch.ones(2, 16, 2, 64, device=DEVICE)
+        write_kv(cache, cache, k, k, positions)
 
 
 def test_no_tokens_launch_nothing():
-    empty = torch.empty(0, 2, 64)
-    q_rot, k_rot = rotary(empty, empty, torch.empty(0, dtype=torch.int64), cos_sin_table(64))
+    empty, no_positions = torch.empty(0, 2, 64, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)
+    q_rot, k_rot = rotary(empty, empty, no_positions, cos_sin_table(64))
     assert q_rot.shape == k_rot.shape == (0, 2, 64)
-    cache = torch.ones(1, 16, 2, 64)
-    write_kv(cache, cache, empty, empty, torch.empty(0, dtype=torch.int64))
-    assert torch.equal(cache, torch.ones(1, 16, 2, 64))
+    cache = torch.ones(1, 16, 2, 64, device=DEVICE)
+    write_kv(cache, cache, empty, empty, no_positions)
+    assert torch.equal(cache, torch.ones_like(cache))

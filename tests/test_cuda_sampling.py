@@ -1,27 +1,25 @@
-"""The cuda backend's sampling kernel against the float64 sampling oracle, under the Triton
-interpreter on CPU tensors (float32 and float16 logits; bfloat16 is unreliable there)."""
+"""The cuda backend's sampling kernel against the float64 sampling oracle, on the GPU or under the
+Triton interpreter on CPU tensors (float32 and float16 logits; bfloat16 is unreliable in the interpreter)."""
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import contextlib
 
-import contextlib  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from candelabra.backends.cuda.kernels import sampling as sampling_kernel
+from candelabra.backends.cuda.kernels.sampling import ROW_BLOCK, sample
+from candelabra.backends.torch.sampling import TorchSampling
+from candelabra.conformance import oracle
+from candelabra.conformance.compare import nmse
+from candelabra.conformance.op_cases import CDF_TOLERANCE, allowed_token_mask
+from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
-from candelabra.backends.cuda.kernels import sampling as sampling_kernel  # noqa: E402
-from candelabra.backends.cuda.kernels.sampling import ROW_BLOCK, sample  # noqa: E402
-from candelabra.backends.torch.sampling import TorchSampling  # noqa: E402
-from candelabra.conformance import oracle  # noqa: E402
-from candelabra.conformance.compare import nmse  # noqa: E402
-from candelabra.conformance.op_cases import CDF_TOLERANCE, allowed_token_mask  # noqa: E402
-from candelabra.core.contract.step_metadata import SamplingMetadata, pad_token_lists  # noqa: E402
-from support import triton_interpreter_only  # noqa: E402
+pytestmark = skip_where_the_kernels_cannot_run()
 
-pytestmark = triton_interpreter_only
-
+DEVICE = kernel_device()
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "bias", "allowed")
 
@@ -68,14 +66,14 @@ def _logits(rng, rows, vocab, dtype, tied=False):
     logits = rng.standard_normal((rows, vocab)) * 3.0
     if tied:
         logits = np.round(logits * 2) / 2  # a coarse grid: many equal logits, as in low precision
-    return torch.from_numpy(logits).to(DTYPES[dtype])
+    return torch.from_numpy(logits).to(DEVICE, DTYPES[dtype])
 
 
 def _run_and_compare(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     result = sample(logits, TorchSampling.prepare(meta, logits.device))
-    ref = oracle.sample(logits.double().numpy(), meta)
+    ref = oracle.sample(float64_values(logits), meta)
     rows, vocab = logits.shape
-    tokens = result.token_ids.numpy().astype(np.int64)
+    tokens = result.token_ids.cpu().numpy().astype(np.int64)
     assert result.token_ids.dtype == torch.int32 and tokens.shape == (rows,)
     assert np.all((tokens >= 0) & (tokens < vocab)), tokens
     for row in range(rows):
@@ -91,12 +89,12 @@ def _run_and_compare(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         assert token == expected or (near_boundary and inside), (
             f"row {row}: chose {token} for draw {u:.6f}, expected {expected}")
     assert result.logprobs.dtype == torch.float32
-    assert nmse(result.logprobs.numpy(), ref["all_logprobs"][np.arange(rows), tokens]) < 1e-9
-    top_ids = result.top_token_ids.numpy().astype(np.int64)
+    assert nmse(result.logprobs.cpu().numpy(), ref["all_logprobs"][np.arange(rows), tokens]) < 1e-9
+    top_ids = result.top_token_ids.cpu().numpy().astype(np.int64)
     assert result.top_token_ids.dtype == torch.int32 and top_ids.shape == ref["top_token_ids"].shape
     assert result.top_logprobs.dtype == torch.float32
     if top_ids.size:
-        assert nmse(result.top_logprobs.numpy(), ref["top_logprobs"]) < 1e-9
+        assert nmse(result.top_logprobs.cpu().numpy(), ref["top_logprobs"]) < 1e-9
         assert all(len(set(ids)) == len(ids) for ids in top_ids.tolist())
         # equal logprobs may come in any order: each id must carry a top value
         carried = ref["all_logprobs"][np.arange(rows)[:, None], top_ids]
@@ -156,8 +154,8 @@ def test_all_equal_logits_draw_by_uniform():
     rng = np.random.default_rng(7)
     rows, vocab = 5, 300
     meta = _metadata(rng, rows, vocab, "top_k", 0)
-    result = sample(torch.full((rows, vocab), 0.25), TorchSampling.prepare(meta, torch.device("cpu")))
-    np.testing.assert_array_equal(result.token_ids.numpy(), np.floor(meta.uniform.astype(np.float64) * vocab))
+    result = sample(torch.full((rows, vocab), 0.25, device=DEVICE), TorchSampling.prepare(meta, DEVICE))
+    np.testing.assert_array_equal(result.token_ids.cpu().numpy(), np.floor(meta.uniform.astype(np.float64) * vocab))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -180,8 +178,8 @@ def test_zero_probability_tokens_are_never_drawn():
     logits[:, :3] = float("-inf")
     meta = _metadata(rng, rows, vocab, "temperature", 0)
     meta = SamplingMetadata(**{**vars(meta), "uniform": np.zeros(rows, np.float32)})
-    result = sample(logits, TorchSampling.prepare(meta, torch.device("cpu")))
-    np.testing.assert_array_equal(result.token_ids.numpy(), 3)
+    result = sample(logits, TorchSampling.prepare(meta, DEVICE))
+    np.testing.assert_array_equal(result.token_ids.cpu().numpy(), 3)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "combined"])
@@ -194,7 +192,7 @@ def test_rows_of_nan_choose_an_id_inside_the_vocabulary(mode):
     logits[1] = float("nan")
     logits[4, rng.choice(vocab, 10, replace=False)] = float("nan")
     meta = _metadata(rng, rows, vocab, mode, 2)
-    tokens = sample(logits, TorchSampling.prepare(meta, torch.device("cpu"))).token_ids.numpy()
+    tokens = sample(logits, TorchSampling.prepare(meta, DEVICE)).token_ids.cpu().numpy()
     assert np.all((tokens >= 0) & (tokens < vocab)), tokens
 
 
@@ -242,7 +240,7 @@ def test_sampling_never_reads_a_device_value_back_to_the_host(monkeypatch, candi
     rng = np.random.default_rng(11)
     meta = _metadata(rng, 6, 1000, "penalties", 5, top_k=rng.integers(1, 50, 6), top_p=np.full(6, 0.8),
                      min_p=np.full(6, 0.05))
-    params = TorchSampling.prepare(meta, torch.device("cpu"))
+    params = TorchSampling.prepare(meta, DEVICE)
     logits = _logits(rng, 6, 1000, "float16")
     with _host_synchronisation_forbidden():
         with pytest.raises(AssertionError):
@@ -267,7 +265,7 @@ def test_rows_whose_filter_reaches_past_the_candidates_search_the_whole_row(monk
                      top_k=[5, 100, 0, 0, 20, 0, 10, 30],
                      top_p=[1.0, 1.0, 0.999, 0.5, 0.8, 1.0, 1.0, 0.9],
                      min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0])
-    reference = oracle.sample(logits.double().numpy(), meta)
+    reference = oracle.sample(float64_values(logits), meta)
     kept = reference["candidates"].sum(axis=1)
     assert (kept[[0, 3, 4]] < 64).all() and (kept[[1, 2, 6, 7]] >= 64).all(), kept
     _run_and_compare(logits, meta)

@@ -35,9 +35,7 @@ def test_a_wrong_backend_or_path_is_reported_before_a_busy_port(checkpoint, busy
     assert wrong_backend.returncode == 1 and "no backend named 'nosuch'" in wrong_backend.stderr
     no_gcu = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "gcu", "--port", busy_port)
     assert no_gcu.returncode == 1 and "backend 'gcu' is not available: torch_gcu is not installed" in no_gcu.stderr
-    # TRITON_INTERPRET=0: the cuda tests turn the interpreter on for the whole test process
-    unavailable = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cuda", "--port", busy_port,
-                                 env_extra={"TRITON_INTERPRET": "0"})
+    unavailable = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cuda", "--port", busy_port)
     wrong_path = run_candelabra("serve", "--weight-path", str(checkpoint / "missing"), "--port", busy_port)
     assert wrong_path.returncode == 1 and "does not exist" in wrong_path.stderr
     wrong_type = run_candelabra("serve", "llama3", "--weight-path", str(checkpoint), "--backend", "cpu",
