@@ -3,7 +3,6 @@ process (rank 0, running the engine) and child processes started as a server sta
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
@@ -29,16 +28,15 @@ class _ParallelHarness(_Harness):
         # The workers read the checkpoint while this process goes on: a copy of their own outlives the case's folder.
         self._folder = tempfile.mkdtemp(prefix="candelabra-parallel-engine-")
         shutil.copytree(folder, self._folder, dirs_exist_ok=True)
-        self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         topology = Topology(tuple(range(world_size)), master_port=_free_port())
         spec = dict(backend=backend_class.name, model=self._folder, model_id=None, weight_file=None, revision=None,
                     load_format="auto", dummy_quantization=None, dtype=dtype, model_type=None, topology=topology)
         self.workers = WorkerProcesses([WorkerSpec(**spec, local=local) for local in range(1, world_size)])
-        backend = backend_class(topology.device(0))
-        self.communicator = backend.communicator(topology.master_addr, topology.master_port,
-                                                 COLLECTIVE_TIMEOUT_SECONDS)
+        self.backend = backend_class(topology.device(0))
+        self.communicator = self.backend.communicator(topology.master_addr, topology.master_port,
+                                                      COLLECTIVE_TIMEOUT_SECONDS, self.workers.check_running)
         checkpoint = SafetensorsCheckpoint(Path(self._folder))
-        self.model = load_model(checkpoint, backend, dtype, communicator=self.communicator)
+        self.model = load_model(checkpoint, self.backend, dtype, communicator=self.communicator)
         self.tokenizer = Tokenizer.from_checkpoint(checkpoint)
 
     def engine(self, **options):
@@ -57,8 +55,7 @@ class _ParallelHarness(_Harness):
             self.communicator.close()
             self.workers.stop()
             shutil.rmtree(self._folder, ignore_errors=True)
-            if self._affinity is not None:  # rank 0's share of the cores was taken on this thread
-                os.sched_setaffinity(0, self._affinity)
+            self.backend.restore_thread_settings()  # rank 0 took its share of the cores on this thread
 
 
 def run_parallel_engine_case(backend_class: type[Backend], case: EngineCase, seed: int, dtype: str = "float32",

@@ -56,28 +56,45 @@ class LLM:
             checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
         self.checkpoint = checkpoint
         backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
-        self.workers, self.communicator = None, None
-        if topology is not None and topology.world_size > 1:
-            if topology.node_rank != 0:
-                raise ValueError(f"the engine runs on node 0; node {topology.node_rank} only runs ranks "
-                                 "(candelabra serve --node-rank N)")
-            source = dict(backend=backend_cls.name, model=str(checkpoint.path), model_id=None, weight_file=None,
-                          revision=None, load_format=load_format, dummy_quantization=dummy_quantization, dtype=dtype,
-                          model_type=model_type, topology=topology)
-            self.workers = WorkerProcesses([WorkerSpec(**source, local=local)
-                                            for local in range(1, len(topology.device_ids))])
-            device = topology.device(0)
-        if isinstance(device, int):
-            device = Device(device)
-        self.backend = backend_cls() if device is None else backend_cls(device)
-        self.backend.eager_steps = eager_steps
-        if self.workers is not None:
-            self.communicator = self.backend.communicator(topology.master_addr, topology.master_port,
-                                                          COLLECTIVE_TIMEOUT_SECONDS)
-        self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True,
-                                communicator=self.communicator)
-        checkpoint.release_pages()
-        self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
+        self.workers, self.communicator, self.backend, self._parallel_runner = None, None, None, None
+        try:
+            if topology is not None and topology.world_size > 1:
+                device = self._start_ranks(topology, backend_cls.name, checkpoint, load_format, dummy_quantization,
+                                           dtype, model_type)
+            if isinstance(device, int):
+                device = Device(device)
+            self.backend = backend_cls() if device is None else backend_cls(device)
+            self.backend.eager_steps = eager_steps
+            if self.workers is not None:
+                self.communicator = self.backend.communicator(topology.master_addr, topology.master_port,
+                                                              COLLECTIVE_TIMEOUT_SECONDS, self.workers.check_running)
+            self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True,
+                                    communicator=self.communicator)
+            checkpoint.release_pages()
+            self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
+            self.engine = self._engine(kv_cache_dtype, kvcache_mem_gpu, kv_fraction, kvcache_mem_cpu, engine_options)
+        except BaseException:
+            self._stop(tell_the_ranks=False)
+            raise
+        self._ids = 0
+
+    def _start_ranks(self, topology: Topology, backend_name: str, checkpoint: Checkpoint, load_format: str,
+                     dummy_quantization: str | None, dtype: str | None, model_type: str | None) -> Device:
+        """Start node 0's ranks other than this one, each in a process of its own; this rank's device."""
+        if topology.node_rank != 0:
+            raise ValueError(f"the engine runs on node 0; node {topology.node_rank} only runs ranks "
+                             "(candelabra serve --node-rank N)")
+        source = dict(backend=backend_name, model=str(checkpoint.path), model_id=None, weight_file=None,
+                      revision=None, load_format=load_format, dummy_quantization=dummy_quantization, dtype=dtype,
+                      model_type=model_type, topology=topology)
+        self.workers = WorkerProcesses([WorkerSpec(**source, local=local)
+                                        for local in range(1, len(topology.device_ids))])
+        return topology.device(0)
+
+    def _engine(self, kv_cache_dtype: str | None, kvcache_mem_gpu: float | None, kv_fraction: float | None,
+                kvcache_mem_cpu: float, engine_options: dict) -> LLMEngine:
+        """The engine over a KV cache sized as the class says, and its model runner (rank 0's, which
+        hands every step to the other ranks, under tensor parallelism)."""
         kv_dtype = self.backend.check_kv_cache_dtype(kv_cache_dtype or self.model.dtype, self.model.dtype)
         config = EngineConfig(**self._engine_defaults(engine_options))
         block = one_block(self.model, config.block_size, kv_dtype)
@@ -86,34 +103,50 @@ class LLM:
         config.num_blocks = size.num_blocks
         config.num_host_blocks = blocks_in(kvcache_mem_cpu, block, "kvcache_mem_cpu") if kvcache_mem_cpu else 0
         if self.communicator is not None:
-            runner = ParallelModelRunner(self.model, self.communicator, config.num_blocks, config.block_size, kv_dtype,
-                                         find_dead_rank=self.workers.find_dead)
+            runner = self._parallel_runner = ParallelModelRunner(
+                self.model, self.communicator, config.num_blocks, config.block_size, kv_dtype,
+                find_dead_rank=self.workers.find_dead)
         else:
             runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_dtype)
-        self.engine = LLMEngine(runner, self.tokenizer, config)
+        engine = LLMEngine(runner, self.tokenizer, config)
         self.kv_cache_chosen_by = size.chosen_by
         capacity = config.num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens) in %s on %s, sized by %s; %d host blocks",
                  config.num_blocks, config.block_size, capacity, kv_dtype, self.backend.name, size.chosen_by,
                  config.num_host_blocks)
-        if capacity < self.engine.max_model_len:
+        if capacity < engine.max_model_len:
             log.warning("the KV cache holds %d tokens, fewer than the context of %d: longer requests are refused; "
                         "give it more memory (kvcache_mem_gpu or kv_fraction; --kvcache-mem-gpu, --kv-fraction)",
-                        capacity, self.engine.max_model_len)
-        self._ids = 0
+                        capacity, engine.max_model_len)
+        return engine
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (they are told to exit, then waited for). The
-        engine cannot step afterwards. Safe to call more than once."""
-        if self.workers is None:
-            return
+        """Stop the tensor-parallel ranks, if any (they are told to exit, then waited for), and give
+        the thread that built the LLM back what its backend changed there (a CPU rank 0's share of
+        the cores). The engine cannot step afterwards. Safe to call more than once."""
+        self._stop(tell_the_ranks=True)
+
+    def _stop(self, tell_the_ranks: bool) -> None:
+        """Leave the group, having told the other ranks to stop (or not, where the constructor failed:
+        this node's are then ended at once), and restore the backend's thread settings."""
         workers, self.workers = self.workers, None
         try:
-            self.engine.runner.stop()
+            if workers is not None:
+                self._leave_the_group(workers, tell_the_ranks)
+        finally:
+            if self.backend is not None:
+                self.backend.restore_thread_settings()
+
+    def _leave_the_group(self, workers: WorkerProcesses, tell_the_ranks: bool) -> None:
+        try:
+            if tell_the_ranks and self._parallel_runner is not None:
+                self._parallel_runner.stop()  # tells the others, then leaves
+            elif self.communicator is not None:
+                self.communicator.close()
         except Exception as exc:  # noqa: BLE001 - ranks that cannot be told are ended below
             log.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
         finally:
-            workers.stop()
+            workers.stop(grace=10.0 if tell_the_ranks else 0.0)
 
     def __enter__(self) -> LLM:
         return self

@@ -1,10 +1,19 @@
+<<<<<<< HEAD
 """What many test modules share that is not a fixture: where the cuda kernels run, running the real
 command, probing a backend without a library, guards against hangs and runaway allocations, resident
 memory from /proc/self/smaps, and installed distributions made on the fly."""
+=======
+"""What many test modules share that is not a fixture: running the real command, probing a backend
+without a library, guards against hangs and runaway allocations, resident memory from
+/proc/self/smaps, installed distributions made on the fly, a free port, and two tensor-parallel
+ranks as threads of one process."""
+>>>>>>> 469efae (Tensor parallelism on a CPU: closing gives back what rank 0 took, every rank gives idle memory back, and a rank that dies while the ranks join fails the start at once (issue 26's loose ends))
 
 import contextlib
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+<<<<<<< HEAD
 from candelabra.backends.cuda.availability import INTERPRETER_VARIABLE, cuda_missing, interpreting
+=======
+from candelabra.core.contract.communicator import Communicator
+>>>>>>> 469efae (Tensor parallelism on a CPU: closing gives back what rank 0 took, every rank gives idle memory back, and a rank that dies while the ranks join fails the start at once (issue 26's loose ends))
 from candelabra.plugins import installed_plugins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,3 +194,29 @@ def one_line_checkpoint_error(call, *expected: str) -> str:
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
     return message
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (ranks meet there)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+class BroadcastOnlyRank(Communicator):
+    """Rank `rank` of two ranks that are threads of this process, joined by `line` (a queue.Queue):
+    rank 0's broadcasts reach rank 1, which is how rank 0 hands the others its orders; a step's
+    collectives need the ranks in processes of their own, and are not offered."""
+
+    def __init__(self, rank: int, line: queue.Queue) -> None:
+        self.rank, self.world_size, self._line = rank, 2, line
+
+    def broadcast_object(self, obj, src=0):
+        if src != 0:
+            raise NotImplementedError("only rank 0 broadcasts here")
+        if self.rank == 0:
+            self._line.put(obj)
+            return obj
+        return self._line.get(timeout=30)
+
+    def close(self) -> None:
+        pass

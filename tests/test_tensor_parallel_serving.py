@@ -13,6 +13,7 @@ import pytest
 from candelabra.core.worker.rank_process import WorkerSpec
 from candelabra.core.worker.topology import Topology
 from live_server import LiveServer, write_chat_checkpoint
+from support import free_port
 
 PROMPT = "w10 w11 w12 w13 w14 w15"
 
@@ -90,7 +91,7 @@ def test_a_rank_that_dies_fails_the_requests_in_flight_and_stops_the_server(chec
 
 
 def test_one_machine_as_two_nodes_over_loopback(checkpoint, tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     nodes = ("--num-nodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
     second = subprocess.Popen([sys.executable, "-m", "candelabra.core.cli", "serve",
                                *serve_args(checkpoint, *nodes, "--node-rank", "1", "--device-ids", "1")],
@@ -108,13 +109,6 @@ def test_one_machine_as_two_nodes_over_loopback(checkpoint, tmp_path):
     finally:
         if second.poll() is None:
             second.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 def test_the_parallel_conformance_level_is_green_on_torch_and_skipped_without_a_communicator(tmp_path):

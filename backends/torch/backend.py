@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -100,6 +101,9 @@ class TorchBackend(Backend):
 
     def release_cached_memory(self) -> None:
         self.placement.release_cached_memory()
+
+    def restore_thread_settings(self) -> None:
+        self.placement.restore_thread_settings()
 
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
@@ -197,13 +201,15 @@ class TorchBackend(Backend):
 
     # communication
 
-    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0):
+    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0,
+                     while_waiting: Callable[[], None] | None = None):
         """torch.distributed's default process group over `distributed_backend` (Gloo where the tensors
         are in host RAM), joined over TCP."""
         from candelabra.backends.torch.communicator import TorchDistributedCommunicator
 
         return TorchDistributedCommunicator(self.placement.distributed_library, master_addr, master_port,
-                                            self.device.rank, self.device.world_size, timeout_s, self.torch_device)
+                                            self.device.rank, self.device.world_size, timeout_s, self.torch_device,
+                                            while_waiting)
 
     # KV cache
 

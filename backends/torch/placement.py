@@ -8,6 +8,9 @@ the tensors."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -39,12 +42,14 @@ class HostPlacement:
 
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device
+        self._before: _ThreadSettings | None = None
 
     def configure(self, device: Device, default_dtype: str) -> None:
         """Use every core this process may run on (its share of them, as one of several ranks), keep
         freed memory for reuse, and say which dtype is the default and why."""
         from candelabra.backends.torch.packed_int8 import limit_primitive_cache
 
+        self._before = _ThreadSettings.of_this_thread()
         if device.world_size > 1:
             take_share_of_cores(device.index, device.world_size)
         cores = usable_cores()
@@ -57,6 +62,11 @@ class HostPlacement:
 
     def release_cached_memory(self) -> None:
         give_freed_memory_back()
+
+    def restore_thread_settings(self) -> None:
+        before, self._before = self._before, None
+        if before is not None:
+            before.restore()
 
     def free_memory(self) -> int:
         return int(psutil.virtual_memory().available)
@@ -83,6 +93,30 @@ class HostPlacement:
         return keep_quantized(weight, torch_dtype(dtype), kernel_chooser(dtype))
 
 
+@dataclass(frozen=True)
+class _ThreadSettings:
+    """A thread's cores (None where the OS has no affinity) and torch thread count, to put back."""
+
+    thread: threading.Thread
+    cores: frozenset[int] | None
+    torch_threads: int
+
+    @classmethod
+    def of_this_thread(cls) -> _ThreadSettings:
+        cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(threading.current_thread(), cores, torch.get_num_threads())
+
+    def restore(self) -> None:
+        """The cores from any thread, while that thread runs; the thread count only on it, whose
+        count it is (a server's engine thread has ended before the server closes its model)."""
+        if not self.thread.is_alive():
+            return
+        if self.cores is not None:
+            os.sched_setaffinity(self.thread.native_id, self.cores)
+        if self.thread is threading.current_thread():
+            torch.set_num_threads(self.torch_threads)
+
+
 class DevicePlacement:
     """Tensors in a device's own memory, the host reached by copies."""
 
@@ -98,6 +132,9 @@ class DevicePlacement:
         pass  # a device backend configures its own device
 
     def release_cached_memory(self) -> None:
+        pass
+
+    def restore_thread_settings(self) -> None:
         pass
 
     def free_memory(self) -> int:

@@ -21,6 +21,7 @@ Every call that changes a cache or swap space returns it, so a backend with immu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -216,6 +217,12 @@ class Backend(ABC):
         that the memory its busiest steps needed is not held while nothing runs. The default
         does nothing."""
 
+    def restore_thread_settings(self) -> None:
+        """(optional) Undo what the constructor changed on the thread that built this backend (a CPU
+        backend's share of the cores, as one of several ranks, and its thread count), once the model
+        it serves is closed: that thread goes on as it was before. Safe to call more than once. The
+        default changes nothing, so has nothing to undo."""
+
     def kernel_record(self) -> dict[str, str]:
         """For a backend that replaces some ops with vendor kernels (an override table): which ran
         since the last call, as op name -> "override", "fell back" (the backend's base op ran, the
@@ -296,11 +303,14 @@ class Backend(ABC):
 
     # communication
 
-    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0) -> Communicator:
+    def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0,
+                     while_waiting: Callable[[], None] | None = None) -> Communicator:
         """Join the group of `self.device.world_size` processes (one per device, tensor parallelism) as
         rank `self.device.rank`, meeting at `master_addr`:`master_port`, where rank 0 listens. Blocks
         until every rank has joined; fails when that, or any later collective call, takes longer than
-        `timeout_s` seconds. Call it once per process."""
+        `timeout_s` seconds. While it waits for the others it calls `while_waiting` (if given) every
+        fraction of a second, and what that raises ends the wait (rank 0 checks that the rank
+        processes it started are still running). Call it once per process."""
         raise NotImplementedError(f"backend {self.name!r} offers no communicator, which tensor parallelism needs "
                                   "(several devices serving one model); serve on one device, or implement "
                                   "Backend.communicator on an existing distributed engine such as torch.distributed")

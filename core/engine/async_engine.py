@@ -28,8 +28,9 @@ from candelabra.core.worker.failure import EngineFailure
 log = logging.getLogger("candelabra")
 Result = TypeVar("Result")
 
-# An engine idle this long gives its backend's cached memory back (Backend.release_cached_memory):
-# long enough that back-to-back requests keep it, short enough to follow the end of a burst.
+# An engine idle this long gives its backend's cached memory back (Backend.release_cached_memory), on
+# every tensor-parallel rank: long enough that back-to-back requests keep it, short enough to follow
+# the end of a burst.
 RELEASE_AFTER_IDLE_SECONDS = 2.0
 
 
@@ -219,11 +220,15 @@ class AsyncEngine:
 
     def _wait_for_work(self) -> None:
         """Sleep until a command arrives; after RELEASE_AFTER_IDLE_SECONDS without one, first tell
-        the backend to give back the memory it keeps for its steps."""
+        the backend (every rank's) to give back the memory it keeps for its steps."""
         if self._stepped_since_release and not self._work.wait(RELEASE_AFTER_IDLE_SECONDS):
             self._stepped_since_release = False
             try:
-                self.llm_engine.backend.release_cached_memory()
+                self.core.runner.release_cached_memory()
+            except EngineFailure as exc:  # the other ranks could not be told
+                log.error("the engine cannot go on: %s", exc)
+                self._stop_failed(str(exc))
+                return
             except Exception:  # noqa: BLE001 - memory kept is no reason to stop serving
                 log.exception("the backend could not release its cached memory")
         self._work.wait()

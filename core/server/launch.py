@@ -218,7 +218,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
     print(f"node {topology.node_rank}: ranks {first} to {first + len(topology.device_ids) - 1} of "
           f"{topology.world_size}, meeting at {topology.master_addr}:{topology.master_port}", flush=True)
     try:
-        run_worker(WorkerSpec(**source, local=0))
+        run_worker(WorkerSpec(**source, local=0), while_waiting=others.check_running)
     except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback
         print(f"error: rank {first}: {exc}", file=sys.stderr)
         return 1

@@ -55,6 +55,10 @@ class ModelRunner:
         """Let the executor capture or compile its steps, for batches of up to `max_num_seqs`."""
         self.executor.warm_up(self.caches, max_num_seqs)
 
+    def release_cached_memory(self) -> None:
+        """Give back what the backend keeps for its steps' reuse (the engine is idle)."""
+        self.backend.release_cached_memory()
+
     def allocate_swap_space(self, num_host_blocks: int) -> None:
         """Host memory for `num_host_blocks` blocks of every layer, where preempted sequences wait."""
         self.swap_space = self.backend.allocate_swap_space(replace(self.kv_spec, num_blocks=num_host_blocks))

@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: its model runner hands every step, and the few other calls
-every rank must make together (the KV cache's size, warm-up, swap space, stopping), to the other
-ranks through the backend's communicator before running it itself. The other ranks' side is
-`rank_process`; starting and watching them is `worker_processes`.
+every rank must make together (the KV cache's size, warm-up, swap space, giving cached memory back
+when idle, stopping), to the other ranks through the backend's communicator before running it
+itself. The other ranks' side is `rank_process`; starting and watching them is `worker_processes`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class ParallelModelRunner(ModelRunner):
     def allocate_swap_space(self, num_host_blocks: int) -> None:
         self._tell("swap_space", num_host_blocks)
         super().allocate_swap_space(num_host_blocks)
+
+    def release_cached_memory(self) -> None:
+        self._tell("release_cached_memory", None)
+        super().release_cached_memory()
 
     def run(self, order: StepOrder):
         self._tell("step", order)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from candelabra.core.contract.dtypes import DType
@@ -63,21 +64,25 @@ def serve_orders(model, communicator) -> None:
             runner.warm_up(value)
         elif order == "swap_space":
             runner.allocate_swap_space(value)
+        elif order == "release_cached_memory":
+            model.backend.release_cached_memory()
         elif order == "step":
             runner.run(value)
         else:
             raise ParallelFailure(f"rank 0 sent an order this rank does not know: {order!r}")
 
 
-def run_worker(spec: WorkerSpec) -> None:
-    """The life of a rank other than 0: join the group, load this rank's shard, serve the orders."""
+def run_worker(spec: WorkerSpec, while_waiting: Callable[[], None] | None = None) -> None:
+    """The life of a rank other than 0: join the group (calling `while_waiting` while the others have
+    not all come, as `Backend.communicator` does), load this rank's shard, serve the orders."""
     from candelabra.core.loading.model import load_model
     from candelabra.core.loading.open import open_model
     from candelabra.plugins import choose_backend
 
     topology = spec.topology
     backend = choose_backend(spec.backend)(topology.device(spec.local))
-    communicator = backend.communicator(topology.master_addr, topology.master_port, COLLECTIVE_TIMEOUT_SECONDS)
+    communicator = backend.communicator(topology.master_addr, topology.master_port, COLLECTIVE_TIMEOUT_SECONDS,
+                                        while_waiting)
     try:
         checkpoint = open_model(spec.model, spec.model_id, spec.weight_file, spec.revision, spec.load_format,
                                 spec.dummy_quantization)
