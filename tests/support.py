@@ -1,13 +1,7 @@
-<<<<<<< HEAD
 """What many test modules share that is not a fixture: where the cuda kernels run, running the real
 command, probing a backend without a library, guards against hangs and runaway allocations, resident
-memory from /proc/self/smaps, and installed distributions made on the fly."""
-=======
-"""What many test modules share that is not a fixture: running the real command, probing a backend
-without a library, guards against hangs and runaway allocations, resident memory from
-/proc/self/smaps, installed distributions made on the fly, a free port, and two tensor-parallel
-ranks as threads of one process."""
->>>>>>> 469efae (Tensor parallelism on a CPU: closing gives back what rank 0 took, every rank gives idle memory back, and a rank that dies while the ranks join fails the start at once (issue 26's loose ends))
+memory from /proc/self/smaps, installed distributions made on the fly, a free port, and two
+tensor-parallel ranks as threads of one process."""
 
 import contextlib
 import os
@@ -23,11 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-<<<<<<< HEAD
 from candelabra.backends.cuda.availability import INTERPRETER_VARIABLE, cuda_missing, interpreting
-=======
 from candelabra.core.contract.communicator import Communicator
->>>>>>> 469efae (Tensor parallelism on a CPU: closing gives back what rank 0 took, every rank gives idle memory back, and a rank that dies while the ranks join fails the start at once (issue 26's loose ends))
 from candelabra.plugins import installed_plugins
 
 REPO = Path(__file__).resolve().parent.parent
