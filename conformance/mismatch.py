@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from candelabra.conformance.compare import nmse, round_to
+from candelabra.conformance.compare import LOW_PRECISION, ROUNDING_FLIP_SHARE, nmse, round_to, ulps_apart
 
 # Lower-precision dtypes whose rounding error a failure is compared with, per the case's dtype.
 _LOWER_DTYPES = {"float32": ("float16", "bfloat16"), "float16": ("bfloat16",), "bfloat16": ()}
@@ -33,12 +33,20 @@ def describe_mismatch(output: np.ndarray, reference: np.ndarray, error: float, l
         kinds = " and ".join(part for part in (f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else "") if part)
         first = tuple(int(i) for i in np.argwhere(unexpected)[0])
         return (f"{kinds} of {reference.size} values where the reference is finite (the first at index {first}): "
-                "an overflow, a division by zero, or memory the op read before anything wrote it")
+                "an overflow, a division by zero, or an element never written (each op first runs once on NaN "
+                "inputs, so memory it leaves unwritten holds NaN) or read before it was")
     missing = np.isfinite(output) & ~np.isfinite(reference)
     if missing.any():
         return (f"{int(np.count_nonzero(missing))} values finite where the reference is infinite "
                 "(a mask, such as -inf for a forbidden token, not applied)")
     message = f"NMSE {error:.3g} > {limit:.0e}"
+    if dtype in LOW_PRECISION:
+        finite = np.isfinite(reference)
+        share = float(np.mean(ulps_apart(output[finite], reference[finite], dtype) == 1)) if finite.any() else 0.0
+        if share > ROUNDING_FLIP_SHARE:
+            return (f"{message}; {share:.0%} of the elements are one unit in the last place off the exact result "
+                    f"rounded once, more than one rounding leaves: is the result rounded twice, or an intermediate "
+                    f"kept in {dtype} instead of float32?")
     rounding = {lower: nmse(round_to(reference, lower), reference) for lower in _LOWER_DTYPES.get(dtype, ())}
     if rounding:
         sizes = ", ".join(f"{lower} {value:.2g}" for lower, value in rounding.items())

@@ -115,3 +115,14 @@ def test_empty_top_tensors_of_the_wrong_shape_are_named_by_their_shape():
 def test_an_overflowing_softmax_is_named_as_non_finite_values():
     messages = failures_of(broken_backends.UnshiftedSoftmax(), "softmax")
     assert messages and all("NaN" in m and "overflow" in m for m in messages)
+
+
+def test_an_output_row_left_unwritten_is_named_as_never_written():
+    messages = failures_of(broken_backends.UnwrittenOutputRow(), "silu_and_mul")
+    assert messages and all("never written" in m for m in messages)
+
+
+@pytest.mark.parametrize("backend, op", [("LowPrecisionRmsNorm", "rms_norm"), ("DoubleRoundedSilu", "silu_and_mul")])
+def test_low_precision_arithmetic_is_named_as_a_second_rounding_or_a_low_precision_intermediate(backend, op):
+    messages = failures_of(getattr(broken_backends, backend)(), op, dtype="bfloat16")
+    assert messages and all("rounded twice, or an intermediate kept in bfloat16" in m for m in messages)
