@@ -134,16 +134,18 @@ class Harness:
 
     def close(self, name: str, output: Any, reference: np.ndarray, threshold: float | None = None) -> None:
         """Require NMSE(output, reference) <= the op's threshold at this dtype (or `threshold`). A
-        backend tensor is compared with the reference rounded once to its dtype, which is the exact
+        backend tensor (a numpy array of float16 or bfloat16 too, as a numpy-based backend's are) is
+        compared with the reference rounded once to its dtype, which is the exact
         result a low-precision op can give: what remains is the backend's own arithmetic. At float16
         and bfloat16 an output that is that result but for a few one-ulp rounding flips passes too
         (`nmse_beside_rounding_flips`)."""
-        dtype = None
-        if not isinstance(output, np.ndarray):
+        if isinstance(output, np.ndarray):  # a numpy backend's tensor, or a host copy the check made
+            dtype = str(output.dtype) if str(output.dtype) in LOW_PRECISION else None
+        else:
             dtype = self._float_dtype(output)
             output = self.host(output)
-            if dtype is not None:
-                reference = np.where(np.isfinite(reference), round_to(reference, dtype), reference)
+        if dtype is not None:
+            reference = np.where(np.isfinite(reference), round_to(reference, dtype), reference)
         error = nmse(output, reference)
         self.worst_nmse = error if self.worst_nmse is None else max(self.worst_nmse, error)
         limit = self.threshold if threshold is None else threshold

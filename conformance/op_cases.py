@@ -386,6 +386,28 @@ def check_token_logprobs(h: Harness, rows: int, vocab: int, num_top: int, tied: 
         h.close("logprobs of top token ids", picked, ref["top_logprobs"])
 
 
+def check_memory(h: Harness, shape: tuple) -> None:
+    """to_device, to_host, dtype_of and zeros: values round trip at the case's dtype, float64 arrays
+    are rounded to it, integer arrays stay integers."""
+    values = h.rand(*shape)
+    tensor = h.backend.to_device(values, h.dtype)
+    h.require("dtype_of(to_device(array, dtype))", h.backend.dtype_of(tensor) == h.dtype, h.backend.dtype_of(tensor))
+    back = h.backend.to_host(tensor)
+    h.require("to_host gives a numpy array", isinstance(back, np.ndarray), type(back).__name__)
+    h.equal("to_host(to_device(array, dtype))", np.asarray(back, dtype=np.float32), values)
+    wide = h.rng.standard_normal(shape)
+    h.equal("to_device(float64 array, dtype)", np.asarray(h.backend.to_host(h.backend.to_device(wide, h.dtype)),
+                                                         dtype=np.float32), round_to(wide, h.dtype))
+    integers = h.rng.integers(-(2**20), 2**20, shape).astype(np.int32)
+    held = h.backend.to_device(integers)
+    h.require("dtype_of(to_device(int32 array))", h.backend.dtype_of(held) in ("int32", "int64"),
+              h.backend.dtype_of(held))
+    h.equal("to_host(to_device(int32 array))", np.asarray(h.backend.to_host(held)).astype(np.int32), integers)
+    zeros = h.backend.zeros(shape, h.dtype)
+    h.require("dtype_of(zeros(shape, dtype))", h.backend.dtype_of(zeros) == h.dtype, h.backend.dtype_of(zeros))
+    h.equal("zeros(shape, dtype)", np.asarray(h.backend.to_host(zeros), dtype=np.float32), np.zeros(shape, np.float32))
+
+
 def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int) -> None:
     spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype)
     caches = h.backend.allocate_kv_cache(spec)
@@ -585,6 +607,7 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[1, 9], vocab=[1000], num_top=[0, 5]),
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[4], vocab=[151936], num_top=[20]),
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[7], vocab=[1000], num_top=[3], tied=[True]),
+        *_grid("memory", check_memory, dtypes, shape=[(3, 5, 7)]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),
         *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),
@@ -596,6 +619,7 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
 
 # The ops level's op names beyond the contract's ops, and the calls each checks.
 CONTRACT_CALL_CASES = {
+    "memory": "Backend.to_device, to_host, dtype_of and zeros: values and dtypes round trip",
     "allocate_kv_cache": "Backend.allocate_kv_cache: one KVCache per layer, of the spec's shape and dtype",
     "copy_blocks": "Backend.copy_blocks: whole blocks within the device cache",
     "swap_out": "Backend.allocate_swap_space and swap_out: device blocks to the host swap space",

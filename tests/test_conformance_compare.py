@@ -61,3 +61,18 @@ def test_a_few_one_ulp_rounding_flips_are_forgiven_and_more_are_not(dtype):
     two_ulps[few[0]] = _one_ulp_larger(neighbour[few[:1]], dtype)[0]
     assert nmse_beside_rounding_flips(two_ulps, reference, dtype) == nmse(two_ulps, reference) > 0
     assert nmse_beside_rounding_flips(reference[:-1], reference, dtype) == math.inf
+
+
+def test_a_numpy_backends_float16_output_is_judged_against_the_result_rounded_once_to_float16():
+    """A backend whose tensors are numpy arrays hands the harness float16 arrays: the exact result
+    rounded once must pass, and one rounded twice must not."""
+    from candelabra.backends.cpu import CpuBackend
+    from candelabra.conformance.harness import Harness
+
+    exact = np.random.default_rng(3).standard_normal((16, 64)) * 3
+    once = Harness(CpuBackend(), "float16", seed=1, op="rms_norm")
+    once.close("out", exact.astype(np.float16), exact)
+    assert once.failures == []
+    twice = Harness(CpuBackend(), "float16", seed=1, op="rms_norm")
+    twice.close("out", round_to(round_to(exact, "bfloat16"), "float16").astype(np.float16), exact)
+    assert twice.failures

@@ -69,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--backend", default="auto",
-                        help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), or auto, "
-                             "the best available here (default: auto)")
+                        help="an installed backend (see `candelabra backends`: cpu, metal, a plugin's name), a backend "
+                             "class not installed yet as package.module:Class, or auto, the best available here "
+                             "(default: auto)")
     engine.add_argument("--device-ids", "--d",
                         help="the devices to run on, by index: one (default 0), or several, comma-separated, for "
                              "tensor parallelism, one process each (on a CPU with torch, ranks sharing the cores)")
