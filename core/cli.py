@@ -16,8 +16,8 @@ COMMANDS = {
                  "list installed backends, whether they can run here and why not"),
     "conformance": ("candelabra.core.commands.conformance", "run the shared conformance suite on a backend"),
     "new-backend": ("candelabra.core.commands.new_backend",
-                    "write a pip-installable backend package for a PyTorch device extension, which passes "
-                    "conformance on the CPU stand-in as written"),
+                    "write a pip-installable backend package, for a PyTorch device extension or for a device "
+                    "whose runtime hands out arrays of its own, which passes conformance as written"),
     "serve": ("candelabra.core.server.launch",
               "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)"),
     "chat": ("candelabra.core.clients.chat", "chat in the terminal with a running server"),

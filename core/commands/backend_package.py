@@ -1,6 +1,13 @@
-"""`candelabra new-backend`: writes a pip-installable package with a backend for a PyTorch device
-extension, built on `candelabra.backends.torch.accelerator.AcceleratorBackend`, that passes
-conformance on the CPU stand-in as written. The file texts are in `backend_package_templates`.
+"""`candelabra new-backend`: writes a pip-installable backend package of one of two kinds, which passes
+conformance as written:
+
+- `TorchDeviceSpec`: for a PyTorch device extension, built on
+  `candelabra.backends.torch.accelerator.AcceleratorBackend`, run on the CPU stand-in;
+- `ArrayLibrarySpec`: for a device whose runtime hands out arrays of its own, the whole contract written
+  on an array library's arrays (numpy: the host plays the device), each op running the numpy reference
+  until the vendor gives it a kernel.
+
+The file texts are in `backend_package_templates` and `array_backend_templates`.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
+from typing import ClassVar
 
-from candelabra.core.commands import backend_package_templates
+from candelabra.core.commands import array_backend_templates, backend_package_templates
 from candelabra.plugins import installed_plugins
 
 _LOWERCASE_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+# The array libraries an --array-library package can be written on.
+ARRAY_LIBRARIES = ("numpy",)
 
 
 class NewBackendError(ValueError):
@@ -26,24 +37,12 @@ class NewBackendError(ValueError):
 
 
 @dataclass(frozen=True)
-class BackendSpec:
-    """What the scaffolded backend class declares (AcceleratorBackend's attributes of the same names)."""
+class PackageSpec:
+    """What both kinds of package share: the backend's name and the names made from it. Each kind adds
+    its own fields and the `templates` of its files."""
 
     name: str
-    device_type: str
-    extension: str
-    visible_devices_variable: str
-    distributed_backend: str = "gloo"
-
-    @classmethod
-    def with_defaults(cls, name: str, device_type: str, extension: str | None = None,
-                      visible_devices_variable: str | None = None, distributed_backend: str | None = None
-                      ) -> BackendSpec:
-        """The spec with each option not given derived from `device_type`: extension "torch_TYPE",
-        variable "TYPE_VISIBLE_DEVICES" (upper case), collective library "gloo"."""
-        return cls(name, device_type, extension or f"torch_{device_type}",
-                   visible_devices_variable or f"{device_type.upper()}_VISIBLE_DEVICES",
-                   distributed_backend or "gloo")
+    templates: ClassVar[dict[str, str]] = {}
 
     @property
     def distribution(self) -> str:
@@ -54,16 +53,99 @@ class BackendSpec:
         return f"candelabra_{self.name}"
 
     @property
+    def class_prefix(self) -> str:
+        return "".join(part.capitalize() for part in self.name.split("_"))
+
+    @property
     def class_name(self) -> str:
-        return "".join(part.capitalize() for part in self.name.split("_")) + "Backend"
+        return self.class_prefix + "Backend"
+
+    def check(self) -> None:
+        """Raises NewBackendError saying what is allowed where a field would not make a working package."""
+        if not _LOWERCASE_IDENTIFIER.fullmatch(self.name):
+            raise NewBackendError(f"backend name {self.name!r} is not a lowercase Python identifier: use a "
+                                  f"lowercase letter, then lowercase letters, digits or underscores (e.g. acme, "
+                                  f"my_npu); it names the package candelabra_NAME")
+
+    def template_values(self) -> dict[str, str]:
+        return {"name": self.name, "distribution": self.distribution, "package": self.package,
+                "class_name": self.class_name, "candelabra_requirement": _candelabra_requirement()}
 
 
-def write_package(spec: BackendSpec, parent: str | Path = ".") -> Path:
+@dataclass(frozen=True)
+class TorchDeviceSpec(PackageSpec):
+    """A backend for a PyTorch device extension: what the scaffolded class declares (AcceleratorBackend's
+    attributes of the same names)."""
+
+    device_type: str
+    extension: str
+    visible_devices_variable: str
+    distributed_backend: str = "gloo"
+    templates: ClassVar[dict[str, str]] = backend_package_templates.FILES
+
+    @classmethod
+    def with_defaults(cls, name: str, device_type: str, extension: str | None = None,
+                      visible_devices_variable: str | None = None, distributed_backend: str | None = None
+                      ) -> TorchDeviceSpec:
+        """The spec with each option not given derived from `device_type`: extension "torch_TYPE",
+        variable "TYPE_VISIBLE_DEVICES" (upper case), collective library "gloo"."""
+        return cls(name, device_type, extension or f"torch_{device_type}",
+                   visible_devices_variable or f"{device_type.upper()}_VISIBLE_DEVICES",
+                   distributed_backend or "gloo")
+
+    def check(self) -> None:
+        super().check()
+        if not _IDENTIFIER.fullmatch(self.device_type):
+            raise NewBackendError(f"--torch-device {self.device_type!r} is not an identifier: give the device type "
+                                  f"the extension registers with torch, as in torch.device('npu:0') (letters, "
+                                  f"digits, underscores, not starting with a digit)")
+        if not _MODULE_PATH.fullmatch(self.extension):
+            raise NewBackendError(f"--extension {self.extension!r} is not a module name: give what `import` takes, "
+                                  f"e.g. torch_npu or vendor.torch_ext")
+        if not _IDENTIFIER.fullmatch(self.visible_devices_variable):
+            raise NewBackendError(f"--visible-devices-variable {self.visible_devices_variable!r} is not an "
+                                  f"environment variable name: letters, digits and underscores, not starting "
+                                  f"with a digit")
+        if not _IDENTIFIER.fullmatch(self.distributed_backend):
+            raise NewBackendError(f"--distributed-backend {self.distributed_backend!r} is not a torch.distributed "
+                                  f"backend name such as gloo, hccl or xccl")
+
+    def template_values(self) -> dict[str, str]:
+        return {**super().template_values(), "device_type": self.device_type, "extension": self.extension,
+                "visible_devices_variable": self.visible_devices_variable,
+                "distributed_backend": self.distributed_backend}
+
+
+@dataclass(frozen=True)
+class ArrayLibrarySpec(PackageSpec):
+    """A backend for a device whose runtime hands out arrays of its own, written on `array_library`'s
+    arrays: host numpy arrays in through `to_device`, out through `to_host`, the library's in between."""
+
+    array_library: str = "numpy"
+    templates: ClassVar[dict[str, str]] = array_backend_templates.FILES
+
+    @property
+    def ops_class_name(self) -> str:
+        return self.class_prefix + "Ops"
+
+    def check(self) -> None:
+        super().check()
+        if self.array_library not in ARRAY_LIBRARIES:
+            raise NewBackendError(f"--array-library {self.array_library!r} is not one the scaffold is written "
+                                  f"on; it offers {', '.join(ARRAY_LIBRARIES)} (the host standing in for the "
+                                  f"device, whose calls you then replace with your runtime's)")
+
+    def template_values(self) -> dict[str, str]:
+        return {**super().template_values(), "ops_class_name": self.ops_class_name,
+                "array_library": self.array_library}
+
+
+def write_package(spec: PackageSpec, parent: str | Path = ".") -> Path:
     """Writes the package folder `parent`/candelabra-NAME and returns its path. Raises NewBackendError,
-    having written nothing, for a spec `check_spec` refuses, a name an installed plugin has, a `parent`
+    having written nothing, for a spec its `check` refuses, a name an installed plugin has, a `parent`
     that is not a folder, or a target that exists and is not an empty folder. The files are written into
     a hidden sibling folder first and renamed into place, so a write that fails half-way leaves nothing."""
-    check_spec(spec)
+    spec.check()
     parent = Path(parent)
     target = parent / spec.distribution
     _check_target(parent, target)
@@ -87,27 +169,6 @@ def write_package(spec: BackendSpec, parent: str | Path = ".") -> Path:
     return target
 
 
-def check_spec(spec: BackendSpec) -> None:
-    """Raises NewBackendError saying what is allowed where a field would not make a working package."""
-    if not _LOWERCASE_IDENTIFIER.fullmatch(spec.name):
-        raise NewBackendError(f"backend name {spec.name!r} is not a lowercase Python identifier: use a lowercase "
-                              f"letter, then lowercase letters, digits or underscores (e.g. acme, my_npu); it "
-                              f"names the package candelabra_NAME")
-    if not _IDENTIFIER.fullmatch(spec.device_type):
-        raise NewBackendError(f"--torch-device {spec.device_type!r} is not an identifier: give the device type the "
-                              f"extension registers with torch, as in torch.device('npu:0') (letters, digits, "
-                              f"underscores, not starting with a digit)")
-    if not _MODULE_PATH.fullmatch(spec.extension):
-        raise NewBackendError(f"--extension {spec.extension!r} is not a module name: give what `import` takes, "
-                              f"e.g. torch_npu or vendor.torch_ext")
-    if not _IDENTIFIER.fullmatch(spec.visible_devices_variable):
-        raise NewBackendError(f"--visible-devices-variable {spec.visible_devices_variable!r} is not an environment "
-                              f"variable name: letters, digits and underscores, not starting with a digit")
-    if not _IDENTIFIER.fullmatch(spec.distributed_backend):
-        raise NewBackendError(f"--distributed-backend {spec.distributed_backend!r} is not a torch.distributed "
-                              f"backend name such as gloo, hccl or xccl")
-
-
 def check_name_free(name: str) -> None:
     """Raises NewBackendError if an installed backend is called `name`, or an installed plugin is (a
     second plugin of the same name would not load)."""
@@ -125,21 +186,11 @@ def check_name_free(name: str) -> None:
                                   f"another name")
 
 
-def render(spec: BackendSpec) -> dict[str, str]:
+def render(spec: PackageSpec) -> dict[str, str]:
     """The package's files, path relative to its folder -> text."""
-    values = {
-        "name": spec.name,
-        "distribution": spec.distribution,
-        "package": spec.package,
-        "class_name": spec.class_name,
-        "device_type": spec.device_type,
-        "extension": spec.extension,
-        "visible_devices_variable": spec.visible_devices_variable,
-        "distributed_backend": spec.distributed_backend,
-        "candelabra_requirement": _candelabra_requirement(),
-    }
+    values = spec.template_values()
     return {Template(path).substitute(values): Template(text).substitute(values)
-            for path, text in backend_package_templates.FILES.items()}
+            for path, text in spec.templates.items()}
 
 
 def _check_target(parent: Path, target: Path) -> None:
@@ -156,7 +207,7 @@ def _check_target(parent: Path, target: Path) -> None:
 
 
 def _candelabra_requirement() -> str:
-    """candelabra at least as new as this one, whose AcceleratorBackend the package is written against."""
+    """candelabra at least as new as this one, whose classes the package is written against."""
     try:
         return f"candelabra>={importlib.metadata.version('candelabra')}"
     except importlib.metadata.PackageNotFoundError:
