@@ -40,6 +40,10 @@ def describe_mismatch(output: np.ndarray, reference: np.ndarray, error: float, l
         return (f"{int(np.count_nonzero(missing))} values finite where the reference is infinite "
                 "(a mask, such as -inf for a forbidden token, not applied)")
     message = f"NMSE {error:.3g} > {limit:.0e}"
+    rows = _rows_holding_the_error(output, reference, limit)
+    if rows:
+        return (f"{message}, all of it in rows {_some(rows)} of {len(reference)} (the other rows are right): rows "
+                "not computed, or left unwritten and holding whatever the memory held")
     if dtype in LOW_PRECISION:
         finite = np.isfinite(reference)
         share = float(np.mean(ulps_apart(output[finite], reference[finite], dtype) == 1)) if finite.any() else 0.0
@@ -58,6 +62,20 @@ def describe_mismatch(output: np.ndarray, reference: np.ndarray, error: float, l
             message += (f": the size of {lower} arithmetic; is a step computed or accumulated in {lower} "
                         f"while the case's dtype is {dtype}?")
     return message
+
+
+def _rows_holding_the_error(output: np.ndarray, reference: np.ndarray, limit: float) -> list[int]:
+    """The rows (first axis) wrong beyond `limit` when they are fewer than half and every other row
+    meets it; else []."""
+    if output.ndim < 2 or len(output) < 2:
+        return []
+    flat_out = np.asarray(output, np.float64).reshape(len(output), -1)
+    flat_ref = np.asarray(reference, np.float64).reshape(len(reference), -1)
+    if not (np.isfinite(flat_out).all() and np.isfinite(flat_ref).all()):
+        return []
+    scale = np.maximum(np.sum(flat_ref**2, axis=1), np.finfo(np.float64).tiny)
+    wrong = np.flatnonzero(np.sum((flat_out - flat_ref) ** 2, axis=1) / scale > limit)
+    return [int(row) for row in wrong] if 0 < len(wrong) < len(output) / 2 else []
 
 
 def describe_cache_slots(output: np.ndarray, expected: np.ndarray, slots: np.ndarray, new_rows: np.ndarray,

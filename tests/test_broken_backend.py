@@ -118,8 +118,10 @@ def test_an_overflowing_softmax_is_named_as_non_finite_values():
 
 
 def test_an_output_row_left_unwritten_is_named_as_never_written():
+    """NaN when the poisoned run's memory comes back to the output, else whatever the memory held: either
+    way the message says the row was not written."""
     messages = failures_of(broken_backends.UnwrittenOutputRow(), "silu_and_mul")
-    assert messages and all("never written" in m for m in messages)
+    assert messages and all("never written" in m or "left unwritten" in m for m in messages)
 
 
 @pytest.mark.parametrize("backend, op", [("LowPrecisionRmsNorm", "rms_norm"), ("DoubleRoundedSilu", "silu_and_mul")])

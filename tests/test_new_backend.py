@@ -340,5 +340,5 @@ def test_a_scaffolded_array_backend_installs_serves_and_passes_conformance_with_
     for op in ops:
         assert summary[op]["passed"] == summary[op]["cases"], op
         assert summary[op]["kernels"] == {"fell back": summary[op]["cases"]}, f"{op} runs the reference on the host"
-    for call in ("allocate_kv_cache", "copy_blocks", "swap", "array_subset"):
+    for call in ("memory", "allocate_kv_cache", "copy_blocks", "swap_out", "swap_in", "array_subset"):
         assert summary[call]["passed"] == summary[call]["cases"] > 0 and summary[call]["kernels"] == {}, call
