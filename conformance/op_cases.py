@@ -386,6 +386,48 @@ def check_token_logprobs(h: Harness, rows: int, vocab: int, num_top: int, tied: 
         h.close("logprobs of top token ids", picked, ref["top_logprobs"])
 
 
+# route_experts' arguments as the families that use them set them (see `Ops.route_experts`).
+ROUTINGS = {
+    "softmax": {"scoring": "softmax"},  # Mixtral, Qwen3-MoE with norm_topk_prob
+    "softmax_scaled": {"scoring": "softmax", "renormalize": False, "scale": 2.5},
+    "deepseek_v2": {"scoring": "softmax", "renormalize": False, "scale": 16.0, "num_groups": 8, "top_groups": 3,
+                    "group_scoring": "max"},
+    "deepseek_v3": {"scoring": "sigmoid", "scale": 2.5, "num_groups": 8, "top_groups": 4,
+                    "group_scoring": "top2_sum", "correction_bias": True},
+}
+
+
+def check_route_experts(h: Harness, tokens: int, experts: int, top_k: int, routing: str) -> None:
+    """The ids are judged exactly: random logits make ties improbable, and a tie is broken the same
+    way everywhere (the lower id first)."""
+    arguments = dict(ROUTINGS[routing])
+    logits = h.rand(tokens, experts, scale=2.0)
+    bias = h.rng.standard_normal(experts).astype(np.float32) * 0.3 if arguments.pop("correction_bias", False) else None
+    weights, ids = h.call(h.backend.ops.route_experts, h.upload(logits), top_k, **arguments,
+                          correction_bias=None if bias is None else h.upload(bias, "float32"))
+    ref_weights, ref_ids = oracle.route_experts(logits, top_k, **arguments, correction_bias=bias)
+    h.require("weights dtype", h.backend.dtype_of(weights) == "float32", h.backend.dtype_of(weights))
+    h.require("expert ids dtype", h.backend.dtype_of(ids) == "int32", h.backend.dtype_of(ids))
+    h.equal("expert ids", h.host(ids).astype(np.int64), ref_ids)
+    h.close("weights", weights, ref_weights)
+
+
+def check_moe_experts(h: Harness, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int) -> None:
+    """A quarter of the experts are chosen by no token; with more tokens than that leaves room for,
+    others are chosen by several."""
+    x = h.rand(tokens, hidden)
+    gate_up = h.rand(experts, 2 * intermediate, hidden, scale=hidden**-0.5)
+    down = h.rand(experts, hidden, intermediate, scale=intermediate**-0.5)
+    available = h.rng.choice(experts, experts - experts // 4, replace=False)
+    ids = np.stack([h.rng.choice(available, top_k, replace=False) for _ in range(tokens)])
+    weights = h.rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    out = h.call(h.backend.ops.moe_experts, h.upload(x), h.upload(weights, "float32"), h.upload(ids),
+                 h.upload_weight("experts.gate_up_proj", WeightRole.EXPERTS, gate_up),
+                 h.upload_weight("experts.down_proj", WeightRole.EXPERTS, down))
+    h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
+    h.close("out", out, oracle.moe_experts(x, weights, ids, gate_up, down, lambda a: round_to(a, h.dtype)))
+
+
 def check_memory(h: Harness, shape: tuple) -> None:
     """to_device, to_host, dtype_of and zeros: values round trip at the case's dtype, float64 arrays
     are rounded to it, integer arrays stay integers."""
@@ -607,6 +649,16 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[1, 9], vocab=[1000], num_top=[0, 5]),
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[4], vocab=[151936], num_top=[20]),
         *_grid("token_logprobs", check_token_logprobs, dtypes, rows=[7], vocab=[1000], num_top=[3], tied=[True]),
+        *_grid("route_experts", check_route_experts, dtypes, tokens=[1, 33], experts=[8], top_k=[2],
+               routing=["softmax"]),
+        *_grid("route_experts", check_route_experts, dtypes, tokens=[5], experts=[64], top_k=[6],
+               routing=list(ROUTINGS)),
+        *_grid("route_experts", check_route_experts, dtypes, tokens=[33], experts=[64], top_k=[6],
+               routing=["deepseek_v3"]),
+        *_grid("moe_experts", check_moe_experts, dtypes, tokens=[1, 5, 33], hidden=[64], intermediate=[32],
+               experts=[8], top_k=[2]),
+        *_grid("moe_experts", check_moe_experts, dtypes, tokens=[1, 33], hidden=[256], intermediate=[128],
+               experts=[16], top_k=[4]),
         *_grid("memory", check_memory, dtypes, shape=[(3, 5, 7)]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),

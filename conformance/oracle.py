@@ -373,3 +373,49 @@ def token_logprobs(logits, token_ids, num_top: int):
         result["all_logprobs"].append(logprobs)
     return {name: np.array(values).reshape(len(logits), -1) if name.startswith("top") else np.array(values)
             for name, values in result.items()}
+
+
+def route_experts(router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                  top_groups=1, group_scoring="max", correction_bias=None):
+    """(weights [T, top_k], expert_ids [T, top_k]), one row at a time, ties to the lower id."""
+    logits = _f64(router_logits)
+    tokens, num_experts = logits.shape
+    group_size = num_experts // num_groups
+    weights, expert_ids = np.zeros((tokens, top_k)), np.zeros((tokens, top_k), dtype=np.int64)
+    for t in range(tokens):
+        if scoring == "softmax":
+            scores = softmax(logits[t])
+        elif scoring == "sigmoid":
+            scores = 1 / (1 + np.exp(-logits[t]))
+        else:
+            raise ValueError(f"unknown expert scoring {scoring!r}")
+        choice = scores + _f64(correction_bias) if correction_bias is not None else scores.copy()
+        if num_groups > 1:
+            group_scores = []
+            for g in range(num_groups):
+                members = sorted(choice[g * group_size:(g + 1) * group_size], reverse=True)
+                group_scores.append(members[0] if group_scoring == "max" else members[0] + members[1])
+            kept = sorted(range(num_groups), key=lambda g: (-group_scores[g], g))[:top_groups]
+            for g in range(num_groups):
+                if g not in kept:
+                    choice[g * group_size:(g + 1) * group_size] = -np.inf
+        chosen = sorted(range(num_experts), key=lambda e: (-choice[e], e))[:top_k]
+        picked = scores[chosen]
+        if renormalize:
+            picked = picked / (picked.sum() + 1e-20)
+        weights[t], expert_ids[t] = picked * scale, chosen
+    return weights, expert_ids
+
+
+def moe_experts(x, weights, expert_ids, gate_up, down, round_activation=lambda a: a):
+    """Each token's experts one by one; `round_activation` rounds each expert's activation to the
+    compute dtype before `down`, as the op says."""
+    x, gate_up, down = _f64(x), _f64(gate_up), _f64(down)
+    intermediate = down.shape[2]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, e in zip(_f64(weights[t]), np.asarray(expert_ids[t], dtype=np.int64)):
+            gate, up = gate_up[e, :intermediate] @ x[t], gate_up[e, intermediate:] @ x[t]
+            activation = _f64(round_activation(_silu(gate) * up))
+            out[t] += weight * (down[e] @ activation)
+    return out

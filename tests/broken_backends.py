@@ -188,6 +188,21 @@ class NanInOutput(_OneBrokenOp):
     ops_class = _NanInOutput
 
 
+class _GroupsScoredByMax(NumpyOps):
+    def route_experts(self, router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                      top_groups=1, group_scoring="max", correction_bias=None):
+        return super().route_experts(router_logits, top_k, scoring, renormalize, scale, num_groups, top_groups,
+                                     "max", correction_bias)
+
+
+class GroupsScoredByMax(_OneBrokenOp):
+    """Scores expert groups by their best expert even where the sum of the best two is asked
+    (DeepSeek-V3), so it keeps the wrong groups."""
+
+    name = "broken-expert-groups"
+    ops_class = _GroupsScoredByMax
+
+
 def _round_bfloat16(x):
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)

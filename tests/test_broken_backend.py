@@ -128,3 +128,9 @@ def test_an_output_row_left_unwritten_is_named_as_never_written():
 def test_low_precision_arithmetic_is_named_as_a_second_rounding_or_a_low_precision_intermediate(backend, op):
     messages = failures_of(getattr(broken_backends, backend)(), op, dtype="bfloat16")
     assert messages and all("rounded twice, or an intermediate kept in bfloat16" in m for m in messages)
+
+
+def test_expert_groups_scored_by_the_wrong_rule_fail_routing_by_their_expert_ids():
+    messages = failures_of(broken_backends.GroupsScoredByMax(), "route_experts")
+    assert messages and all(m.startswith("expert ids: not equal") for m in messages)
+    assert len(messages) < len([case for case in op_cases(("float32",)) if case.op == "route_experts"])

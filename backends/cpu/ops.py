@@ -7,7 +7,14 @@ import math
 import numpy as np
 
 from candelabra.backends.cpu import attention, sampling
-from candelabra.core.contract.ops import KVCache, Ops, SampleResult, TokenLogprobs
+from candelabra.core.contract.ops import (
+    KVCache,
+    Ops,
+    SampleResult,
+    TokenLogprobs,
+    check_experts_shapes,
+    check_routing,
+)
 
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2 / math.pi))
 
@@ -94,6 +101,50 @@ class NumpyOps(Ops):
 
     def token_logprobs(self, logits, token_ids, num_top: int) -> TokenLogprobs:
         return sampling.token_logprobs(logits, token_ids, num_top)
+
+    def route_experts(self, router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                      top_groups=1, group_scoring="max", correction_bias=None):
+        check_routing(router_logits.shape[-1], top_k, scoring, num_groups, top_groups, group_scoring)
+        logits = router_logits.astype(np.float32)
+        if scoring == "softmax":
+            scores = self.softmax(logits)
+        else:
+            with np.errstate(over="ignore"):
+                scores = 1 / (1 + np.exp(-logits))
+        choice = scores + correction_bias if correction_bias is not None else scores
+        if num_groups > 1:
+            choice = _keep_best_groups(choice, num_groups, top_groups, group_scoring)
+        expert_ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+        weights = np.take_along_axis(scores, expert_ids, axis=-1)
+        if renormalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+        return weights * np.float32(scale), expert_ids.astype(np.int32)
+
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        check_experts_shapes(x, weights, expert_ids, gate_up, down)
+        picked = expert_ids.reshape(-1)
+        token_of_pick = np.repeat(np.arange(x.shape[0]), expert_ids.shape[1])
+        pick_weights = weights.reshape(-1, 1).astype(np.float32)
+        out = np.zeros(x.shape, dtype=np.float32)
+        for expert in np.unique(picked):
+            picks = np.flatnonzero(picked == expert)
+            rows = token_of_pick[picks]
+            activation = self.silu_and_mul(self.linear(x[rows], gate_up[expert]))
+            np.add.at(out, rows, pick_weights[picks] * self.linear(activation, down[expert]))
+        return out.astype(x.dtype)
+
+
+def _keep_best_groups(choice: np.ndarray, num_groups: int, top_groups: int, group_scoring: str) -> np.ndarray:
+    """`choice` [T, E] with every expert outside its row's top_groups best groups at -inf."""
+    grouped = choice.reshape(choice.shape[0], num_groups, -1)
+    if group_scoring == "max":
+        group_scores = grouped.max(axis=-1)
+    else:
+        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+    best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :top_groups]
+    kept = np.zeros(group_scores.shape, dtype=bool)
+    np.put_along_axis(kept, best, True, axis=-1)
+    return np.where(kept[..., None], grouped, -np.inf).reshape(choice.shape)
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:

@@ -33,6 +33,8 @@ from typing import Any, Literal, NamedTuple
 Tensor = Any
 RotaryStyle = Literal["neox", "gptj"]
 GeluApproximation = Literal["none", "tanh"]
+ExpertScoring = Literal["softmax", "sigmoid"]
+GroupScoring = Literal["max", "top2_sum"]
 
 OP_NAMES: tuple[str, ...] = (
     "embedding",
@@ -52,6 +54,8 @@ OP_NAMES: tuple[str, ...] = (
     "softmax",
     "sample",
     "token_logprobs",
+    "route_experts",
+    "moe_experts",
 )
 
 
@@ -306,3 +310,94 @@ class Ops:
         This scores a prompt: the logits of each prompt token against the token after it.
         """
         raise self._unsupported("token_logprobs")
+
+    def route_experts(
+        self,
+        router_logits: Tensor,
+        top_k: int,
+        scoring: ExpertScoring = "softmax",
+        renormalize: bool = True,
+        scale: float = 1.0,
+        num_groups: int = 1,
+        top_groups: int = 1,
+        group_scoring: GroupScoring = "max",
+        correction_bias: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Choose each token's top_k experts of a mixture-of-experts layer: router_logits [T, E] (the
+        router `linear`'s output) -> (weights [T, top_k] float32, expert_ids [T, top_k] int32).
+        In float32 at least, per row:
+
+        1. scores = softmax(router_logits) ("softmax") or sigmoid(router_logits) ("sigmoid").
+        2. choice = scores + correction_bias (float32 [E]) when given, else scores: the bias only
+           steers the choice, the weights come from the unbiased scores.
+        3. With num_groups > 1, the E experts form num_groups consecutive groups of E / num_groups.
+           A group scores the max of its choice values (group_scoring "max") or the sum of its two
+           largest ("top2_sum"); only the top_groups best groups stay, and the other groups'
+           experts cannot be chosen (their choice is -inf).
+        4. expert_ids = the top_k experts by choice, best first (ties: the lower expert id first,
+           and in step 3 the lower group).
+        5. weights = scores[expert_ids]; with `renormalize`, divided by their sum (plus 1e-20);
+           then times `scale`.
+
+        Mixtral: softmax, renormalize. Qwen3-MoE: softmax, renormalize = norm_topk_prob.
+        DeepSeek-V2: softmax, groups by "max", renormalize = norm_topk_prob, scale =
+        routed_scaling_factor. DeepSeek-V3: sigmoid, correction_bias = e_score_correction_bias,
+        groups by "top2_sum", renormalize = norm_topk_prob, scale = routed_scaling_factor.
+        Arguments that cannot route (see `check_routing`) raise ValueError.
+        """
+        raise self._unsupported("route_experts")
+
+    def moe_experts(self, x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+        """The routed experts' gated SiLU MLPs, summed by weight: x [T, H] -> [T, H].
+
+        `weights` [T, K] float32 and `expert_ids` [T, K] int32 are what `route_experts` returned;
+        `gate_up` and `down` what `Backend.upload_weight` returned for the experts role, of
+        values [E, 2I, H] (the gate rows, then the up rows) and [E, H, I]. With e = expert_ids[t, j],
+        gate[e] = gate_up[e, :I] and up[e] = gate_up[e, I:]:
+
+            out[t] = sum over j of weights[t, j] * (down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])))
+
+        Products are accumulated in at least float32. Each expert's activation (the silu product)
+        is rounded to x's dtype before `down`, as a dense MLP's is by `silu_and_mul`; the weighted
+        sum over experts is in float32 and rounded to x's dtype once, at the end. How a backend
+        gets there (a loop over the experts used, tokens sorted by expert, a grouped matmul) is
+        its own choice.
+        """
+        raise self._unsupported("moe_experts")
+
+
+def check_routing(num_experts: int, top_k: int, scoring: str, num_groups: int, top_groups: int,
+                  group_scoring: str) -> None:
+    """Raise ValueError, saying why, for `route_experts` arguments that cannot pick top_k experts."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown expert scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
+    if group_scoring not in ("max", "top2_sum"):
+        raise ValueError(f"unknown group scoring {group_scoring!r}; expected 'max' or 'top2_sum'")
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"{num_experts} experts do not form {num_groups} groups of equal size")
+    if not 1 <= top_groups <= num_groups:
+        raise ValueError(f"top_groups {top_groups} must be between 1 and num_groups {num_groups}")
+    group_size = num_experts // num_groups
+    if num_groups > 1 and group_scoring == "top2_sum" and group_size < 2:
+        raise ValueError(f"'top2_sum' scores a group by its two best experts; groups of {group_size} have one")
+    choosable = top_groups * group_size if num_groups > 1 else num_experts
+    if not 1 <= top_k <= choosable:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {choosable} experts that can be chosen")
+
+
+def check_experts_shapes(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> None:
+    """Raise ValueError, naming the shapes, where `moe_experts` arguments do not fit together."""
+    shapes = {name: tuple(value.shape) for name, value in
+              (("x", x), ("weights", weights), ("expert_ids", expert_ids), ("gate_up", gate_up), ("down", down))}
+    tokens, hidden = shapes["x"] if len(shapes["x"]) == 2 else (None, None)
+    fits = (
+        hidden is not None and len(shapes["gate_up"]) == 3 and len(shapes["down"]) == 3
+        and shapes["weights"] == shapes["expert_ids"] and len(shapes["weights"]) == 2
+        and shapes["weights"][0] == tokens
+        and shapes["gate_up"][0] == shapes["down"][0] and shapes["gate_up"][2] == hidden
+        and shapes["down"][1] == hidden and shapes["gate_up"][1] == 2 * shapes["down"][2]
+    )
+    if not fits:
+        described = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+        raise ValueError(f"moe_experts takes x [T, H], weights and expert_ids [T, K], gate_up [E, 2I, H] and "
+                         f"down [E, H, I]; got {described}")

@@ -31,6 +31,7 @@ class WeightRole(str, Enum):
     LINEAR = "linear"  # the weight of every other `Ops.linear`, [out_features, in_features]
     NORM = "norm"  # the weight of a norm op, [hidden]
     BIAS = "bias"  # the bias of a linear or a layer norm, [features]
+    EXPERTS = "experts"  # one MoE layer's stacked expert weights for `Ops.moe_experts`, [experts, out, in]
 
 
 # Roles whose weights reach a backend still quantized unless it says otherwise: those `Ops.linear`
