@@ -6,12 +6,21 @@ matmuls run in the input dtype with float32 accumulation, as torch's kernels do.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, sampling
 from candelabra.backends.torch.weight_forms import KeptWeight
-from candelabra.core.contract.ops import KVCache, Ops, SampleResult, TokenLogprobs
+from candelabra.core.contract.ops import (
+    KVCache,
+    Ops,
+    SampleResult,
+    TokenLogprobs,
+    check_experts_shapes,
+    check_routing,
+)
 
 
 class TorchOps(Ops):
@@ -90,6 +99,55 @@ class TorchOps(Ops):
 
     def token_logprobs(self, logits, token_ids, num_top: int) -> TokenLogprobs:
         return sampling.token_logprobs(logits, token_ids, num_top)
+
+    def route_experts(self, router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                      top_groups=1, group_scoring="max", correction_bias=None):
+        check_routing(router_logits.shape[-1], top_k, scoring, num_groups, top_groups, group_scoring)
+        logits = router_logits.float()
+        scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+        choice = scores + correction_bias.float() if correction_bias is not None else scores
+        if num_groups > 1:
+            choice = _keep_best_groups(choice, num_groups, top_groups, group_scoring)
+        expert_ids = _best_first(choice)[:, :top_k]
+        weights = scores.gather(1, expert_ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scale, expert_ids.int()
+
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        """The picks sorted by expert, then one pair of matmuls per expert some token chose. Counting
+        the picks per expert waits for the device, so a step with experts cannot be captured."""
+        check_experts_shapes(x, weights, expert_ids, gate_up, down)
+        picked = expert_ids.reshape(-1).long()
+        order = torch.argsort(picked, stable=True)
+        token_of_pick = order // expert_ids.shape[1]
+        pick_weights = weights.reshape(-1).float()[order, None]
+        counts = torch.bincount(picked, minlength=gate_up.shape[0]).tolist()
+        starts = [0, *itertools.accumulate(counts)]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in (e for e, count in enumerate(counts) if count):
+            picks = slice(starts[expert], starts[expert + 1])
+            rows = token_of_pick[picks]
+            activation = self.silu_and_mul(F.linear(x.index_select(0, rows), gate_up[expert]))
+            out.index_add_(0, rows, F.linear(activation, down[expert]).float() * pick_weights[picks])
+        return out.to(x.dtype)
+
+
+def _best_first(values: torch.Tensor) -> torch.Tensor:
+    """Column indices of each row by decreasing value, equal values in increasing index order."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices
+
+
+def _keep_best_groups(choice: torch.Tensor, num_groups: int, top_groups: int, group_scoring: str) -> torch.Tensor:
+    """`choice` [T, E] with every expert outside its row's top_groups best groups at -inf."""
+    grouped = choice.view(choice.shape[0], num_groups, -1)
+    if group_scoring == "max":
+        group_scores = grouped.amax(dim=-1)
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.zeros(group_scores.shape, dtype=torch.bool, device=choice.device)
+    kept.scatter_(1, _best_first(group_scores)[:, :top_groups], True)
+    return grouped.masked_fill(~kept[..., None], float("-inf")).view(choice.shape)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
