@@ -8,9 +8,13 @@ import math
 import mlx.core as mx
 
 from candelabra.backends.metal import attention, sampling
-from candelabra.core.contract.ops import KVCache, Ops
+from candelabra.core.contract.ops import KVCache, Ops, check_experts_shapes, check_routing
 
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+# From this many picks (tokens times experts per token) on, moe_experts sorts them by expert first,
+# so that gather_mm reads each expert's weights once for a run of rows (mlx-lm's SwitchGLU does the same).
+SORTED_PICKS_MIN = 64
 
 
 def _f32(x):
@@ -101,6 +105,68 @@ class MlxOps(Ops):
 
     def token_logprobs(self, logits, token_ids, num_top: int):
         return sampling.token_logprobs(logits, token_ids, num_top)
+
+    def route_experts(self, router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                      top_groups=1, group_scoring="max", correction_bias=None):
+        check_routing(router_logits.shape[-1], top_k, scoring, num_groups, top_groups, group_scoring)
+        logits = _f32(router_logits)
+        scores = mx.softmax(logits, axis=-1, precise=True) if scoring == "softmax" else mx.sigmoid(logits)
+        choice = scores + _f32(correction_bias) if correction_bias is not None else scores
+        if num_groups > 1:
+            choice = _keep_best_groups(choice, num_groups, top_groups, group_scoring)
+        expert_ids = _best_first(choice)[:, :top_k]
+        weights = mx.take_along_axis(scores, expert_ids, axis=-1)
+        if renormalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return weights * scale, expert_ids.astype(mx.int32)
+
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        check_experts_shapes(x, weights, expert_ids, gate_up, down)
+        tokens, top_k = expert_ids.shape
+        if tokens * top_k < SORTED_PICKS_MIN:
+            rows, experts = mx.expand_dims(x, (-2, -3)), expert_ids  # [T, 1, 1, H] against [T, K]
+            expert_out = self._experts_mlp(rows, experts, gate_up, down, sorted_indices=False).squeeze(-2)
+        else:
+            picked = expert_ids.reshape(-1)
+            order = mx.argsort(picked)
+            rows = mx.expand_dims(x[order // top_k], -2)  # [T * K, 1, H], grouped by expert
+            expert_out = self._experts_mlp(rows, picked[order], gate_up, down, sorted_indices=True)
+            expert_out = expert_out.squeeze(-2)[mx.argsort(order)].reshape(tokens, top_k, -1)
+        return (_f32(expert_out) * _f32(weights)[..., None]).sum(axis=1).astype(x.dtype)
+
+    def _experts_mlp(self, rows, experts, gate_up, down, sorted_indices):
+        gated = _gather_mm(rows, gate_up.swapaxes(-1, -2), experts, sorted_indices)
+        return _gather_mm(self.silu_and_mul(gated), down.swapaxes(-1, -2), experts, sorted_indices)
+
+
+def _gather_mm(a, b, rhs_indices, sorted_indices):
+    """mx.gather_mm, in the inputs' dtype. MLX's CPU build multiplies only float32 there, so it gets
+    float32 copies and its product is rounded back, as the GPU's native product is."""
+    if a.dtype == mx.float32 or mx.metal.is_available():
+        return mx.gather_mm(a, b, rhs_indices=rhs_indices, sorted_indices=sorted_indices)
+    return mx.gather_mm(_f32(a), _f32(b), rhs_indices=rhs_indices, sorted_indices=sorted_indices).astype(a.dtype)
+
+
+def _best_first(values):
+    """Column indices of each row of float32 `values` by decreasing value, equal values in increasing
+    index order: mx.argsort promises no order among equals, so each value's order-preserving
+    integer and its index form one key."""
+    bits = values.view(mx.int32)
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    columns = values.shape[-1]
+    return mx.argsort(-ordered * columns + mx.arange(columns, dtype=mx.int64), axis=-1)
+
+
+def _keep_best_groups(choice, num_groups, top_groups, group_scoring):
+    """`choice` [T, E] with every expert outside its row's top_groups best groups at -inf."""
+    grouped = choice.reshape(choice.shape[0], num_groups, -1)
+    if group_scoring == "max":
+        group_scores = grouped.max(axis=-1)
+    else:
+        group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)
+    best = _best_first(group_scores)[:, :top_groups]
+    kept = (mx.arange(num_groups)[None, None, :] == best[:, :, None]).any(axis=1)
+    return mx.where(kept[..., None], grouped, -mx.inf).reshape(choice.shape)
 
 
 def _gelu(x, approximate):
