@@ -97,11 +97,13 @@ def run_communicator_checks(backend: str, world_size: int, seed: int = 0,
 def run_parallel_cases(backend: str, world_size: int, cases: list[ModelCase | GGUFModelCase] | None = None,
                        seed: int = 0, dtype: str = "float32", lm_head_layout: str | None = None,
                        timeout_s: float = 120.0) -> list[ParallelResult]:
-    """Every case of `cases` (default: all of the models level's) on `backend` (a registered
+    """Every case of `cases` (default: those of the models level that shard) on `backend` (a registered
     backend name, or "package.module:ClassName") at tensor parallelism over `world_size` processes
     against TP=1, computing in `dtype`. `lm_head_layout` picks the LM head's layout (default: the
     model's own). A collective that waits longer than `timeout_s` fails the run."""
-    cases = list(MODEL_CASES + GGUF_MODEL_CASES) if cases is None else list(cases)
+    if cases is None:
+        cases = [case for case in MODEL_CASES + GGUF_MODEL_CASES if getattr(case, "tensor_parallel", True)]
+    cases = list(cases)
     with tempfile.TemporaryDirectory(prefix="candelabra-parallel-") as folder:
         work = functools.partial(_run_cases, cases=cases, seed=seed, dtype=dtype, lm_head_layout=lm_head_layout,
                                  folder=folder)

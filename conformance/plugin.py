@@ -69,9 +69,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         cases = _run(metafunc.config).cases()
         metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
     model_cases = MODEL_CASES + GGUF_MODEL_CASES
+    sharded_cases = [case for case in model_cases if getattr(case, "tensor_parallel", True)]
     # fixture -> (cases, whether they compare with transformers); the parallel level reuses both lists
     named = {"model_case": (model_cases, True), "engine_case": (ENGINE_CASES, False),
-             "parallel_model_case": (model_cases, True), "parallel_engine_case": (ENGINE_CASES, False)}
+             "parallel_model_case": (sharded_cases, True), "parallel_engine_case": (ENGINE_CASES, False)}
     for fixture, (cases, needs_reference) in named.items():
         if fixture in metafunc.fixturenames:
             _run(metafunc.config)

@@ -35,7 +35,7 @@ from candelabra.core.models.sharding import (
 from candelabra.core.weights.random_quantized import random_quantized
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
-ALL_CASES = MODEL_CASES + GGUF_MODEL_CASES
+ALL_CASES = [case for case in MODEL_CASES if case.tensor_parallel] + GGUF_MODEL_CASES  # MoE experts do not shard yet
 
 
 class LoadOnlyCommunicator(Communicator):

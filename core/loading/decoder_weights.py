@@ -3,7 +3,9 @@ fused where the graph multiplies them together, kept quantized or dequantized, a
 tensor-parallel rank's shard.
 
 Query, key and value projections are fused into one matmul at load time, and so are gate and up;
-a checkpoint that stores them fused is read as it is. Biases and per-head q/k norms are taken where
+a checkpoint that stores them fused is read as it is. A MoE layer's experts are stacked into two
+3-D weights (`Experts`), from one tensor per expert and projection or from transformers 5's fused
+ones, where the family's `expert_names` say. Biases and per-head q/k norms are taken where
 the checkpoint holds them. What differs between families is said by the family class: its block's
 norm names, a gated or plain MLP, its attention output's and final norm's names. With a communicator
 of more than one rank only this rank's part of each weight is read (the rules are in
@@ -20,8 +22,8 @@ from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_quantized
 from candelabra.core.models.base import DecoderModel
-from candelabra.core.models.config import ModelConfig
-from candelabra.core.models.layer_weights import DecoderWeights, Layer, Norm
+from candelabra.core.models.config import ConfigError, ModelConfig
+from candelabra.core.models.layer_weights import DecoderWeights, Experts, Layer, Norm
 from candelabra.core.models.sharding import (
     VOCAB_PARALLEL,
     HostWeight,
@@ -43,7 +45,8 @@ def load_decoder_weights(family: type[DecoderModel], config: ModelConfig, backen
     """`checkpoint`'s weights for `family` on `backend` in `dtype`: the whole model's, or with a
     `communicator` of more than one rank that rank's shard, its LM head laid out as `lm_head_layout`
     (one of `sharding.LM_HEAD_LAYOUTS`; the family's default when None). ValueError when the world
-    size does not split the heads (see `sharding.shard_heads`)."""
+    size does not split the heads (see `sharding.shard_heads`), ConfigError for a MoE model at a world
+    size above 1 (its experts are not sharded yet)."""
     return _Loader(family, config, backend, checkpoint, dtype, communicator, lm_head_layout, progress).load()
 
 
@@ -54,6 +57,9 @@ class _Loader:
         self.dtype = backend.check_dtype(dtype)
         self.communicator = communicator if communicator is not None and communicator.world_size > 1 else None
         rank, world_size = (communicator.rank, communicator.world_size) if self.communicator else (0, 1)
+        if config.moe is not None and world_size > 1:
+            raise ConfigError(f"a {config.architecture} is a mixture-of-experts model, which candelabra cannot split "
+                              f"over {world_size} ranks yet: serve it without tensor parallelism")
         self.head_shard = shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
         layout = check_lm_head_layout(lm_head_layout or family.lm_head_layout)
         self.vocab_parallel = self.communicator is not None and layout == VOCAB_PARALLEL
@@ -66,7 +72,7 @@ class _Loader:
     def load(self) -> DecoderWeights:
         try:
             embed_tokens, (lm_head, vocab_size) = self._embedding_and_lm_head()
-            layers = [self._layer(f"model.layers.{i}") for i in range(self.config.num_layers)]
+            layers = [self._layer(index) for index in range(self.config.num_layers)]
             final_norm = self._norm(self.family.final_norm_name)
             lm_head_bias = self._lm_head_bias()
         finally:
@@ -75,7 +81,8 @@ class _Loader:
                               final_norm=final_norm, layers=layers, vocab_size=vocab_size,
                               head_shard=self.head_shard, vocab_parallel=self.vocab_parallel)
 
-    def _layer(self, prefix: str) -> Layer:
+    def _layer(self, index: int) -> Layer:
+        prefix = f"model.layers.{index}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         out = f"{attn}.{self.family.attention_out_name}"
         qkv_rows = self._qkv_rows()
@@ -90,7 +97,10 @@ class _Loader:
             q_norm=self._norm(f"{attn}.q_norm") if f"{attn}.q_norm.weight" in self._names else None,
             k_norm=self._norm(f"{attn}.k_norm") if f"{attn}.k_norm.weight" in self._names else None,
         )
-        if self.family.gated_mlp:
+        moe = self.config.moe
+        if moe is not None and moe.is_sparse(index):
+            layer.experts = self._experts(prefix)
+        elif self.family.gated_mlp:
             down = f"{mlp}.down_proj.weight"
             columns = self._intermediate_columns(down)
             rows = None if columns is None else [columns, _shifted(columns, self._checkpoint.tensor_shape(down)[1])]
@@ -105,6 +115,31 @@ class _Loader:
             layer.mlp_out = self._row_parallel(f"{mlp}.fc2.weight", columns)
             layer.mlp_out_bias = self._row_parallel_bias(f"{mlp}.fc2.bias")
         return layer
+
+    def _experts(self, prefix: str) -> Experts:
+        """A MoE layer's router and experts, stacked (see `ExpertNames` for the layouts read)."""
+        names, moe = self.family.expert_names, self.config.moe
+        blocks = [f"{prefix}.{block}" for block in names.blocks]
+        block = next((b for b in blocks if f"{b}.gate.weight" in self._names), blocks[0])
+        router = self._weight(f"{block}.gate.weight", WeightRole.LINEAR)
+        fused_gate_up, fused_down = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
+        experts = range(moe.num_experts)
+        if fused_gate_up in self._names:
+            gate_up = self._host([fused_gate_up], WeightRole.EXPERTS)
+        else:
+            gate_up = np.stack([self._host([f"{block}.experts.{e}.{names.gate}.weight",
+                                            f"{block}.experts.{e}.{names.up}.weight"], WeightRole.EXPERTS)
+                                for e in experts])
+        if fused_down in self._names:
+            down = self._host([fused_down], WeightRole.EXPERTS)
+        else:
+            down = np.stack([self._host([f"{block}.experts.{e}.{names.down}.weight"], WeightRole.EXPERTS)
+                             for e in experts])
+        size, hidden = moe.expert_intermediate_size, self.config.hidden_size
+        _check_shape(fused_gate_up, gate_up, (moe.num_experts, 2 * size, hidden))
+        _check_shape(fused_down, down, (moe.num_experts, hidden, size))
+        return Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
+                       down=self._upload(fused_down, WeightRole.EXPERTS, down))
 
     # One tensor, or several stacked, from the checkpoint to the backend.
 
@@ -216,6 +251,12 @@ class _Loader:
         block = quantization_block(self._kept_format([row_parallel], WeightRole.LINEAR))
         size = self._checkpoint.tensor_shape(row_parallel)[1]
         return intermediate_columns(size, self.communicator.rank, self.communicator.world_size, block)
+
+
+def _check_shape(name: str, weight: np.ndarray, expected: tuple[int, ...]) -> None:
+    if weight.shape != expected:
+        raise ConfigError(f"{name}: the experts stacked are {list(weight.shape)}, but config.json's expert counts and "
+                          f"sizes make them {list(expected)}")
 
 
 def _shifted(indices: range, offset: int) -> range:

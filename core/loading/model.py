@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.communicator import Communicator
+from candelabra.core.contract.ops import OpNotSupported
 from candelabra.core.loading.decoder_weights import load_decoder_weights
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
@@ -18,7 +19,10 @@ def load_model(checkpoint: Checkpoint, backend: Backend, dtype: str | None = Non
 
     With a `communicator` of more than one rank, this rank's shard of the tensor-parallel model
     (see `DecoderModel`; `lm_head_layout` one of `sharding.LM_HEAD_LAYOUTS`, else the model's
-    default); every rank of the group loads it with the same arguments."""
+    default); every rank of the group loads it with the same arguments.
+
+    OpNotSupported, before any weight is read, when the model needs an op the backend lacks (the
+    experts of a mixture-of-experts model)."""
     from candelabra.plugins import RegistryError, installed_plugins
 
     config = ModelConfig.from_hf(checkpoint.config)
@@ -29,6 +33,10 @@ def load_model(checkpoint: Checkpoint, backend: Backend, dtype: str | None = Non
         family = architectures.get(config.architecture)
     except RegistryError as exc:
         raise ConfigError(f"{checkpoint.path}: {exc}") from exc
+    missing = [op for op in family.ops_needed(config) if not backend.ops.supports(op)]
+    if missing:
+        raise OpNotSupported(backend.name, missing[0], f"a {config.architecture} needs {' and '.join(missing)}, "
+                                                       "which this backend does not implement; choose another")
     weights = load_decoder_weights(family, config, backend, checkpoint, dtype or backend.dtypes[0], communicator,
                                    lm_head_layout, progress)
     return family(config, backend, weights, communicator)

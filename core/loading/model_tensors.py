@@ -4,7 +4,9 @@ The loader (`candelabra.core.loading.decoder_weights`) reads what a family's att
 (norm kind, its block's norm names, gated or plain MLP, the attention output's and the final norm's
 names) and takes the rest from whatever the checkpoint holds: biases, per-head q/k norms, projections stored
 fused. Those last facts live in each architecture's config.json conventions, which
-`ARCHITECTURE_TENSORS` writes down; everything else is read from the family class itself.
+`ARCHITECTURE_TENSORS` writes down; everything else is read from the family class itself. A MoE
+layer's router and experts are listed one expert at a time, as the Hub's checkpoints and transformers'
+`save_pretrained` store them, under the family's first `expert_names` block.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ ARCHITECTURE_TENSORS: dict[str, ArchitectureTensors] = {
     "PhiForCausalLM": ArchitectureTensors(qkv_bias=True, out_bias=True, mlp_bias=True, lm_head_bias=True),
     "StableLmForCausalLM": ArchitectureTensors(qkv_bias=("use_qkv_bias", False)),
     "Glm4ForCausalLM": ArchitectureTensors(qkv_bias=("attention_bias", True), fused_gate_up=True),
+    "MixtralForCausalLM": ArchitectureTensors(),
+    "Qwen3MoeForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS, qk_norms=True),
 }
 # An architecture a plugin registers without an entry here: the plain decoder, no biases.
 PLAIN = ArchitectureTensors()
@@ -66,7 +70,7 @@ def model_tensors(config: ModelConfig, family: type[DecoderModel]) -> dict[str, 
     hidden, vocab = config.hidden_size, config.vocab_size
     tensors = {"model.embed_tokens.weight": TensorSpec((vocab, hidden), WeightRole.EMBEDDING)}
     for index in range(config.num_layers):
-        tensors |= _layer_tensors(f"model.layers.{index}", config, family, kind)
+        tensors |= _layer_tensors(index, config, family, kind)
     tensors |= _norm(family.final_norm_name, hidden, family)
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = TensorSpec((vocab, hidden), WeightRole.LM_HEAD)
@@ -75,11 +79,12 @@ def model_tensors(config: ModelConfig, family: type[DecoderModel]) -> dict[str, 
     return tensors
 
 
-def _layer_tensors(prefix: str, c: ModelConfig, family: type[DecoderModel],
+def _layer_tensors(index: int, c: ModelConfig, family: type[DecoderModel],
                    kind: ArchitectureTensors) -> dict[str, TensorSpec]:
-    attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+    prefix = f"model.layers.{index}"
+    attn = f"{prefix}.self_attn"
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    has_qkv_bias, has_mlp_bias = _has(kind.qkv_bias, c), _has(kind.mlp_bias, c)
+    has_qkv_bias = _has(kind.qkv_bias, c)
     tensors: dict[str, TensorSpec] = {}
     if kind.fused_qkv:
         tensors |= _linear(f"{attn}.qkv_proj", q_rows + 2 * kv_rows, c.hidden_size, has_qkv_bias)
@@ -89,18 +94,35 @@ def _layer_tensors(prefix: str, c: ModelConfig, family: type[DecoderModel],
     tensors |= _linear(f"{attn}.{family.attention_out_name}", c.hidden_size, q_rows, _has(kind.out_bias, c))
     if kind.qk_norms:
         tensors |= _norm(f"{attn}.q_norm", c.head_dim, family) | _norm(f"{attn}.k_norm", c.head_dim, family)
-    if not family.gated_mlp:
-        tensors |= _linear(f"{mlp}.fc1", c.intermediate_size, c.hidden_size, has_mlp_bias)
-        tensors |= _linear(f"{mlp}.fc2", c.hidden_size, c.intermediate_size, has_mlp_bias)
-    elif kind.fused_gate_up:
-        tensors |= _linear(f"{mlp}.gate_up_proj", 2 * c.intermediate_size, c.hidden_size, has_mlp_bias)
-    else:
-        tensors |= _linear(f"{mlp}.gate_proj", c.intermediate_size, c.hidden_size, has_mlp_bias)
-        tensors |= _linear(f"{mlp}.up_proj", c.intermediate_size, c.hidden_size, has_mlp_bias)
-    if family.gated_mlp:
-        tensors |= _linear(f"{mlp}.down_proj", c.hidden_size, c.intermediate_size, has_mlp_bias)
+    sparse = c.moe is not None and c.moe.is_sparse(index)
+    tensors |= _experts(prefix, c, family) if sparse else _dense_mlp(f"{prefix}.mlp", c, family, kind)
     for name in family.block_for(c).norm_names:
         tensors |= _norm(f"{prefix}.{name}", c.hidden_size, family)
+    return tensors
+
+
+def _dense_mlp(mlp: str, c: ModelConfig, family: type[DecoderModel],
+               kind: ArchitectureTensors) -> dict[str, TensorSpec]:
+    has_bias, size = _has(kind.mlp_bias, c), c.intermediate_size
+    if not family.gated_mlp:
+        up = _linear(f"{mlp}.fc1", size, c.hidden_size, has_bias)
+        return up | _linear(f"{mlp}.fc2", c.hidden_size, size, has_bias)
+    if kind.fused_gate_up:
+        tensors = _linear(f"{mlp}.gate_up_proj", 2 * size, c.hidden_size, has_bias)
+    else:
+        tensors = _linear(f"{mlp}.gate_proj", size, c.hidden_size, has_bias)
+        tensors |= _linear(f"{mlp}.up_proj", size, c.hidden_size, has_bias)
+    return tensors | _linear(f"{mlp}.down_proj", c.hidden_size, size, has_bias)
+
+
+def _experts(prefix: str, c: ModelConfig, family: type[DecoderModel]) -> dict[str, TensorSpec]:
+    names, moe = family.expert_names, c.moe
+    block, size = f"{prefix}.{names.blocks[0]}", moe.expert_intermediate_size
+    tensors = {f"{block}.gate.weight": TensorSpec((moe.num_experts, c.hidden_size), WeightRole.LINEAR)}
+    for expert in range(moe.num_experts):
+        for name, shape in ((names.gate, (size, c.hidden_size)), (names.up, (size, c.hidden_size)),
+                            (names.down, (c.hidden_size, size))):
+            tensors[f"{block}.experts.{expert}.{name}.weight"] = TensorSpec(shape, WeightRole.EXPERTS)
     return tensors
 
 

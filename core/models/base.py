@@ -26,6 +26,7 @@ from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.models.blocks import Block, SequentialBlock
 from candelabra.core.models.config import ModelConfig
 from candelabra.core.models.layer_weights import DecoderWeights, Layer, Norm
+from candelabra.core.models.moe import MOE_OPS, ExpertNames, SparseMoeMlp
 from candelabra.core.models.rope import RotaryTable
 from candelabra.core.models.sharding import DEFAULT_LM_HEAD_LAYOUT
 
@@ -51,6 +52,8 @@ class DecoderModel:
     # the checkpoint's names for the attention output projection and the final norm
     attention_out_name: ClassVar[str] = "o_proj"
     final_norm_name: ClassVar[str] = "model.norm"
+    # where the checkpoint keeps a MoE layer's router and experts (for a config with experts)
+    expert_names: ClassVar[ExpertNames] = ExpertNames()
     # How a tensor-parallel model splits its LM head by default (sharding.LM_HEAD_LAYOUTS; the default's
     # measurements are in docs/design-notes.md).
     lm_head_layout: ClassVar[str] = DEFAULT_LM_HEAD_LAYOUT
@@ -59,6 +62,11 @@ class DecoderModel:
     def block_for(cls, config: ModelConfig) -> Block:
         """The block every layer of a model of `config` runs; ConfigError for a config the family cannot run."""
         return cls.block
+
+    @classmethod
+    def ops_needed(cls, config: ModelConfig) -> tuple[str, ...]:
+        """The ops a model of `config` needs beyond those every model runs."""
+        return MOE_OPS if config.moe is not None else ()
 
     def __init__(self, config: ModelConfig, backend: Backend, weights: DecoderWeights,
                  communicator: Communicator | None = None) -> None:
@@ -74,6 +82,8 @@ class DecoderModel:
         self.vocab_size = weights.vocab_size  # the LM head's rows
         self.embed_tokens, self.lm_head, self.lm_head_bias = weights.embed_tokens, weights.lm_head, weights.lm_head_bias
         self.layers, self.final_norm = weights.layers, weights.final_norm
+        self._sparse_moe = SparseMoeMlp.from_config(config.moe) if config.moe is not None else None
+        self._mlps = [self._dense_mlp if layer.experts is None else self._experts_mlp for layer in self.layers]
         self.rotary = self._rotary_table(config.rope)
         self.local_rotary = self._rotary_table(config.local_rope) if config.local_rope else self.rotary
         self._rotary_device = backend.to_device(self.rotary.table, "float32")
@@ -144,8 +154,15 @@ class DecoderModel:
                                        logit_softcap=c.attn_logit_softcapping)
         return ops.linear(attended.reshape(tokens, q_width), layer.out, layer.out_bias), cache
 
-    def mlp(self, layer: Layer, h):
-        """The MLP of `h`: with tensor parallelism this rank's partial sum (see `summed_over_ranks`)."""
+    def mlp(self, index: int, layer: Layer, h):
+        """Layer `index`'s MLP of `h`, dense or its experts: with tensor parallelism this rank's partial
+        sum (see `summed_over_ranks`)."""
+        return self._mlps[index](layer, h)
+
+    def _experts_mlp(self, layer: Layer, h):
+        return self._sparse_moe(self.ops, layer.experts, h)
+
+    def _dense_mlp(self, layer: Layer, h):
         ops, act = self.ops, self.config.hidden_act
         projected = ops.linear(h, layer.mlp_in, layer.mlp_in_bias)
         if self.gated_mlp:

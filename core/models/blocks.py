@@ -1,6 +1,7 @@
 """A decoder layer's graph, one class per residual layout: where the norms sit and where the residual
 adds go. A family names its block (with its checkpoint's norm names) and the model runs it for every
-layer; the attention and the MLP inside are the model's own (`DecoderModel.attention`, `.mlp`).
+layer; the attention and the MLP inside are the model's own (`DecoderModel.attention`, `.mlp`: a layer's
+dense MLP or its experts).
 
 Each `forward` returns the layer's output and the updated KV cache. With tensor parallelism the
 attention output and the MLP are this rank's partial sums, and the block says where they are summed
@@ -32,7 +33,7 @@ class SequentialBlock:
         h = model.norm(layer.norms[self.before_attention], x)
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         h, x = model.add_norm(layer.norms[self.before_mlp], model.summed_over_ranks(attended), x)
-        return x + model.summed_over_ranks(model.mlp(layer, h)), cache
+        return x + model.summed_over_ranks(model.mlp(index, layer, h)), cache
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class SandwichBlock:
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         attended = model.norm(norms[self.after_attention], model.summed_over_ranks(attended))
         h, x = model.add_norm(norms[self.before_mlp], attended, x)
-        return x + model.norm(norms[self.after_mlp], model.summed_over_ranks(model.mlp(layer, h))), cache
+        return x + model.norm(norms[self.after_mlp], model.summed_over_ranks(model.mlp(index, layer, h))), cache
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ class ParallelBlock:
         h = model.norm(layer.norms[self.norm], x)
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         if model.communicator is None:
-            return x + attended + model.mlp(layer, h), cache
+            return x + attended + model.mlp(index, layer, h), cache
         # both branches' partial sums add up before the layer's one all-reduce
-        return x + model.summed_over_ranks(attended + model.mlp(layer, h)), cache
+        return x + model.summed_over_ranks(attended + model.mlp(index, layer, h)), cache
 
 
 Block = SequentialBlock | SandwichBlock | ParallelBlock

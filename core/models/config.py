@@ -7,6 +7,7 @@ and transformers 5's (`rope_parameters`, per layer type where layers differ).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from candelabra.core.models.rope import RopeScaling
 
@@ -41,6 +42,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts model's MLP settings: each token's MLP is `experts_per_token` of
+    `num_experts` gated experts chosen by a router, except in `dense_layers`, which keep a dense MLP."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    renormalize: bool  # the chosen experts' router weights divided by their sum
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    dense_layers: frozenset[int] = frozenset()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -64,6 +81,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -112,6 +130,7 @@ class ModelConfig:
                 query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                moe=_moe_config(config, architectures[0], num_layers),
                 raw=config,
             )
         except KeyError as exc:
@@ -163,9 +182,33 @@ def _layer_types(config: dict, architecture: str, num_layers: int) -> tuple[str,
     if architecture.startswith("Gemma3"):
         pattern = int(config.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers))
-    if config.get("sliding_window") and config.get("use_sliding_window", architecture == "MistralForCausalLM"):
+    slides_by_default = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
+    if config.get("sliding_window") and config.get("use_sliding_window", slides_by_default):
         if architecture.startswith("Qwen"):  # Qwen slides from layer max_window_layers on
             first_sliding = int(config.get("max_window_layers", num_layers))
             return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
         return (SLIDING_ATTENTION,) * num_layers
     return (FULL_ATTENTION,) * num_layers
+
+
+def _moe_config(config: dict, architecture: str, num_layers: int) -> MoeConfig | None:
+    """The experts' settings, None for a dense model. Mixtral names its experts num_local_experts,
+    Qwen3-MoE num_experts on the Hub (num_local_experts where transformers 5 wrote the config); a
+    Qwen3-MoE layer keeps a dense MLP when in mlp_only_layers or when (layer + 1) is not a multiple of
+    decoder_sparse_step. Mixtral always renormalizes the chosen experts' weights, Qwen3-MoE when
+    norm_topk_prob says so (transformers' default: not)."""
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if num_experts == 0:
+        return None
+    top_k = int(config["num_experts_per_tok"])
+    if not 0 < top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok is {top_k}, but a token can only take 1 to {num_experts} experts")
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = {int(layer) for layer in config.get("mlp_only_layers") or ()}
+    return MoeConfig(
+        num_experts=num_experts,
+        experts_per_token=top_k,
+        expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        renormalize=architecture == "MixtralForCausalLM" or bool(config.get("norm_topk_prob", False)),
+        dense_layers=frozenset(i for i in range(num_layers) if i in only_dense or (i + 1) % step != 0),
+    )

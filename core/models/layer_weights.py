@@ -17,6 +17,17 @@ class Norm:
 
 
 @dataclass
+class Experts:
+    """A MoE layer's MLP weights: the router's linear weight [E, H], and every expert's gate and up
+    projections stacked [E, 2I, H] (gate rows first) and down projections [E, H, I], uploaded with role
+    EXPERTS."""
+
+    router: Any
+    gate_up: Any
+    down: Any
+
+
+@dataclass
 class Layer:
     """One decoder layer's weights, as backend tensors."""
 
@@ -31,6 +42,7 @@ class Layer:
     mlp_in_bias: Any = None
     mlp_out: Any = None
     mlp_out_bias: Any = None
+    experts: Experts | None = None  # a MoE layer's MLP, in place of the dense one above
 
 
 @dataclass

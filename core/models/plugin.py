@@ -8,8 +8,9 @@ def register_model_architectures(register):
     from candelabra.core.models.gemma import Gemma, Gemma2, Gemma3
     from candelabra.core.models.glm4 import Glm4
     from candelabra.core.models.llama import Llama
+    from candelabra.core.models.mixtral import Mixtral
     from candelabra.core.models.phi import Phi2, Phi3
-    from candelabra.core.models.qwen import Qwen2, Qwen3
+    from candelabra.core.models.qwen import Qwen2, Qwen3, Qwen3Moe
     from candelabra.core.models.stablelm import StableLm
 
     for name, model in {
@@ -17,6 +18,8 @@ def register_model_architectures(register):
         "MistralForCausalLM": Llama,
         "Qwen2ForCausalLM": Qwen2,
         "Qwen3ForCausalLM": Qwen3,
+        "Qwen3MoeForCausalLM": Qwen3Moe,
+        "MixtralForCausalLM": Mixtral,
         "GemmaForCausalLM": Gemma,
         "Gemma2ForCausalLM": Gemma2,
         "Gemma3ForCausalLM": Gemma3,
