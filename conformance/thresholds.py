@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from candelabra.conformance.compare import (
     MODEL_NMSE_THRESHOLDS,
+    MOE_MODEL_NMSE_THRESHOLDS,
     NMSE_THRESHOLDS,
     OP_NMSE_MEASURED,
     OP_NMSE_THRESHOLDS,
@@ -39,8 +40,9 @@ def threshold_table() -> str:
          for op in NMSE_OPS])
     quantized = format_table(("linear on a quantized weight", "NMSE limit"),
                              [(fmt, f"{limit:.0e}") for fmt, limit in QUANTIZED_NMSE_THRESHOLDS.items()])
-    models = format_table(("models level: logits against transformers", "NMSE limit"),
-                          [(dtype, f"{MODEL_NMSE_THRESHOLDS[dtype]:.0e}") for dtype in DTYPES])
+    models = format_table(("models level: logits against transformers", "NMSE limit", "mixture of experts"),
+                          [(dtype, f"{MODEL_NMSE_THRESHOLDS[dtype]:.0e}", f"{MOE_MODEL_NMSE_THRESHOLDS[dtype]:.0e}")
+                           for dtype in DTYPES])
     return "\n\n".join([
         "ops level: NMSE of each float output against the float64 oracle's result rounded once to the output's "
         f"dtype.\nAt float16 and bfloat16 an output also passes when up to {ROUNDING_FLIP_SHARE:.0%} of its "

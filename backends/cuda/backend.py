@@ -86,7 +86,8 @@ class CudaBackend(TorchBackend):
     # the step
 
     def step_executor(self, model: Any) -> StepExecutor:
-        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None))
+        routed = any(getattr(layer, "experts", None) is not None for layer in getattr(model, "layers", ()))
+        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None), routed)
         if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
@@ -101,7 +102,7 @@ class CudaBackend(TorchBackend):
         return CudaStep.prepare(meta, self.torch_device)
 
 
-def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any) -> str | None:
+def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes_experts: bool = False) -> str | None:
     """Why decode steps are not replayed from CUDA graphs, or None when they are."""
     if device_type != "cuda":
         return "CPU tensors through the Triton interpreter"
@@ -111,4 +112,6 @@ def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any) -> str
         # NCCL can be captured, but the all-reduces inside the step and the per-step broadcast of the
         # schedule have not been run under capture on a GPU yet: until then tensor-parallel steps stay eager.
         return f"tensor parallelism over {communicator.world_size} ranks (collectives inside a graph are unverified)"
+    if routes_experts:
+        return "mixture-of-experts layers (moe_experts counts each expert's tokens on the host, which a graph cannot)"
     return None
