@@ -107,7 +107,7 @@ class NumpyOps(Ops):
         check_routing(router_logits.shape[-1], top_k, scoring, num_groups, top_groups, group_scoring)
         logits = router_logits.astype(np.float32)
         if scoring == "softmax":
-            scores = self.softmax(logits)
+            scores = NumpyOps.softmax(self, logits)  # the reference's own, whatever a subclass overrides
         else:
             with np.errstate(over="ignore"):
                 scores = 1 / (1 + np.exp(-logits))
@@ -129,8 +129,9 @@ class NumpyOps(Ops):
         for expert in np.unique(picked):
             picks = np.flatnonzero(picked == expert)
             rows = token_of_pick[picks]
-            activation = self.silu_and_mul(self.linear(x[rows], gate_up[expert]))
-            np.add.at(out, rows, pick_weights[picks] * self.linear(activation, down[expert]))
+            # The reference's own linear and silu_and_mul, so that a subclass replacing one op leaves this one whole.
+            activation = NumpyOps.silu_and_mul(self, NumpyOps.linear(self, x[rows], gate_up[expert]))
+            np.add.at(out, rows, pick_weights[picks] * NumpyOps.linear(self, activation, down[expert]))
         return out.astype(x.dtype)
 
 

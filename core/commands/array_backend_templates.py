@@ -108,8 +108,9 @@ Work down the list: after each step its check passes, and `pytest` still does.
        candelabra conformance --backend $name --level ops --op linear --op embedding
 
 5. **The rest, one at a time** (`ops.py`): `rms_norm`, `add_rms_norm`, `layer_norm`, `rotary`,
-   `silu_and_mul`, `gelu_and_mul`, `gelu`, `softcap`, `softmax`, `gather_rows`, `sample` and
-   `token_logprobs`, each checked with `--op NAME`. Once none calls `on_host`, delete it.
+   `silu_and_mul`, `gelu_and_mul`, `gelu`, `softcap`, `softmax`, `gather_rows`, `sample`,
+   `token_logprobs`, and for mixture-of-experts models `route_experts` and `moe_experts`, each checked
+   with `--op NAME`. Once none calls `on_host`, delete it.
 
 6. **Finding the device** (`backend.py`): `probe` imports your runtime and says why the backend
    cannot run when the runtime or a device is missing (priority 100 for an accelerator),
@@ -407,6 +408,14 @@ class $ops_class_name(Ops):
 
     def token_logprobs(self, logits, token_ids, num_top):
         return self.on_host("token_logprobs", logits, token_ids, num_top, result_dtype="float32")
+
+    def route_experts(self, router_logits, top_k, scoring="softmax", renormalize=True, scale=1.0, num_groups=1,
+                      top_groups=1, group_scoring="max", correction_bias=None):
+        return self.on_host("route_experts", router_logits, top_k, scoring, renormalize, scale, num_groups,
+                            top_groups, group_scoring, correction_bias, result_dtype="float32")
+
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        return self.on_host("moe_experts", x, weights, expert_ids, gate_up, down)
 
     # The way to the reference on the host: delete it once no op calls it.
 
