@@ -8,6 +8,8 @@ package takes from candelabra comes in through its contract.py), so that their i
 under any isort settings that know one of the two as first-party.
 """
 
+from candelabra.core.commands.backend_package_templates import PLUGIN
+
 PYPROJECT = """\
 [build-system]
 requires = ["setuptools>=68"]
@@ -145,19 +147,6 @@ ops.py       the ops, each running the numpy reference on the host until it has 
 contract.py  what the package takes from candelabra
 plugin.py    registers the backend with candelabra (the `candelabra` entry point in pyproject.toml)
 """
-'''
-
-PLUGIN = '''\
-"""Registers the $name backend with candelabra, through the `candelabra` entry point in pyproject.toml."""
-
-from candelabra.plugins import hookimpl
-
-from .backend import $class_name
-
-
-@hookimpl
-def register_backends(register):
-    register($class_name)
 '''
 
 CONTRACT = '''\
