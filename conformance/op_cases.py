@@ -157,19 +157,20 @@ def check_softmax(h: Harness, shape: tuple, magnitude: str) -> None:
 
 
 def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padding: str,
-                   kv_dtype: str | None = None) -> None:
+                   kv_dtype: str | None = None, value_dim: int | None = None) -> None:
     """padding: how many tokens carry slot -1 ("none", "some" or "all"). kv_dtype: the cache's,
-    when not the compute dtype."""
-    kv_dtype = kv_dtype or h.dtype
+    when not the compute dtype. value_dim: the values' width where it is not head_dim (a latent cache)."""
+    kv_dtype, value_dim = kv_dtype or h.dtype, value_dim or head_dim
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, value_cache = round_to(h.rand(*shape), kv_dtype), round_to(h.rand(*shape), kv_dtype)
+    key_cache = round_to(h.rand(*shape), kv_dtype)
+    value_cache = round_to(h.rand(*shape[:3], value_dim), kv_dtype)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
     if padding == "some":
         slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
     elif padding == "all":
         slots[:] = NO_SLOT
-    key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
+    key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, value_dim)
     cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache, kv_dtype), h.upload(key),
                    h.upload(value), h.upload(slots))
     ref_key, ref_value = oracle.write_kv(key_cache, value_cache, key, value, slots)
@@ -179,19 +180,21 @@ def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, to
 
 
 def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: int, block_size: int, style: str,
-                              padding: str) -> None:
+                              padding: str, value_dim: int | None = None) -> None:
     """The rotated keys may go to the cache without first being rounded to the compute dtype, so
-    the written keys are compared within the op's threshold; every other slot must be untouched."""
+    the written keys are compared within the op's threshold; every other slot must be untouched.
+    value_dim: the values' width where it is not head_dim (a latent cache)."""
     q_heads, kv_heads = heads
+    value_dim = value_dim or head_dim
     base, hf_scaling = ROPE_SCALINGS["default"]
     table = cos_sin_table(head_dim, ROPE_MAX_POSITIONS, base, RopeScaling.from_hf(hf_scaling, ROPE_MAX_POSITIONS))
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, value_cache = round_to(h.rand(*shape), h.dtype), round_to(h.rand(*shape), h.dtype)
+    key_cache, value_cache = round_to(h.rand(*shape), h.dtype), round_to(h.rand(*shape[:3], value_dim), h.dtype)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
     if padding == "some":
         slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
-    q, k, v = h.rand(tokens, q_heads, head_dim), h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, head_dim)
+    q, k, v = h.rand(tokens, q_heads, head_dim), h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, value_dim)
     positions = h.rng.integers(0, ROPE_MAX_POSITIONS, tokens)
     q_out, cache = h.call(
         h.backend.ops.rotary_and_write_kv, h.upload(q), h.upload(k), h.upload(v), h.upload(positions),
@@ -250,6 +253,43 @@ def check_paged_attention(
     reference = oracle.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_tables, scale, sliding_window, logit_softcap)
     h.close("out", out, reference)
+
+
+def check_per_head_linear(h: Harness, tokens: int, heads: int, in_features: int, out_features: int) -> None:
+    x = h.rand(tokens, heads, in_features)
+    weight = h.rand(heads, out_features, in_features, scale=in_features**-0.5)
+    out = h.call(h.backend.ops.per_head_linear, h.upload(x),
+                 h.upload_weight("self_attn.absorbed", WeightRole.PER_HEAD, weight))
+    h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
+    h.close("out", out, oracle.per_head_linear(x, weight))
+
+
+def check_paged_latent_attention(h: Harness, heads: int, rank: int, rope_dim: int, block_size: int,
+                                 batch: str) -> None:
+    """A latent cache (one KV head: rotary keys as the key cache, latents as the value cache), with NaN
+    in every slot the step does not own."""
+    query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 5
+    shuffled = h.rng.permutation(num_blocks)
+    starts = np.cumsum([0, *needed])
+    tables = [shuffled[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+    meta = StepMetadata.build(query_lens, seq_lens, tables, block_size)
+    for b, count in enumerate(needed):
+        meta.block_tables[b, count:] = h.rng.integers(0, num_blocks, meta.block_tables.shape[1] - count)
+    key_cache = np.full((num_blocks, block_size, 1, rope_dim), np.nan, np.float32)
+    value_cache = np.full((num_blocks, block_size, 1, rank), np.nan, np.float32)
+    for b, seq_len in enumerate(seq_lens):
+        slots = np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
+        key_cache.reshape(-1, 1, rope_dim)[slots] = round_to(h.rand(seq_len, 1, rope_dim), h.dtype)
+        value_cache.reshape(-1, 1, rank)[slots] = round_to(h.rand(seq_len, 1, rank), h.dtype)
+    q_latent, q_rope = h.rand(meta.num_tokens, heads, rank), h.rand(meta.num_tokens, heads, rope_dim)
+    scale = (rank // 4 + rope_dim) ** -0.5
+    out = h.call(h.backend.ops.paged_latent_attention, h.upload(q_latent), h.upload(q_rope),
+                 h.upload_cache(key_cache, value_cache), h.backend.prepare_step(meta), scale)
+    h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
+    h.close("out", out, oracle.paged_latent_attention(q_latent, q_rope, key_cache, value_cache, meta.query_start_loc,
+                                                      meta.seq_lens, meta.block_tables, scale))
 
 
 SAMPLING_MODES = ("greedy", "temperature", "top_k", "top_p", "min_p", "combined", "penalties", "allowed")
@@ -450,19 +490,23 @@ def check_memory(h: Harness, shape: tuple) -> None:
     h.equal("zeros(shape, dtype)", np.asarray(h.backend.to_host(zeros), dtype=np.float32), np.zeros(shape, np.float32))
 
 
-def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int) -> None:
-    spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype)
+def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int,
+                            value_dim: int | None = None) -> None:
+    """value_dim: the values' width where it is not head_dim (a latent cache)."""
+    spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype, value_dim)
     caches = h.backend.allocate_kv_cache(spec)
     h.require("layers", len(caches) == layers, f"{len(caches)} caches for {layers} layers")
     for layer, cache in enumerate(caches):
-        for part in (cache.key, cache.value):
-            h.require(f"layer {layer} shape", tuple(part.shape) == spec.block_shape, f"{tuple(part.shape)}")
+        for name, part, shape in (("key", cache.key, spec.block_shape), ("value", cache.value, spec.value_block_shape)):
+            h.require(f"layer {layer} {name} shape", tuple(part.shape) == shape, f"{tuple(part.shape)}, not {shape}")
             h.require(f"layer {layer} dtype", h.backend.dtype_of(part) == h.dtype, h.backend.dtype_of(part))
 
 
-def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int) -> None:
-    shape = (2 * copies + 3, block_size, 2, 64)
-    host = [(h.rand(*shape), h.rand(*shape)) for _ in range(layers)]
+def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int, latent: bool = False) -> None:
+    """With `latent`, a latent cache's blocks (one head, values wider than keys)."""
+    shape = (2 * copies + 3, block_size, 1 if latent else 2, 64)
+    value_shape = (*shape[:3], 256) if latent else shape
+    host = [(h.rand(*shape), h.rand(*value_shape)) for _ in range(layers)]
     picked = h.rng.permutation(shape[0])[: 2 * copies]
     mapping = np.stack([picked[:copies], picked[copies:]], axis=1)
     caches = h.backend.copy_blocks([h.upload_cache(k, v) for k, v in host], mapping)
@@ -473,12 +517,14 @@ def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int) -> 
         h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
 
 
-def _swap_setup(h: Harness, layers: int, block_size: int, blocks: int):
-    """Device caches of random blocks, some of them (`out_ids`) to go to `host_ids` of a new swap space."""
+def _swap_setup(h: Harness, layers: int, block_size: int, blocks: int, latent: bool):
+    """Device caches of random blocks, some of them (`out_ids`) to go to `host_ids` of a new swap space;
+    with `latent`, a latent cache's (one head, values wider than keys)."""
     device_blocks, host_blocks = 2 * blocks + 2, blocks + 3
-    spec = KVCacheSpec(layers, host_blocks, block_size, 2, 64, h.dtype)
-    device_shape = (device_blocks, *spec.block_shape[1:])
-    host = [(h.rand(*device_shape), h.rand(*device_shape)) for _ in range(layers)]
+    spec = (KVCacheSpec(layers, host_blocks, block_size, 1, 64, h.dtype, 256) if latent
+            else KVCacheSpec(layers, host_blocks, block_size, 2, 64, h.dtype))
+    key_shape, value_shape = (device_blocks, *spec.block_shape[1:]), (device_blocks, *spec.value_block_shape[1:])
+    host = [(h.rand(*key_shape), h.rand(*value_shape)) for _ in range(layers)]
     caches = [h.upload_cache(k, v) for k, v in host]
     device_ids = h.rng.permutation(device_blocks)
     out_ids, in_ids = device_ids[:blocks], device_ids[blocks: 2 * blocks]
@@ -499,19 +545,19 @@ def _swap_space_errors(h: Harness, swap, host, out_ids, host_ids) -> list[str]:
     return errors
 
 
-def check_swap_out(h: Harness, layers: int, block_size: int, blocks: int) -> None:
+def check_swap_out(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False) -> None:
     """Device blocks to host blocks: the swap space then holds them where the mapping says."""
-    spec, host, caches, out_ids, _, host_ids = _swap_setup(h, layers, block_size, blocks)
+    spec, host, caches, out_ids, _, host_ids = _swap_setup(h, layers, block_size, blocks, latent)
     swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
     for where in _swap_space_errors(h, swap, host, out_ids, host_ids):
         h.require(f"swap space {where}", False, f"swap_out did not copy device blocks {_listed(out_ids)} to host "
                                                f"blocks {_listed(host_ids)}")
 
 
-def check_swap_in(h: Harness, layers: int, block_size: int, blocks: int) -> None:
+def check_swap_in(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False) -> None:
     """Host blocks back to other device blocks, after a swap_out that filled them; only the
     mapped device blocks change."""
-    spec, host, caches, out_ids, in_ids, host_ids = _swap_setup(h, layers, block_size, blocks)
+    spec, host, caches, out_ids, in_ids, host_ids = _swap_setup(h, layers, block_size, blocks, latent)
     swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
     if _swap_space_errors(h, swap, host, out_ids, host_ids):
         h.require("swap_in not checked", False, "swap_out did not fill the swap space it reads (the swap_out "
@@ -620,8 +666,13 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                tokens=[1, 70], padding=["none", "some"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],
                padding=["all"]),
+        *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[1], head_dim=[64], tokens=[37],
+               padding=["some"], value_dim=[512]),
         *_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, tokens=[1, 37], heads=[(8, 2)],
                head_dim=[64, 128], block_size=[16], style=["neox", "gptj"], padding=["none", "some"]),
+        # multi-head latent attention's: the shared rotary key as the key, the latent as the value
+        *_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, tokens=[1, 37], heads=[(16, 1)],
+               head_dim=[64], block_size=[16], style=["gptj"], padding=["some"], value_dim=[512]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 128, 256], heads=attention_heads,
                block_size=[16, 32], batch=["mixed"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(16, 4)], block_size=[16],
@@ -632,6 +683,14 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                batch=["mixed", "decode"], logit_softcap=[2.0]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[256], heads=[(8, 4)], block_size=[32],
                batch=["mixed"], sliding_window=[40], logit_softcap=[5.0]),
+        *_grid("paged_latent_attention", check_paged_latent_attention, dtypes, heads=[16], rank=[512],
+               rope_dim=[64], block_size=[16], batch=["mixed", "decode"]),
+        *_grid("paged_latent_attention", check_paged_latent_attention, dtypes, heads=[4], rank=[128],
+               rope_dim=[32], block_size=[32], batch=["prefill"]),
+        *_grid("per_head_linear", check_per_head_linear, dtypes, tokens=[1, 37], heads=[16], in_features=[128],
+               out_features=[512]),
+        *_grid("per_head_linear", check_per_head_linear, dtypes, tokens=[5], heads=[4], in_features=[512],
+               out_features=[128]),
         *_kv_dtype_grid("write_kv", check_write_kv, dtypes, kv_cache_dtypes, block_size=[16], kv_heads=[2],
                         head_dim=[128], tokens=[70], padding=["some"]),
         *_kv_dtype_grid("paged_attention", check_paged_attention, dtypes, kv_cache_dtypes, head_dim=[128],
@@ -662,9 +721,14 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("memory", check_memory, dtypes, shape=[(3, 5, 7)]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),
+        *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[2], block_size=[16], kv_heads=[1],
+               head_dim=[64], value_dim=[512]),
         *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16, 32], copies=[1, 5]),
+        *_grid("copy_blocks", check_copy_blocks, dtypes, layers=[2], block_size=[16], copies=[3], latent=[True]),
         *_grid("swap_out", check_swap_out, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
+        *_grid("swap_out", check_swap_out, dtypes, layers=[2], block_size=[16], blocks=[3], latent=[True]),
         *_grid("swap_in", check_swap_in, dtypes, layers=[2], block_size=[16, 32], blocks=[1, 4]),
+        *_grid("swap_in", check_swap_in, dtypes, layers=[2], block_size=[16], blocks=[3], latent=[True]),
         *_grid("array_subset", check_array_subset, dtypes, shape=[(4, 6, 8)]),
     ]
 

@@ -211,7 +211,7 @@ def paged_attention(
     num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
-    out = np.zeros_like(q)
+    out = np.zeros((*q.shape[:2], value_cache.shape[3]))
 
     for b in range(len(seq_lens)):
         seq_len = int(seq_lens[b])
@@ -405,6 +405,18 @@ def route_experts(router_logits, top_k, scoring="softmax", renormalize=True, sca
             picked = picked / (picked.sum() + 1e-20)
         weights[t], expert_ids[t] = picked * scale, chosen
     return weights, expert_ids
+
+
+def per_head_linear(x, weight):
+    return np.einsum("tni,noi->tno", _f64(x), _f64(weight))
+
+
+def paged_latent_attention(q_latent, q_rope, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale):
+    """Attention whose keys are each token's latent (the value cache) followed by its rotary key (the
+    key cache), and whose values are the latents: `paged_attention` on those."""
+    keys = np.concatenate([_f64(value_cache), _f64(key_cache)], axis=-1)
+    queries = np.concatenate([_f64(q_latent), _f64(q_rope)], axis=-1)
+    return paged_attention(queries, keys, _f64(value_cache), query_start_loc, seq_lens, block_tables, scale)
 
 
 def moe_experts(x, weights, expert_ids, gate_up, down, round_activation=lambda a: a):

@@ -45,3 +45,27 @@ def paged_attention(
         attended = np.matmul(scores, v)  # [R, Hk, G, Qr, D]
         out[group.token_index] = attended.transpose(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
     return out
+
+
+def paged_latent_attention(q_latent: np.ndarray, q_rope: np.ndarray, cache: KVCache, step: GatheredStep,
+                           scale: float) -> np.ndarray:
+    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
+    latents = cache.value.reshape(-1, rank)
+    rotary_keys = cache.key.reshape(-1, cache.key.shape[-1])
+    out = np.empty_like(q_latent)
+    for index, group in enumerate(step.groups):
+        rows, queries = group.slots.shape[0], group.query_pos.shape[1]
+        # every query head of every query token against the group's one KV head: [R, Qr * H, S]
+        latent_q = q_latent[group.token_index].reshape(rows, queries * num_heads, rank).astype(np.float32)
+        rotary_q = q_rope[group.token_index].reshape(rows, queries * num_heads, -1).astype(np.float32)
+        c = latents[group.slots].astype(np.float32)  # [R, S, rank]
+        r = rotary_keys[group.slots].astype(np.float32)  # [R, S, P]
+        scores = (np.matmul(latent_q, c.transpose(0, 2, 1)) + np.matmul(rotary_q, r.transpose(0, 2, 1)))
+        scores = scores.reshape(rows, queries, num_heads, -1) * np.float32(scale)
+        scores = np.where(step.visible(index, None)[:, :, None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        attended = np.matmul(scores.reshape(rows, queries * num_heads, -1), c)
+        out[group.token_index] = attended.reshape(rows * queries, num_heads, rank)
+    return out

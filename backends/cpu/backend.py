@@ -68,11 +68,11 @@ class CpuBackend(Backend):
         """numpy computes eagerly: by the time a call returns its work is done."""
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
                 for _ in range(spec.num_layers)]
 
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
                 for _ in range(spec.num_layers)]
 
     def copy_blocks(self, caches, mapping):

@@ -120,6 +120,14 @@ class NumpyOps(Ops):
             weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
         return weights * np.float32(scale), expert_ids.astype(np.int32)
 
+    def per_head_linear(self, x, weight):
+        out = np.matmul(x.transpose(1, 0, 2).astype(np.float32, copy=False),
+                        weight.transpose(0, 2, 1).astype(np.float32, copy=False))
+        return out.transpose(1, 0, 2).astype(x.dtype, copy=False)
+
+    def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
+        return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
+
     def moe_experts(self, x, weights, expert_ids, gate_up, down):
         check_experts_shapes(x, weights, expert_ids, gate_up, down)
         picked = expert_ids.reshape(-1)

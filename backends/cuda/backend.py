@@ -87,7 +87,9 @@ class CudaBackend(TorchBackend):
 
     def step_executor(self, model: Any) -> StepExecutor:
         routed = any(getattr(layer, "experts", None) is not None for layer in getattr(model, "layers", ()))
-        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None), routed)
+        latent = getattr(getattr(model, "config", None), "mla", None) is not None
+        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None), routed,
+                                latent)
         if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
@@ -102,7 +104,8 @@ class CudaBackend(TorchBackend):
         return CudaStep.prepare(meta, self.torch_device)
 
 
-def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes_experts: bool = False) -> str | None:
+def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes_experts: bool = False,
+                  latent_attention: bool = False) -> str | None:
     """Why decode steps are not replayed from CUDA graphs, or None when they are."""
     if device_type != "cuda":
         return "CPU tensors through the Triton interpreter"
@@ -114,4 +117,6 @@ def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes
         return f"tensor parallelism over {communicator.world_size} ranks (collectives inside a graph are unverified)"
     if routes_experts:
         return "mixture-of-experts layers (moe_experts counts each expert's tokens on the host, which a graph cannot)"
+    if latent_attention:
+        return "latent attention (no Triton kernel yet: torch's, over gather groups built on the host each step)"
     return None

@@ -48,5 +48,8 @@ class CudaOps(TorchOps):
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
         return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap)
 
+    def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
+        return super().paged_latent_attention(q_latent, q_rope, cache, step.gathering(), scale)
+
     def sample(self, logits, params):
         return sampling.sample(logits, params)

@@ -93,3 +93,24 @@ def _softcapped(q, k, v, visible, scale, cap):
     weights = mx.softmax(scores, axis=-1)
     out = weights @ v[:, :, None].astype(mx.float32)
     return out.reshape(rows, num_heads, queries, head_dim).astype(q.dtype)
+
+
+def paged_latent_attention(q_latent, q_rope, cache, step: MlxStep, scale):
+    """Attention over a latent cache (see `Ops.paged_latent_attention`), in float32: a group's query
+    heads and tokens stack into the rows of one matmul per part of the key, the latent serving as
+    the value."""
+    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
+    latents = cache.value.reshape(-1, rank)
+    rotary_keys = cache.key.reshape(-1, cache.key.shape[-1])
+    outputs = []
+    for index, group in enumerate(step.groups):
+        rows, queries = group.slots.shape[0], group.query_pos.shape[1]
+        latent_q = q_latent[group.token_index].reshape(rows, queries * num_heads, rank).astype(mx.float32)
+        rotary_q = q_rope[group.token_index].reshape(rows, queries * num_heads, -1).astype(mx.float32)
+        c = latents[group.slots].astype(mx.float32)  # [R, S, rank]
+        r = rotary_keys[group.slots].astype(mx.float32)
+        scores = (latent_q @ c.swapaxes(-1, -2) + rotary_q @ r.swapaxes(-1, -2)) * scale
+        scores = mx.where(step.visible(index, None)[:, :, None], scores.reshape(rows, queries, num_heads, -1), -mx.inf)
+        weights = mx.softmax(scores.reshape(rows, queries * num_heads, -1), axis=-1)
+        outputs.append((weights @ c).reshape(rows * queries, num_heads, rank))
+    return mx.concatenate(outputs, axis=0)[step.token_order].astype(q_latent.dtype)

@@ -99,7 +99,7 @@ class MetalBackend(Backend):
         mx.eval(*values)
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        caches = [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+        caches = [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
                   for _ in range(spec.num_layers)]
         mx.eval(caches)
         return caches
@@ -107,7 +107,7 @@ class MetalBackend(Backend):
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         # Host memory: numpy arrays, outside MLX's working set. bfloat16 blocks travel as float32.
         host_dtype = np.float16 if spec.dtype == "float16" else np.float32
-        return [KVCache(np.zeros(spec.block_shape, host_dtype), np.zeros(spec.block_shape, host_dtype))
+        return [KVCache(np.zeros(spec.block_shape, host_dtype), np.zeros(spec.value_block_shape, host_dtype))
                 for _ in range(spec.num_layers)]
 
     def copy_blocks(self, caches, mapping):

@@ -76,9 +76,8 @@ class MlxOps(Ops):
         # shape: such rows rewrite the first real token's row with that token's own data, or,
         # if no token is real, slot 0 with what it already holds. Identical duplicate writes
         # are harmless in any order.
-        num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
-        key_rows = cache.key.reshape(-1, num_kv_heads, head_dim)
-        value_rows = cache.value.reshape(-1, num_kv_heads, head_dim)
+        key_rows = cache.key.reshape(-1, *cache.key.shape[2:])
+        value_rows = cache.value.reshape(-1, *cache.value.shape[2:])
         real = slot_mapping >= 0
         first_real = mx.argmax(real.astype(mx.int32))
         any_real = mx.any(real)
@@ -119,6 +118,12 @@ class MlxOps(Ops):
         if renormalize:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         return weights * scale, expert_ids.astype(mx.int32)
+
+    def per_head_linear(self, x, weight):
+        return (x.swapaxes(0, 1) @ weight.swapaxes(-1, -2)).swapaxes(0, 1)
+
+    def paged_latent_attention(self, q_latent, q_rope, cache, step, scale):
+        return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
 
     def moe_experts(self, x, weights, expert_ids, gate_up, down):
         check_experts_shapes(x, weights, expert_ids, gate_up, down)

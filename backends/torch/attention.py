@@ -137,6 +137,34 @@ def paged_attention(q: torch.Tensor, cache: KVCache, step: TorchStep, scale: flo
     return out
 
 
+def paged_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: KVCache, step: TorchStep,
+                           scale: float) -> torch.Tensor:
+    """Attention over a latent cache (see `Ops.paged_latent_attention`): every query head meets the one
+    KV head, so a group's query heads and query tokens stack into the rows of one matmul per part of the
+    key (the latent and the rotary key), and the latent serves as the value."""
+    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
+    out = torch.empty_like(q_latent)
+    for group in step.groups:
+        rows, width = group.token_index.shape
+        latents = _gathered(cache.value, group)[:, 0].masked_fill_(group.key_invalid[:, 0], 0)  # [R, S, rank]
+        rotary_keys = _gathered(cache.key, group)[:, 0]  # [R, S, P]
+        visible = group.visible(None)[:, 0, 0]  # [R, Q, S]
+        parts = []
+        for start in range(0, width, QUERY_CHUNK):
+            tokens = group.token_index[:, start:start + QUERY_CHUNK]
+            queries = tokens.shape[1]
+            latent_q = q_latent[tokens].reshape(rows, queries * num_heads, rank).float()
+            rotary_q = q_rope[tokens].reshape(rows, queries * num_heads, -1).float()
+            scores = (latent_q @ latents.transpose(1, 2)).add_(rotary_q @ rotary_keys.transpose(1, 2)).mul_(scale)
+            scores = scores.view(rows, queries, num_heads, -1).masked_fill_(
+                ~visible[:, start:start + queries, None], -math.inf)
+            weights = torch.softmax(scores.view(rows, queries * num_heads, -1), dim=-1)
+            parts.append((weights @ latents).view(rows, queries, num_heads, rank))
+        attended = torch.cat(parts, dim=1).reshape(rows * width, num_heads, rank)
+        out.index_copy_(0, group.real_tokens, attended.index_select(0, group.real_slots).to(q_latent.dtype))
+    return out
+
+
 def _gathered(cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
     """The group's keys (or values) in float32, [R, Hk, S, D]. Past each sequence's end they hold
     whatever the cache did: every such key is outside every query's window."""

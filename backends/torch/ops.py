@@ -114,6 +114,12 @@ class TorchOps(Ops):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * scale, expert_ids.int()
 
+    def per_head_linear(self, x, weight):
+        return torch.matmul(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+
+    def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
+        return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
+
     def moe_experts(self, x, weights, expert_ids, gate_up, down):
         """The picks sorted by expert, then one pair of matmuls per expert some token chose. Counting
         the picks per expert waits for the device, so a step with experts cannot be captured."""

@@ -78,7 +78,8 @@ class HostPlacement:
         return tuple(to_host(tensor) for tensor in tensors)
 
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        return [KVCache(_untouched_zeros(spec), _untouched_zeros(spec)) for _ in range(spec.num_layers)]
+        return [KVCache(_untouched_zeros(spec, spec.block_shape), _untouched_zeros(spec, spec.value_block_shape))
+                for _ in range(spec.num_layers)]
 
     def swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         return self.kv_cache(spec)
@@ -158,24 +159,24 @@ class DevicePlacement:
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
         dtype = torch_dtype(spec.dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, device=self.torch_device),
-                        torch.zeros(spec.block_shape, dtype=dtype, device=self.torch_device))
+                        torch.zeros(spec.value_block_shape, dtype=dtype, device=self.torch_device))
                 for _ in range(spec.num_layers)]
 
     def swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         # Pinned host memory copies to and from a device asynchronously.
         dtype = torch_dtype(spec.dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True),
-                        torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True))
+                        torch.zeros(spec.value_block_shape, dtype=dtype, pin_memory=True))
                 for _ in range(spec.num_layers)]
 
     def keep_quantized(self, weight: QuantizedTensor, dtype: str, role: WeightRole, kernel_chooser):
         return None  # the CPU's quantized kernels do not run here: dequantized
 
 
-def _untouched_zeros(spec: KVCacheSpec) -> torch.Tensor:
+def _untouched_zeros(spec: KVCacheSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Zeros in host memory whose pages the OS maps only when first written (numpy's calloc), so a KV
     cache sized for the worst case occupies RAM only as far as sequences fill it. torch.zeros writes
     every page up front."""
     itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
-    raw = np.zeros(spec.block_shape, dtype=np.dtype(f"u{itemsize}"))
+    raw = np.zeros(shape, dtype=np.dtype(f"u{itemsize}"))
     return torch.from_numpy(raw).view(torch_dtype(spec.dtype))

@@ -237,8 +237,8 @@ class $class_name(Backend):
     # DEVICE, step 2: the KV cache.
 
     def allocate_kv_cache(self, spec):
-        """One KVCache per layer, key and value each `spec.block_shape` in `spec.dtype`."""
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.block_shape, spec.dtype))
+        """One KVCache per layer in `spec.dtype`: key `spec.block_shape`, value `spec.value_block_shape`."""
+        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
                 for _ in range(spec.num_layers)]
 
     def copy_blocks(self, caches, mapping):
@@ -252,7 +252,7 @@ class $class_name(Backend):
     def allocate_swap_space(self, spec):
         """Host memory for `spec.num_blocks` blocks of every layer, which swap_out fills and swap_in
         reads; float32 holds any compute dtype exactly."""
-        return [KVCache(np.zeros(spec.block_shape, np.float32), np.zeros(spec.block_shape, np.float32))
+        return [KVCache(np.zeros(spec.block_shape, np.float32), np.zeros(spec.value_block_shape, np.float32))
                 for _ in range(spec.num_layers)]
 
     def swap_out(self, caches, swap, mapping):

@@ -270,14 +270,15 @@ class Backend(ABC):
 
     @abstractmethod
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        """One KVCache per layer, each of `spec.block_shape` in `spec.dtype`. Its content before the
+        """One KVCache per layer in `spec.dtype`: key of `spec.block_shape`, value of
+        `spec.value_block_shape` (the two differ for a latent cache). Its content before the
         first write does not matter (zeros or not): slots not written yet are never read as keys."""
         raise NotImplementedError(_required("allocate_kv_cache", self, "allocate the paged KV cache"))
 
     @abstractmethod
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
-        """Host memory for `spec.num_blocks` blocks of every layer: one KVCache per layer of
-        `spec.block_shape`, held in host memory (numpy arrays, or tensors that `to_host` reads; pinned
+        """Host memory for `spec.num_blocks` blocks of every layer: one KVCache per layer shaped as
+        `allocate_kv_cache`'s, held in host memory (numpy arrays, or tensors that `to_host` reads; pinned
         where the device copies faster from pinned memory), in `spec.dtype` or, where the host has no
         such type (bfloat16 in numpy), a wider one that holds its values exactly (float32).
         Conformance reads it to check `swap_out` apart from `swap_in`."""

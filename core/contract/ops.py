@@ -56,6 +56,8 @@ OP_NAMES: tuple[str, ...] = (
     "token_logprobs",
     "route_experts",
     "moe_experts",
+    "per_head_linear",
+    "paged_latent_attention",
 )
 
 
@@ -73,7 +75,10 @@ class OpNotSupported(NotImplementedError):
 
 class KVCache(NamedTuple):
     """One layer's paged cache: `key` and `value`, each [num_blocks, block_size, num_kv_heads,
-    head_dim]. Slot s is row `s % block_size` of block `s // block_size`."""
+    head_dim]. Slot s is row `s % block_size` of block `s // block_size`.
+
+    A latent cache (multi-head latent attention, see `Ops.paged_latent_attention`) has one KV head:
+    `key` holds each token's rotary key [.., 1, P] and `value` its compressed latent [.., 1, R]."""
 
     key: Tensor
     value: Tensor
@@ -213,7 +218,8 @@ class Ops:
         raise self._unsupported("gelu")
 
     def write_kv(self, cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> KVCache:
-        """Store each token's key and value [T, Hk, D] in the cache at its slot.
+        """Store each token's key [T, Hk, D] and value [T, Hk, Dv] in the cache at its slot (Dv is D
+        except in a latent cache, where the key is the rotary part and the value the latent).
 
         Token t goes to slot `slot_mapping[t]` (int32 [T]); a slot of -1 writes nothing. Slots
         are distinct. Every other slot keeps its contents. Returns the updated cache.
@@ -364,6 +370,31 @@ class Ops:
         its own choice.
         """
         raise self._unsupported("moe_experts")
+
+    def per_head_linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """One matrix per head: x [T, N, In], weight [N, Out, In] -> [T, N, Out], with
+        out[t, n] = weight[n] @ x[t, n]. `weight` is what `Backend.upload_weight` returned for role
+        PER_HEAD. Multi-head latent attention folds its key and value up-projections into the query and
+        the output with it."""
+        raise self._unsupported("per_head_linear")
+
+    def paged_latent_attention(self, q_latent: Tensor, q_rope: Tensor, cache: KVCache, step: Any,
+                               scale: float) -> Tensor:
+        """Causal attention over a latent cache (multi-head latent attention, DeepSeek V2/V3, in the
+        form that folds the key and value up-projections into the query and the output):
+        q_latent [T, H, R] and q_rope [T, H, P] -> [T, H, R].
+
+        The cache has one KV head: `cache.value` [.., 1, R] holds each key's compressed latent c_j,
+        `cache.key` [.., 1, P] its rotary part r_j, written by `write_kv` (or `rotary_and_write_kv`)
+        with the latent as the value. Which keys a query sees is as in `paged_attention` (causal, no
+        window), and every query head reads the one KV head:
+
+            s_j = scale * (q_latent . c_j + q_rope . r_j)
+            out = sum_j softmax(s)_j * c_j
+
+        Slots the step does not cover may hold anything, NaN included, as in `paged_attention`.
+        """
+        raise self._unsupported("paged_latent_attention")
 
 
 def check_routing(num_experts: int, top_k: int, scoring: str, num_groups: int, top_groups: int,

@@ -32,6 +32,7 @@ class WeightRole(str, Enum):
     NORM = "norm"  # the weight of a norm op, [hidden]
     BIAS = "bias"  # the bias of a linear or a layer norm, [features]
     EXPERTS = "experts"  # one MoE layer's stacked expert weights for `Ops.moe_experts`, [experts, out, in]
+    PER_HEAD = "per_head"  # one matrix per attention head for `Ops.per_head_linear`, [heads, out, in]
 
 
 # Roles whose weights reach a backend still quantized unless it says otherwise: those `Ops.linear`
