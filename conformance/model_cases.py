@@ -44,6 +44,9 @@ _LONGROPE = {
     "max_position_embeddings": 256, "original_max_position_embeddings": 24,
     "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
                      "long_factor": [2.0 + i / 4 for i in range(8)]}}
+_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                 n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                 moe_intermediate_size=32, first_k_dense_replace=1)
 _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 32}
 
@@ -88,6 +91,16 @@ MODEL_CASES = [
                                               "moe_intermediate_size": 48, "mlp_only_layers": [1],
                                               "norm_topk_prob": False}, tensor_parallel=False,
               routes_experts=True),
+    # Latent attention (no q bottleneck in V2, as in V2-Lite; one in V3), a dense first layer, a shared
+    # expert, and routing by groups: 8 experts in 4 groups of which 2 are kept, 2 experts a token. V2
+    # with yarn and DeepSeek's mscale; V3 with its sigmoid scores and a random correction bias.
+    ModelCase("deepseek-v2", "DeepseekV2Config", {
+        **_DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}},
+        tensor_parallel=False, routes_experts=True),
+    ModelCase("deepseek-v3", "DeepseekV3Config", {**_DEEPSEEK, "q_lora_rank": 24, "norm_topk_prob": True},
+              tensor_parallel=False, routes_experts=True),
 ]
 
 
@@ -153,6 +166,9 @@ def make_reference(case: ModelCase, seed: int):
     with torch.no_grad():  # larger than the default init, so logits spread and greedy rarely ties
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zeros as transformers makes it
+                buffer.uniform_(-0.1, 0.1)
     return model.eval()
 
 

@@ -23,7 +23,7 @@ from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_quantized
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
-from candelabra.core.models.layer_weights import DecoderWeights, Experts, Layer, Norm
+from candelabra.core.models.layer_weights import DecoderWeights, Experts, LatentAttention, Layer, Norm
 from candelabra.core.models.sharding import (
     VOCAB_PARALLEL,
     HostWeight,
@@ -60,6 +60,9 @@ class _Loader:
         if config.moe is not None and world_size > 1:
             raise ConfigError(f"a {config.architecture} is a mixture-of-experts model, which candelabra cannot split "
                               f"over {world_size} ranks yet: serve it without tensor parallelism")
+        if config.mla is not None and world_size > 1:
+            raise ConfigError(f"a {config.architecture} has latent attention, which candelabra cannot split over "
+                              f"{world_size} ranks yet: serve it without tensor parallelism")
         self.head_shard = shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
         layout = check_lm_head_layout(lm_head_layout or family.lm_head_layout)
         self.vocab_parallel = self.communicator is not None and layout == VOCAB_PARALLEL
@@ -87,9 +90,11 @@ class _Loader:
         out = f"{attn}.{self.family.attention_out_name}"
         qkv_rows = self._qkv_rows()
         out_columns = None if self.communicator is None else self.head_shard.output_columns(self.config.head_dim)
+        latent = self.config.mla is not None
         layer = Layer(
-            qkv=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight", qkv_rows),
-            qkv_bias=self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias", qkv_rows),
+            qkv=None if latent else self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight", qkv_rows),
+            qkv_bias=None if latent else self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias",
+                                                     qkv_rows),
             out=self._row_parallel(f"{out}.weight", out_columns),
             out_bias=self._row_parallel_bias(f"{out}.bias"),
             norms={name: self._norm(f"{prefix}.{name}") for name in self.block.norm_names
@@ -97,6 +102,8 @@ class _Loader:
             q_norm=self._norm(f"{attn}.q_norm") if f"{attn}.q_norm.weight" in self._names else None,
             k_norm=self._norm(f"{attn}.k_norm") if f"{attn}.k_norm.weight" in self._names else None,
         )
+        if latent:
+            layer.latent_attention = self._latent_attention(attn)
         moe = self.config.moe
         if moe is not None and moe.is_sparse(index):
             layer.experts = self._experts(prefix)
@@ -138,8 +145,43 @@ class _Loader:
         size, hidden = moe.expert_intermediate_size, self.config.hidden_size
         _check_shape(fused_gate_up, gate_up, (moe.num_experts, 2 * size, hidden))
         _check_shape(fused_down, down, (moe.num_experts, hidden, size))
-        return Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
-                       down=self._upload(fused_down, WeightRole.EXPERTS, down))
+        experts = Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
+                          down=self._upload(fused_down, WeightRole.EXPERTS, down))
+        bias = f"{block}.gate.e_score_correction_bias"
+        if bias in self._names:  # float32, as the op takes it: it only breaks near-ties between experts
+            experts.correction_bias = self.backend.to_device(self._host([bias], WeightRole.BIAS), "float32")
+        shared = f"{block}.shared_experts"
+        if f"{shared}.down_proj.weight" in self._names:
+            experts.shared_gate_up = self._fused(shared, "gate_up_proj", ("gate_proj", "up_proj"), "weight")
+            experts.shared_down = self._weight(f"{shared}.down_proj.weight", WeightRole.LINEAR)
+        return experts
+
+    def _latent_attention(self, attn: str) -> LatentAttention:
+        """A layer's latent attention weights (see `LatentAttention`): the query's and the latent's
+        down-projections as one, and kv_b_proj split into each head's absorbed key and value."""
+        mla, heads = self.config.mla, self.config.num_heads
+        q_down = "q_a_proj" if mla.q_lora_rank else "q_proj"
+        parts = (q_down, "kv_a_proj_with_mqa")
+        biases = [f"{attn}.{part}.bias" in self._names for part in parts]
+        if any(biases) and not all(biases):
+            raise ConfigError(f"{attn}: kv_a_proj_with_mqa and {q_down} must both have a bias or neither")
+        name = f"{attn}.kv_b_proj.weight"
+        up = self._host([name], WeightRole.PER_HEAD)
+        nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+        _check_shape(name, up, (heads * (nope + mla.v_head_dim), rank), "kv_b_proj is")
+        up = up.reshape(heads, nope + mla.v_head_dim, rank)
+        weights = LatentAttention(
+            latent_in=self._fused(attn, "latent_in", parts, "weight"),
+            latent_in_bias=self._fused(attn, "latent_in", parts, "bias"),
+            latent_norm=self._norm(f"{attn}.kv_a_layernorm"),
+            absorbed_key=self._upload(f"{name}:key", WeightRole.PER_HEAD,
+                                      np.ascontiguousarray(up[:, :nope].transpose(0, 2, 1))),
+            absorbed_value=self._upload(f"{name}:value", WeightRole.PER_HEAD, np.ascontiguousarray(up[:, nope:])),
+        )
+        if mla.q_lora_rank:
+            weights.q_norm = self._norm(f"{attn}.q_a_layernorm")
+            weights.q_up = self._weight(f"{attn}.q_b_proj.weight", WeightRole.LINEAR)
+        return weights
 
     # One tensor, or several stacked, from the checkpoint to the backend.
 
@@ -253,10 +295,11 @@ class _Loader:
         return intermediate_columns(size, self.communicator.rank, self.communicator.world_size, block)
 
 
-def _check_shape(name: str, weight: np.ndarray, expected: tuple[int, ...]) -> None:
+def _check_shape(name: str, weight: np.ndarray, expected: tuple[int, ...],
+                 what: str = "the experts stacked are") -> None:
     if weight.shape != expected:
-        raise ConfigError(f"{name}: the experts stacked are {list(weight.shape)}, but config.json's expert counts and "
-                          f"sizes make them {list(expected)}")
+        raise ConfigError(f"{name}: {what} {list(weight.shape)}, but config.json's counts and sizes make it "
+                          f"{list(expected)}")
 
 
 def _shifted(indices: range, offset: int) -> range:

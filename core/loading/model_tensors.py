@@ -58,6 +58,8 @@ ARCHITECTURE_TENSORS: dict[str, ArchitectureTensors] = {
     "StableLmForCausalLM": ArchitectureTensors(qkv_bias=("use_qkv_bias", False)),
     "Glm4ForCausalLM": ArchitectureTensors(qkv_bias=("attention_bias", True), fused_gate_up=True),
     "MixtralForCausalLM": ArchitectureTensors(),
+    "DeepseekV2ForCausalLM": ArchitectureTensors(out_bias=_ATTENTION_BIAS, mlp_bias=("mlp_bias", False)),
+    "DeepseekV3ForCausalLM": ArchitectureTensors(out_bias=_ATTENTION_BIAS),
     "Qwen3MoeForCausalLM": ArchitectureTensors(qkv_bias=_ATTENTION_BIAS, out_bias=_ATTENTION_BIAS, qk_norms=True),
 }
 # An architecture a plugin registers without an entry here: the plain decoder, no biases.
@@ -86,12 +88,15 @@ def _layer_tensors(index: int, c: ModelConfig, family: type[DecoderModel],
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     has_qkv_bias = _has(kind.qkv_bias, c)
     tensors: dict[str, TensorSpec] = {}
-    if kind.fused_qkv:
+    if c.mla is not None:
+        tensors |= _latent_attention(attn, c, family, kind)
+    elif kind.fused_qkv:
         tensors |= _linear(f"{attn}.qkv_proj", q_rows + 2 * kv_rows, c.hidden_size, has_qkv_bias)
     else:
         for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
             tensors |= _linear(f"{attn}.{name}", rows, c.hidden_size, has_qkv_bias)
-    tensors |= _linear(f"{attn}.{family.attention_out_name}", c.hidden_size, q_rows, _has(kind.out_bias, c))
+    if c.mla is None:
+        tensors |= _linear(f"{attn}.{family.attention_out_name}", c.hidden_size, q_rows, _has(kind.out_bias, c))
     if kind.qk_norms:
         tensors |= _norm(f"{attn}.q_norm", c.head_dim, family) | _norm(f"{attn}.k_norm", c.head_dim, family)
     sparse = c.moe is not None and c.moe.is_sparse(index)
@@ -115,14 +120,39 @@ def _dense_mlp(mlp: str, c: ModelConfig, family: type[DecoderModel],
     return tensors | _linear(f"{mlp}.down_proj", c.hidden_size, size, has_bias)
 
 
+def _latent_attention(attn: str, c: ModelConfig, family: type[DecoderModel],
+                      kind: ArchitectureTensors) -> dict[str, TensorSpec]:
+    mla, bias = c.mla, _has(_ATTENTION_BIAS, c)
+    q_rows = c.num_heads * mla.qk_head_dim
+    if mla.q_lora_rank:
+        tensors = _linear(f"{attn}.q_a_proj", mla.q_lora_rank, c.hidden_size, bias)
+        tensors |= _norm(f"{attn}.q_a_layernorm", mla.q_lora_rank, family)
+        tensors |= _linear(f"{attn}.q_b_proj", q_rows, mla.q_lora_rank, False)
+    else:
+        tensors = _linear(f"{attn}.q_proj", q_rows, c.hidden_size, False)
+    tensors |= _linear(f"{attn}.kv_a_proj_with_mqa", mla.kv_lora_rank + mla.qk_rope_head_dim, c.hidden_size, bias)
+    tensors |= _norm(f"{attn}.kv_a_layernorm", mla.kv_lora_rank, family)
+    tensors |= _linear(f"{attn}.kv_b_proj", c.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank,
+                       False)
+    return tensors | _linear(f"{attn}.{family.attention_out_name}", c.hidden_size, c.num_heads * mla.v_head_dim,
+                             _has(kind.out_bias, c))
+
+
 def _experts(prefix: str, c: ModelConfig, family: type[DecoderModel]) -> dict[str, TensorSpec]:
     names, moe = family.expert_names, c.moe
     block, size = f"{prefix}.{names.blocks[0]}", moe.expert_intermediate_size
     tensors = {f"{block}.gate.weight": TensorSpec((moe.num_experts, c.hidden_size), WeightRole.LINEAR)}
+    if moe.scoring == "sigmoid":  # DeepSeek-V3's bias for choosing
+        tensors[f"{block}.gate.e_score_correction_bias"] = TensorSpec((moe.num_experts,), WeightRole.BIAS)
     for expert in range(moe.num_experts):
         for name, shape in ((names.gate, (size, c.hidden_size)), (names.up, (size, c.hidden_size)),
                             (names.down, (c.hidden_size, size))):
             tensors[f"{block}.experts.{expert}.{name}.weight"] = TensorSpec(shape, WeightRole.EXPERTS)
+    if moe.shared_intermediate_size:
+        shared, width = f"{block}.shared_experts", moe.shared_intermediate_size
+        tensors |= _linear(f"{shared}.gate_proj", width, c.hidden_size, False)
+        tensors |= _linear(f"{shared}.up_proj", width, c.hidden_size, False)
+        tensors |= _linear(f"{shared}.down_proj", c.hidden_size, width, False)
     return tensors
 
 

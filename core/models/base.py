@@ -82,7 +82,7 @@ class DecoderModel:
         self.vocab_size = weights.vocab_size  # the LM head's rows
         self.embed_tokens, self.lm_head, self.lm_head_bias = weights.embed_tokens, weights.lm_head, weights.lm_head_bias
         self.layers, self.final_norm = weights.layers, weights.final_norm
-        self._sparse_moe = SparseMoeMlp.from_config(config.moe) if config.moe is not None else None
+        self._sparse_moe = SparseMoeMlp(config.moe) if config.moe is not None else None
         self._mlps = [self._dense_mlp if layer.experts is None else self._experts_mlp for layer in self.layers]
         self.rotary = self._rotary_table(config.rope)
         self.local_rotary = self._rotary_table(config.local_rope) if config.local_rope else self.rotary
@@ -90,6 +90,10 @@ class DecoderModel:
         self._local_rotary_device = (backend.to_device(self.local_rotary.table, "float32")
                                      if config.local_rope else self._rotary_device)
         self._embedding_scale = _rounded_to(config.hidden_size**0.5, self.dtype) if self.scale_embeddings else None
+
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """What a token's cache holds per layer: (KV heads, key width, value width)."""
+        return self.num_local_kv_heads, self.config.head_dim, self.config.head_dim
 
     def _rotary_table(self, rope) -> RotaryTable:
         return RotaryTable.build(self.config.rotary_dim, self.config.max_position_embeddings, rope.theta, rope.scaling)

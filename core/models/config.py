@@ -27,7 +27,10 @@ MODEL_TYPE_WORDS: dict[str, tuple[str, ...]] = {
     "gemma3": ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     "stable-lm": ("StableLmForCausalLM",),
     "glm4": ("Glm4ForCausalLM",),
+    "deep-seek": ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
 }
+
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -44,7 +47,9 @@ class RopeConfig:
 @dataclass(frozen=True)
 class MoeConfig:
     """A sparse mixture-of-experts model's MLP settings: each token's MLP is `experts_per_token` of
-    `num_experts` gated experts chosen by a router, except in `dense_layers`, which keep a dense MLP."""
+    `num_experts` gated experts chosen by a router, except in `dense_layers`, which keep a dense MLP.
+    How the router chooses is `Ops.route_experts`' (its arguments of the same names); DeepSeek's layers
+    also run `shared_intermediate_size` wide shared experts on every token."""
 
     num_experts: int
     experts_per_token: int
@@ -52,9 +57,32 @@ class MoeConfig:
     renormalize: bool  # the chosen experts' router weights divided by their sum
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     dense_layers: frozenset[int] = frozenset()
+    num_groups: int = 1
+    top_groups: int = 1
+    group_scoring: Literal["max", "top2_sum"] = "max"
+    routed_scale: float = 1.0
+    shared_intermediate_size: int = 0  # 0: no shared experts
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): keys and values come from one compressed latent of
+    `kv_lora_rank` per token plus a rotary key of `qk_rope_head_dim` shared by all heads; a head's query
+    is `qk_nope_head_dim` features matched against the latent and `qk_rope_head_dim` rotary ones, and its
+    value `v_head_dim` wide. Queries pass through a `q_lora_rank` bottleneck where one is given."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -82,6 +110,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None
+    mla: LatentAttentionConfig | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -90,6 +119,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.mla is not None:  # over the whole query head; yarn's mscale squared on top
+            return self.mla.qk_head_dim**-0.5 * self.rope.scaling.softmax_mscale**2
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def window_of(self, layer: int) -> int | None:
@@ -116,7 +147,7 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                head_dim=_head_dim(config, architectures[0], hidden // heads),
                 max_position_embeddings=max_positions,
                 norm_eps=float(config.get("rms_norm_eps") or config.get("layer_norm_eps") or 1e-6),
                 hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
@@ -131,6 +162,7 @@ class ModelConfig:
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                 moe=_moe_config(config, architectures[0], num_layers),
+                mla=_latent_attention_config(config, architectures[0]),
                 raw=config,
             )
         except KeyError as exc:
@@ -191,12 +223,34 @@ def _layer_types(config: dict, architecture: str, num_layers: int) -> tuple[str,
     return (FULL_ATTENTION,) * num_layers
 
 
+def _head_dim(config: dict, architecture: str, default: int) -> int:
+    """A head's width; DeepSeek's rotary part's, which is what its rotary table and cache are built for."""
+    if architecture in DEEPSEEK_ARCHITECTURES:
+        return int(config["qk_rope_head_dim"])
+    return int(config.get("head_dim") or default)
+
+
+def _latent_attention_config(config: dict, architecture: str) -> LatentAttentionConfig | None:
+    if architecture not in DEEPSEEK_ARCHITECTURES:
+        return None
+    q_lora_rank = config.get("q_lora_rank")
+    return LatentAttentionConfig(
+        kv_lora_rank=int(config["kv_lora_rank"]),
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+        v_head_dim=int(config["v_head_dim"]),
+    )
+
+
 def _moe_config(config: dict, architecture: str, num_layers: int) -> MoeConfig | None:
     """The experts' settings, None for a dense model. Mixtral names its experts num_local_experts,
     Qwen3-MoE num_experts on the Hub (num_local_experts where transformers 5 wrote the config); a
     Qwen3-MoE layer keeps a dense MLP when in mlp_only_layers or when (layer + 1) is not a multiple of
     decoder_sparse_step. Mixtral always renormalizes the chosen experts' weights, Qwen3-MoE when
     norm_topk_prob says so (transformers' default: not)."""
+    if architecture in DEEPSEEK_ARCHITECTURES:
+        return _deepseek_moe_config(config, architecture, num_layers)
     num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     if num_experts == 0:
         return None
@@ -211,4 +265,35 @@ def _moe_config(config: dict, architecture: str, num_layers: int) -> MoeConfig |
         expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
         renormalize=architecture == "MixtralForCausalLM" or bool(config.get("norm_topk_prob", False)),
         dense_layers=frozenset(i for i in range(num_layers) if i in only_dense or (i + 1) % step != 0),
+    )
+
+
+def _deepseek_moe_config(config: dict, architecture: str, num_layers: int) -> MoeConfig | None:
+    """DeepSeek's routed experts: layers below first_k_dense_replace (and, in V2's own code, those not a
+    multiple of moe_layer_freq) are dense. V3 scores with a sigmoid, groups by the sum of each group's
+    best two and keeps topk_group of n_group groups; V2 scores with a softmax and, with
+    group_limited_greedy, groups by each group's best. Both scale the weights by routed_scaling_factor
+    and renormalize them when norm_topk_prob says so."""
+    num_experts = int(config.get("n_routed_experts") or 0)
+    if num_experts == 0:
+        return None
+    top_k = int(config["num_experts_per_tok"])
+    if not 0 < top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok is {top_k}, but a token can only take 1 to {num_experts} experts")
+    first_sparse, frequency = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+    v3 = architecture == "DeepseekV3ForCausalLM"
+    grouped = v3 or config.get("topk_method") == "group_limited_greedy"
+    size = int(config["moe_intermediate_size"])
+    return MoeConfig(
+        num_experts=num_experts,
+        experts_per_token=top_k,
+        expert_intermediate_size=size,
+        renormalize=bool(config.get("norm_topk_prob", v3)),
+        scoring="sigmoid" if v3 else "softmax",
+        dense_layers=frozenset(i for i in range(num_layers) if i < first_sparse or i % frequency),
+        num_groups=int(config.get("n_group") or 1) if grouped else 1,
+        top_groups=int(config.get("topk_group") or 1) if grouped else 1,
+        group_scoring="top2_sum" if v3 else "max",
+        routed_scale=float(config.get("routed_scaling_factor") or 1.0),
+        shared_intermediate_size=size * int(config.get("n_shared_experts") or 0),
     )

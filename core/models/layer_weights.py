@@ -20,11 +20,34 @@ class Norm:
 class Experts:
     """A MoE layer's MLP weights: the router's linear weight [E, H], and every expert's gate and up
     projections stacked [E, 2I, H] (gate rows first) and down projections [E, H, I], uploaded with role
-    EXPERTS."""
+    EXPERTS; DeepSeek's router bias for choosing (float32 [E]) and its shared experts' fused gate and up
+    [2S, H] and down [H, S] linear weights, where the checkpoint has them."""
 
     router: Any
     gate_up: Any
     down: Any
+    correction_bias: Any = None
+    shared_gate_up: Any = None
+    shared_down: Any = None
+
+
+@dataclass
+class LatentAttention:
+    """A layer's multi-head latent attention weights (DeepSeek V2/V3), for this rank's heads:
+    - `latent_in`: the query's down-projection (q_a_proj, or the whole q_proj without a q bottleneck)
+      and kv_a_proj_with_mqa stacked, [Q + R + P, H], with their bias where the checkpoint has one;
+    - `q_norm` and `q_up`: q_a_layernorm and q_b_proj [heads * (N + P), Q], None without a bottleneck;
+    - `latent_norm`: kv_a_layernorm [R];
+    - `absorbed_key` [heads, R, N] and `absorbed_value` [heads, V, R]: kv_b_proj's key and value rows of
+      each head, the key's transposed, role PER_HEAD (`Ops.per_head_linear`)."""
+
+    latent_in: Any
+    latent_in_bias: Any
+    latent_norm: Norm
+    absorbed_key: Any
+    absorbed_value: Any
+    q_norm: Norm | None = None
+    q_up: Any = None
 
 
 @dataclass
@@ -43,6 +66,7 @@ class Layer:
     mlp_out: Any = None
     mlp_out_bias: Any = None
     experts: Experts | None = None  # a MoE layer's MLP, in place of the dense one above
+    latent_attention: LatentAttention | None = None  # DeepSeek's, in place of qkv above
 
 
 @dataclass

@@ -37,18 +37,18 @@ class ExpertNames:
 
 @dataclass(frozen=True)
 class SparseMoeMlp:
-    """Router, routing, experts: `Ops.route_experts` then `Ops.moe_experts`."""
+    """Router, routing, experts: `Ops.route_experts` then `Ops.moe_experts`, plus the shared experts'
+    gated MLP where the layer has them (DeepSeek)."""
 
-    experts_per_token: int
-    renormalize: bool
-    scoring: str = "softmax"
-
-    @classmethod
-    def from_config(cls, moe: MoeConfig) -> SparseMoeMlp:
-        return cls(moe.experts_per_token, moe.renormalize, moe.scoring)
+    moe: MoeConfig
 
     def __call__(self, ops: Ops, experts: Experts, h):
+        moe = self.moe
         router_logits = ops.linear(h, experts.router)
-        weights, expert_ids = ops.route_experts(router_logits, self.experts_per_token, self.scoring,
-                                                self.renormalize)
-        return ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down)
+        weights, expert_ids = ops.route_experts(
+            router_logits, moe.experts_per_token, moe.scoring, moe.renormalize, moe.routed_scale,
+            moe.num_groups, moe.top_groups, moe.group_scoring, experts.correction_bias)
+        routed = ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down)
+        if experts.shared_gate_up is None:
+            return routed
+        return routed + ops.linear(ops.silu_and_mul(ops.linear(h, experts.shared_gate_up)), experts.shared_down)

@@ -5,6 +5,7 @@ from candelabra.plugins import hookimpl
 
 @hookimpl
 def register_model_architectures(register):
+    from candelabra.core.models.deepseek import DeepseekV2, DeepseekV3
     from candelabra.core.models.gemma import Gemma, Gemma2, Gemma3
     from candelabra.core.models.glm4 import Glm4
     from candelabra.core.models.llama import Llama
@@ -27,5 +28,7 @@ def register_model_architectures(register):
         "PhiForCausalLM": Phi2,
         "StableLmForCausalLM": StableLm,
         "Glm4ForCausalLM": Glm4,
+        "DeepseekV2ForCausalLM": DeepseekV2,
+        "DeepseekV3ForCausalLM": DeepseekV3,
     }.items():
         register(name, model)

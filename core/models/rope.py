@@ -38,6 +38,8 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    mscale: float | None = None  # yarn as DeepSeek writes it: cos and sin scaled by
+    mscale_all_dim: float | None = None  # mscale(factor, mscale) / mscale(factor, mscale_all_dim)
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
 
@@ -55,7 +57,7 @@ class RopeScaling:
         original = entry.get("original_max_position_embeddings") or max_position
         factor = entry.get("factor")
         if factor is None:
-            factor = max_position / original if kind == "longrope" else 1.0
+            factor = max_position / original if kind in ("longrope", "yarn") else 1.0
         return cls(
             kind=kind,
             factor=float(factor),
@@ -66,9 +68,19 @@ class RopeScaling:
             beta_fast=float(entry.get("beta_fast") or 32.0),
             beta_slow=float(entry.get("beta_slow") or 1.0),
             attention_factor=entry.get("attention_factor"),
+            mscale=entry.get("mscale"),
+            mscale_all_dim=entry.get("mscale_all_dim"),
             short_factor=tuple(entry["short_factor"]) if entry.get("short_factor") else None,
             long_factor=tuple(entry["long_factor"]) if entry.get("long_factor") else None,
         )
+
+    @property
+    def softmax_mscale(self) -> float:
+        """What DeepSeek's attention multiplies its softmax scale by twice: yarn's mscale at
+        mscale_all_dim (1 without it)."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim)
 
     @property
     def switches_with_length(self) -> bool:
@@ -146,8 +158,14 @@ def attention_factor(s: RopeScaling) -> float:
     if s.factor <= 1:
         return 1.0
     if s.kind == "yarn":
-        return 0.1 * math.log(s.factor) + 1.0
+        if s.mscale and s.mscale_all_dim:
+            return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+        return _yarn_mscale(s.factor, 1.0)
     return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position))
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def cos_sin_table(

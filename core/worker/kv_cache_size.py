@@ -15,9 +15,10 @@ class KVCacheSize:
 
 
 def model_kv_cache(model, num_blocks: int, block_size: int, kv_dtype: str) -> KVCacheSpec:
-    """`model`'s KV cache of `num_blocks` blocks, all layers (its own KV heads, under tensor parallelism)."""
-    c = model.config
-    return KVCacheSpec(c.num_layers, num_blocks, block_size, model.num_local_kv_heads, c.head_dim, kv_dtype)
+    """`model`'s KV cache of `num_blocks` blocks, all layers (its own KV heads, under tensor parallelism;
+    a latent cache for a model with latent attention)."""
+    kv_heads, key_width, value_width = model.kv_cache_dims()
+    return KVCacheSpec(model.config.num_layers, num_blocks, block_size, kv_heads, key_width, kv_dtype, value_width)
 
 
 def one_block(model, block_size: int, kv_dtype: str) -> KVCacheSpec:
