@@ -172,3 +172,24 @@ def test_llm_serves_a_tiny_deepseek_v3_greedily_as_transformers_generates(saved)
     finally:
         llm.close()
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/kv_cache_bytes.py
+
+
+def test_the_latent_cache_holds_576_values_a_token_and_layer_at_deepseek_v2_lite_shapes():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    bench = Path(__file__).parent.parent / "bench"
+    spec = importlib.util.spec_from_file_location("kv_cache_bytes", bench / "kv_cache_bytes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lite = ModelConfig.from_hf(json.loads((bench / "configs" / "deepseek-v2-lite" / "config.json").read_text()))
+    kept, expanded = module.kv_bytes_per_token(lite, "bfloat16")
+    assert kept == 27 * (512 + 64) * 2
+    assert expanded == 27 * 16 * ((128 + 64) + 128) * 2
+    llama = ModelConfig.from_hf(json.loads((bench / "configs" / "llama-3-8b" / "config.json").read_text()))
+    assert module.kv_bytes_per_token(llama, "bfloat16") == (32 * 8 * 128 * 2 * 2, None)

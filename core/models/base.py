@@ -91,9 +91,14 @@ class DecoderModel:
                                      if config.local_rope else self._rotary_device)
         self._embedding_scale = _rounded_to(config.hidden_size**0.5, self.dtype) if self.scale_embeddings else None
 
+    @classmethod
+    def kv_cache_layout(cls, config: ModelConfig, kv_heads: int) -> tuple[int, int, int]:
+        """What a token's cache holds per layer for a rank of `kv_heads` KV heads: (KV heads, key width,
+        value width)."""
+        return kv_heads, config.head_dim, config.head_dim
+
     def kv_cache_dims(self) -> tuple[int, int, int]:
-        """What a token's cache holds per layer: (KV heads, key width, value width)."""
-        return self.num_local_kv_heads, self.config.head_dim, self.config.head_dim
+        return self.kv_cache_layout(self.config, self.num_local_kv_heads)
 
     def _rotary_table(self, rope) -> RotaryTable:
         return RotaryTable.build(self.config.rotary_dim, self.config.max_position_embeddings, rope.theta, rope.scaling)

@@ -30,9 +30,10 @@ class DeepseekV2(DecoderModel):
         if not self.config.raw.get("rope_interleave", True):
             self.rotary_style = "neox"
 
-    def kv_cache_dims(self) -> tuple[int, int, int]:
-        mla = self.config.mla
-        return 1, mla.qk_rope_head_dim, mla.kv_lora_rank
+    @classmethod
+    def kv_cache_layout(cls, config: ModelConfig, kv_heads: int) -> tuple[int, int, int]:
+        """The latent cache: one head, the rotary key as the key and the latent as the value."""
+        return 1, config.mla.qk_rope_head_dim, config.mla.kv_lora_rank
 
     def attention(self, index: int, layer: Layer, h, step, positions, cache):
         mla, ops, weights = self.config.mla, self.ops, layer.latent_attention
