@@ -12,6 +12,7 @@ from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
+from candelabra.core.models.offloaded_experts import ExpertOffload
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
 from candelabra.core.worker.kv_cache_size import blocks_in, device_cache_size, one_block
@@ -40,6 +41,10 @@ class LLM:
     as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `eager_steps` runs
     every step op by op, where the backend would capture it (CUDA graphs) or compile it.
 
+    `num_experts_offload_per_rank` N keeps N of each MoE layer's experts (on each rank) in host
+    memory, with `expert_cache_slots` device slots a layer for those recently routed to (default: a
+    quarter of N, rounded up); see `candelabra.core.models.offloaded_experts`.
+
     `topology` with more than one device serves the model tensor-parallel: this process is rank 0, on
     node 0's first device (`device` is then ignored), and starts node 0's other ranks as processes of
     their own; other nodes start theirs with `candelabra serve --node-rank N`. `close()` stops them."""
@@ -49,18 +54,21 @@ class LLM:
                  kvcache_mem_gpu: float | None = None, kv_fraction: float | None = None, kvcache_mem_cpu: float = 128,
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
-                 eager_steps: bool = False, topology: Topology | None = None, **engine_options) -> None:
+                 eager_steps: bool = False, topology: Topology | None = None, num_experts_offload_per_rank: int = 0,
+                 expert_cache_slots: int | None = None, **engine_options) -> None:
         if isinstance(model, Checkpoint):
             checkpoint = model
         else:
             checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
         self.checkpoint = checkpoint
+        offload = (ExpertOffload(num_experts_offload_per_rank, expert_cache_slots)
+                   if num_experts_offload_per_rank or expert_cache_slots is not None else None)
         backend_cls = backend if isinstance(backend, type) else choose_backend(backend)
         self.workers, self.communicator, self.backend, self._parallel_runner = None, None, None, None
         try:
             if topology is not None and topology.world_size > 1:
                 device = self._start_ranks(topology, backend_cls.name, checkpoint, load_format, dummy_quantization,
-                                           dtype, model_type)
+                                           dtype, model_type, offload)
             if isinstance(device, int):
                 device = Device(device)
             self.backend = backend_cls() if device is None else backend_cls(device)
@@ -69,7 +77,7 @@ class LLM:
                 self.communicator = self.backend.communicator(topology.master_addr, topology.master_port,
                                                               COLLECTIVE_TIMEOUT_SECONDS, self.workers.check_running)
             self.model = load_model(checkpoint, self.backend, dtype, model_type, progress=True,
-                                    communicator=self.communicator)
+                                    communicator=self.communicator, expert_offload=offload)
             checkpoint.release_pages()
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
             self.engine = self._engine(kv_cache_dtype, kvcache_mem_gpu, kv_fraction, kvcache_mem_cpu, engine_options)
@@ -79,14 +87,17 @@ class LLM:
         self._ids = 0
 
     def _start_ranks(self, topology: Topology, backend_name: str, checkpoint: Checkpoint, load_format: str,
-                     dummy_quantization: str | None, dtype: str | None, model_type: str | None) -> Device:
+                     dummy_quantization: str | None, dtype: str | None, model_type: str | None,
+                     offload: ExpertOffload | None) -> Device:
         """Start node 0's ranks other than this one, each in a process of its own; this rank's device."""
         if topology.node_rank != 0:
             raise ValueError(f"the engine runs on node 0; node {topology.node_rank} only runs ranks "
                              "(candelabra serve --node-rank N)")
         source = dict(backend=backend_name, model=str(checkpoint.path), model_id=None, weight_file=None,
                       revision=None, load_format=load_format, dummy_quantization=dummy_quantization, dtype=dtype,
-                      model_type=model_type, topology=topology)
+                      model_type=model_type, topology=topology,
+                      num_experts_offload_per_rank=offload.num_offloaded if offload else 0,
+                      expert_cache_slots=offload.cache_slots if offload else None)
         self.workers = WorkerProcesses([WorkerSpec(**source, local=local)
                                         for local in range(1, len(topology.device_ids))])
         return topology.device(0)

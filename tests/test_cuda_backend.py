@@ -138,3 +138,4 @@ def test_tensor_parallel_steps_and_the_flag_run_without_graphs_and_say_why():
     assert "tensor parallelism over 2 ranks" in why_no_graphs("cuda", False, SimpleNamespace(world_size=2))
     assert "interpreter" in why_no_graphs("cpu", False, None)
     assert "mixture-of-experts" in why_no_graphs("cuda", False, None, routes_experts=True)
+    assert "experts in host memory" in why_no_graphs("cuda", False, None, True, offloads_experts=True)

@@ -82,6 +82,11 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--top-k", "-2"], "--top-k: top_k must be >= 0"),
     (["--penalty", "0"], "--penalty: repetition_penalty must be > 0"),
     (["--repeat-last-n", "-1"], "--repeat-last-n: repeat_last_n must be >= 0"),
+    (["--num-experts-offload-per-rank", "-1"], "--num-experts-offload-per-rank must be at least 1 to keep experts"),
+    (["--num-experts-offload-per-rank", "4", "--expert-cache-slots", "5"],
+     "--expert-cache-slots must be between 1 and --num-experts-offload-per-rank (4), not 5"),
+    (["--expert-cache-slots", "2"], "--expert-cache-slots sizes the device's cache of experts kept in host memory: "
+                                    "give --num-experts-offload-per-rank too"),
 ])
 def test_values_that_cannot_serve_a_request_are_refused(flags, problem):
     with pytest.raises(ValueError) as caught:

@@ -64,6 +64,9 @@ class CpuBackend(Backend):
     def kv_cache_committed_on_write(self) -> bool:
         return True  # np.zeros maps a large array's pages only when written
 
+    def shares_host_memory(self) -> bool:
+        return True  # numpy's arrays are the host's
+
     def synchronize(self) -> None:
         """numpy computes eagerly: by the time a call returns its work is done."""
 

@@ -86,10 +86,12 @@ class CudaBackend(TorchBackend):
     # the step
 
     def step_executor(self, model: Any) -> StepExecutor:
-        routed = any(getattr(layer, "experts", None) is not None for layer in getattr(model, "layers", ()))
+        experts = [each for each in (getattr(layer, "experts", None) for layer in getattr(model, "layers", ()))
+                   if each is not None]
+        offloaded = any(getattr(each, "offloaded", None) is not None for each in experts)
         latent = getattr(getattr(model, "config", None), "mla", None) is not None
-        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None), routed,
-                                latent)
+        why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None),
+                                bool(experts), offloaded, latent)
         if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
@@ -105,7 +107,7 @@ class CudaBackend(TorchBackend):
 
 
 def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes_experts: bool = False,
-                  latent_attention: bool = False) -> str | None:
+                  offloads_experts: bool = False, latent_attention: bool = False) -> str | None:
     """Why decode steps are not replayed from CUDA graphs, or None when they are."""
     if device_type != "cuda":
         return "CPU tensors through the Triton interpreter"
@@ -115,6 +117,9 @@ def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes
         # NCCL can be captured, but the all-reduces inside the step and the per-step broadcast of the
         # schedule have not been run under capture on a GPU yet: until then tensor-parallel steps stay eager.
         return f"tensor parallelism over {communicator.world_size} ranks (collectives inside a graph are unverified)"
+    if offloads_experts:
+        return ("experts in host memory (--num-experts-offload-per-rank: each MoE layer reads its routing on the host "
+                "to copy the experts it picked in)")
     if routes_experts:
         return "mixture-of-experts layers (moe_experts counts each expert's tokens on the host, which a graph cannot)"
     if latent_attention:

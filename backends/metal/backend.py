@@ -92,6 +92,9 @@ class MetalBackend(Backend):
         """Half of the GPU's working set; on the CPU build a quarter of the host's RAM, as cpu."""
         return 0.5 if mx.metal.is_available() else 0.25
 
+    def shares_host_memory(self) -> bool:
+        return True  # Apple silicon's unified memory: the GPU's arrays are in the host's RAM
+
     def synchronize(self) -> None:
         mx.synchronize()
 

@@ -199,6 +199,18 @@ class TorchBackend(Backend):
 
         return describe_cached() if cls.runs_on() == "cpu" else []
 
+    # experts in host memory
+
+    def shares_host_memory(self) -> bool:
+        return self.placement.shares_host_memory
+
+    def host_experts(self, name, weight, dtype):
+        host = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)).to(torch_dtype(self.check_dtype(dtype)))
+        return host.pin_memory() if self.placement.pins_host_memory else host
+
+    def write_expert(self, experts, slot, host, index):
+        experts[slot].copy_(host[index], non_blocking=True)
+
     # communication
 
     def communicator(self, master_addr: str, master_port: int, timeout_s: float = 60.0,

@@ -2,8 +2,8 @@
 device backend standing in on the CPU) or a device with memory of its own. `TorchBackend` chooses one
 when it starts and asks it everything that differs: threads and freed memory, free memory and the KV
 cache's share of it, how the caches and the swap space are allocated, how results come back to the
-host, whether a quantized weight is kept in a CPU kernel's form, and which collective library sums
-the tensors."""
+host, whether experts kept in host memory are apart from the device's and pinned, whether a quantized
+weight is kept in a CPU kernel's form, and which collective library sums the tensors."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ class HostPlacement:
     max_num_batched_tokens = 512
     # Gloo sums CPU tensors, whatever library the device backend would use on its device.
     distributed_library = "gloo"
+    # Experts "in host memory" would be where they are already.
+    shares_host_memory = True
+    pins_host_memory = False
 
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device
@@ -124,10 +127,14 @@ class DevicePlacement:
     kv_cache_fraction = 0.5
     kv_cache_committed_on_write = False
     max_num_batched_tokens = None  # the backend contract's default
+    shares_host_memory = False
 
     def __init__(self, torch_device: torch.device, distributed_library: str) -> None:
         self.torch_device = torch_device
         self.distributed_library = distributed_library
+        # Page-locked host memory, which a device copies from asynchronously; torch's CPU device standing
+        # in for one (in tests) has nothing to pin it for.
+        self.pins_host_memory = torch_device.type != "cpu"
 
     def configure(self, device: Device, default_dtype: str) -> None:
         pass  # a device backend configures its own device

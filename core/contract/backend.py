@@ -6,6 +6,8 @@ hook `register_backends` (see `candelabra.plugins`). The core then:
 * asks `probe()` whether it can run here, and why not, and constructs it for a `Device`;
 * moves data with `to_device` / `to_host`, and weights, named and with their role, dense or
   still quantized in a format it declares in `quantized_formats`, with `upload_weight`;
+* keeps some of a mixture-of-experts model's experts in host memory where asked, and copies each
+  into a device row when it is routed to (`host_experts`, `write_expert`; optional);
 * allocates the paged KV cache (`allocate_kv_cache`) and host swap space
   (`allocate_swap_space`), and copies or swaps whole blocks between steps;
 * hands each step to the backend's executor (`step_executor`), which by default turns the step's
@@ -266,6 +268,29 @@ class Backend(ABC):
                             "takes dense weights only; override upload_weight to keep quantized_formats")
         return self.to_device(weight, dtype)
 
+    # experts in host memory (--num-experts-offload-per-rank)
+
+    def shares_host_memory(self) -> bool:
+        """Whether this backend's tensors are in the host's memory (numpy, torch on a CPU, Apple's
+        unified memory), so that keeping some of a model's experts "in host memory" changes nothing:
+        the core then keeps them all where `upload_weight` puts them, and says so. Default: False."""
+        return False
+
+    def host_experts(self, name: str, weight: np.ndarray, dtype: DType) -> Any:
+        """(optional) Experts kept in host memory, for `write_expert` to copy from: `weight` is
+        float32 [N, out, in], N experts of one projection of the MoE layer's EXPERTS weight `name`
+        (gate_up or down), to be held in `dtype` where the device copies from fastest (pinned
+        memory, where it has it). The core never changes `weight` afterwards."""
+        raise NotImplementedError(cannot_offload_experts(self))
+
+    def write_expert(self, experts: Tensor, slot: int, host: Any, index: int) -> None:
+        """(optional) Copy expert `index` of `host` (what `host_experts` returned) over row `slot` of
+        `experts` (what `upload_weight` returned for the same projection, role EXPERTS), in place. The
+        copy may run asynchronously, but every op called after it must read the new row, and no op
+        called before it may read it (the torch backend queues a non-blocking copy on the stream the
+        ops run on)."""
+        raise NotImplementedError(cannot_offload_experts(self))
+
     # KV cache
 
     @abstractmethod
@@ -337,6 +362,14 @@ class Backend(ABC):
         as float32; `num_top_logprobs` stays an int) plus `host`, the metadata itself; a backend that
         overrides it may return any object its own `sample` reads."""
         return _upload_arrays(self, meta)
+
+
+def cannot_offload_experts(backend: Backend) -> str:
+    """What a backend whose memory is its own, without `host_experts` and `write_expert`, answers to
+    --num-experts-offload-per-rank."""
+    return (f"backend {backend.name!r} cannot keep experts in host memory (--num-experts-offload-per-rank): it "
+            f"does not implement Backend.host_experts and Backend.write_expert ({CONTRACT_PAGE}, 'Experts in host "
+            "memory'); serve without the flag")
 
 
 def _required(method: str, backend: Any, what: str) -> str:

@@ -5,7 +5,8 @@ tensor-parallel rank's shard.
 Query, key and value projections are fused into one matmul at load time, and so are gate and up;
 a checkpoint that stores them fused is read as it is. A MoE layer's experts are stacked into two
 3-D weights (`Experts`), from one tensor per expert and projection or from transformers 5's fused
-ones, where the family's `expert_names` say. Biases and per-head q/k norms are taken where
+ones, where the family's `expert_names` say, the last of them in host memory where an `ExpertOffload` asks
+(`candelabra.core.models.offloaded_experts`). Biases and per-head q/k norms are taken where
 the checkpoint holds them. What differs between families is said by the family class: its block's
 norm names, a gated or plain MLP, its attention output's and final norm's names. With a communicator
 of more than one rank only this rank's part of each weight is read (the rules are in
@@ -24,6 +25,7 @@ from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.layer_weights import DecoderWeights, Experts, LatentAttention, Layer, Norm
+from candelabra.core.models.offloaded_experts import ExpertOffload, OffloadedExperts
 from candelabra.core.models.sharding import (
     VOCAB_PARALLEL,
     HostWeight,
@@ -41,19 +43,23 @@ from candelabra.core.weights import Checkpoint
 
 def load_decoder_weights(family: type[DecoderModel], config: ModelConfig, backend: Backend, checkpoint: Checkpoint,
                          dtype: DType, communicator: Communicator | None = None, lm_head_layout: str | None = None,
-                         progress: bool = False) -> DecoderWeights:
+                         progress: bool = False, expert_offload: ExpertOffload | None = None) -> DecoderWeights:
     """`checkpoint`'s weights for `family` on `backend` in `dtype`: the whole model's, or with a
     `communicator` of more than one rank that rank's shard, its LM head laid out as `lm_head_layout`
-    (one of `sharding.LM_HEAD_LAYOUTS`; the family's default when None). ValueError when the world
-    size does not split the heads (see `sharding.shard_heads`), ConfigError for a MoE model at a world
-    size above 1 (its experts are not sharded yet)."""
-    return _Loader(family, config, backend, checkpoint, dtype, communicator, lm_head_layout, progress).load()
+    (one of `sharding.LM_HEAD_LAYOUTS`; the family's default when None), and with `expert_offload` some
+    of each MoE layer's experts in host memory (see `offloaded_experts`; the backend must take them).
+    ValueError when the world size does not split the heads (see `sharding.shard_heads`), ConfigError
+    for a MoE model at a world size above 1 (its experts are not sharded yet)."""
+    return _Loader(family, config, backend, checkpoint, dtype, communicator, lm_head_layout, progress,
+                   expert_offload).load()
 
 
 class _Loader:
     def __init__(self, family: type[DecoderModel], config: ModelConfig, backend: Backend, checkpoint: Checkpoint,
-                 dtype: DType, communicator: Communicator | None, lm_head_layout: str | None, progress: bool) -> None:
+                 dtype: DType, communicator: Communicator | None, lm_head_layout: str | None, progress: bool,
+                 expert_offload: ExpertOffload | None = None) -> None:
         self.family, self.config, self.backend = family, config, backend
+        self.expert_offload = expert_offload
         self.dtype = backend.check_dtype(dtype)
         self.communicator = communicator if communicator is not None and communicator.world_size > 1 else None
         rank, world_size = (communicator.rank, communicator.world_size) if self.communicator else (0, 1)
@@ -145,8 +151,14 @@ class _Loader:
         size, hidden = moe.expert_intermediate_size, self.config.hidden_size
         _check_shape(fused_gate_up, gate_up, (moe.num_experts, 2 * size, hidden))
         _check_shape(fused_down, down, (moe.num_experts, hidden, size))
-        experts = Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
-                          down=self._upload(fused_down, WeightRole.EXPERTS, down))
+        if self.expert_offload is not None:
+            offloaded = OffloadedExperts.place(
+                self.backend, self.expert_offload, self.config.architecture, (fused_gate_up, fused_down), gate_up,
+                down, self.dtype, lambda name, weight: self._upload(name, WeightRole.EXPERTS, weight))
+            experts = Experts(router=router, gate_up=offloaded.gate_up, down=offloaded.down, offloaded=offloaded)
+        else:
+            experts = Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
+                              down=self._upload(fused_down, WeightRole.EXPERTS, down))
         bias = f"{block}.gate.e_score_correction_bias"
         if bias in self._names:  # float32, as the op takes it: it only breaks near-ties between experts
             experts.correction_bias = self.backend.to_device(self._host([bias], WeightRole.BIAS), "float32")

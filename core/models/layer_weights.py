@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from candelabra.core.contract.dtypes import DType
 from candelabra.core.models.sharding import HeadShard
+
+if TYPE_CHECKING:
+    from candelabra.core.models.offloaded_experts import OffloadedExperts
 
 
 @dataclass
@@ -21,7 +24,9 @@ class Experts:
     """A MoE layer's MLP weights: the router's linear weight [E, H], and every expert's gate and up
     projections stacked [E, 2I, H] (gate rows first) and down projections [E, H, I], uploaded with role
     EXPERTS; DeepSeek's router bias for choosing (float32 [E]) and its shared experts' fused gate and up
-    [2S, H] and down [H, S] linear weights, where the checkpoint has them."""
+    [2S, H] and down [H, S] linear weights, where the checkpoint has them. With some experts in host
+    memory, `offloaded` brings them into the rows after the others (see
+    `candelabra.core.models.offloaded_experts`)."""
 
     router: Any
     gate_up: Any
@@ -29,6 +34,7 @@ class Experts:
     correction_bias: Any = None
     shared_gate_up: Any = None
     shared_down: Any = None
+    offloaded: OffloadedExperts | None = None
 
 
 @dataclass

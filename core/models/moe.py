@@ -3,7 +3,8 @@ token, the best `experts_per_token` run their gated MLPs on it, and their output
 router, are the token's MLP output. How the experts run is the backend's (`Ops.moe_experts`).
 
 `ExpertNames` says where a family's checkpoints keep one MoE layer's tensors, for the loader;
-`SparseMoeMlp` is the graph a MoE layer runs in place of the dense MLP.
+`SparseMoeMlp` is the graph a MoE layer runs in place of the dense MLP, and `run_experts` its experts,
+some of which may be in host memory.
 """
 
 from __future__ import annotations
@@ -48,7 +49,25 @@ class SparseMoeMlp:
         weights, expert_ids = ops.route_experts(
             router_logits, moe.experts_per_token, moe.scoring, moe.renormalize, moe.routed_scale,
             moe.num_groups, moe.top_groups, moe.group_scoring, experts.correction_bias)
-        routed = ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down)
+        routed = run_experts(ops, experts, h, weights, expert_ids)
         if experts.shared_gate_up is None:
             return routed
         return routed + ops.linear(ops.silu_and_mul(ops.linear(h, experts.shared_gate_up)), experts.shared_down)
+
+
+def run_experts(ops: Ops, experts: Experts, h, weights, expert_ids):
+    """`Ops.moe_experts` of the routed picks: at once where the layer's experts are all on the device;
+    where some are in host memory, in the turns that bring them in (`offloaded_experts`), each on the
+    device rows a lookup table gives (`gather_rows` of an int32 [E, 1] table is exact), the picks of
+    other turns weighted 0, and the turns' outputs summed."""
+    if experts.offloaded is None:
+        return ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down)
+    tokens, top_k = expert_ids.shape
+    picks = expert_ids.reshape(tokens * top_k)
+    out = None
+    for turn in experts.offloaded.turns(expert_ids):
+        rows = ops.gather_rows(turn.rows, picks).reshape(tokens, top_k)
+        turn_weights = weights if turn.mask is None else weights * turn.mask
+        part = ops.moe_experts(h, turn_weights, rows, experts.gate_up, experts.down)
+        out = part if out is None else out + part
+    return out

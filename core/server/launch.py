@@ -97,6 +97,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory for swapped-out KV blocks in MB (default 128; 0: preempt by recompute)")
     engine.add_argument("--disable-cuda-graph", action="store_true",
                         help="run every step op by op: no CUDA graphs on cuda, nothing captured or compiled elsewhere")
+    engine.add_argument("--num-experts-offload-per-rank", type=int, default=0, metavar="N",
+                        help="a mixture-of-experts model: keep N of each MoE layer's experts (on each rank) in host "
+                             "memory, copied to the device when routed to; the device keeps --expert-cache-slots of "
+                             "them, the most recently used (default 0: none; changes nothing where the backend's "
+                             "tensors are in host memory already: on a CPU, or in unified memory)")
+    engine.add_argument("--expert-cache-slots", type=int, metavar="S",
+                        help="with --num-experts-offload-per-rank N: device slots per MoE layer for experts from "
+                             "host memory, 1 to N (default: N / 4, rounded up)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     engine.add_argument("--prefill-chunk-size", type=int, default=512,
@@ -185,6 +193,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--kvcache-mem-gpu must be more than 0 MB, not {args.kvcache_mem_gpu:g}")
     if args.kv_fraction is not None:
         check_kv_fraction(args.kv_fraction, "--kv-fraction")
+    if args.num_experts_offload_per_rank or args.expert_cache_slots is not None:
+        from candelabra.core.models.offloaded_experts import ExpertOffload
+
+        if args.num_experts_offload_per_rank == 0:
+            raise ValueError("--expert-cache-slots sizes the device's cache of experts kept in host memory: give "
+                             "--num-experts-offload-per-rank too")
+        ExpertOffload(args.num_experts_offload_per_rank, args.expert_cache_slots)
     if not args.kvcache_mem_cpu >= 0:
         raise ValueError(f"--kvcache-mem-cpu must be 0 MB (no swap space) or more, not {args.kvcache_mem_cpu:g}")
     flags = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "penalty": "repetition_penalty",
@@ -213,7 +228,8 @@ def _run_ranks(args: argparse.Namespace) -> int:
     source = dict(backend=backend.name, model=args.weight_path, model_id=args.model_id, weight_file=args.weight_file,
                   revision=args.revision, load_format=args.load_format, dummy_quantization=args.dummy_quantization,
                   dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None, model_type=args.model_type,
-                  topology=topology)
+                  topology=topology, num_experts_offload_per_rank=args.num_experts_offload_per_rank,
+                  expert_cache_slots=args.expert_cache_slots)
     others = WorkerProcesses([WorkerSpec(**source, local=local) for local in range(1, len(topology.device_ids))])
     first = topology.device(0).rank
     print(f"node {topology.node_rank}: ranks {first} to {first + len(topology.device_ids) - 1} of "
@@ -266,6 +282,10 @@ def _backend_and_checkpoint(args: argparse.Namespace):
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
         config.check_model_type(args.model_type)
+    if args.num_experts_offload_per_rank:
+        from candelabra.core.models.offloaded_experts import ExpertOffload
+
+        ExpertOffload(args.num_experts_offload_per_rank, args.expert_cache_slots).check_model(config)
     return backend, checkpoint
 
 
@@ -305,7 +325,9 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                           kv_cache_dtype=DTYPE_ALIASES[args.kv_cache_dtype] if args.kv_cache_dtype else None,
                           kvcache_mem_gpu=args.kvcache_mem_gpu, kv_fraction=args.kv_fraction,
                           kvcache_mem_cpu=args.kvcache_mem_cpu, model_type=args.model_type,
-                          eager_steps=args.disable_cuda_graph, **engine_options))
+                          eager_steps=args.disable_cuda_graph,
+                          num_experts_offload_per_rank=args.num_experts_offload_per_rank,
+                          expert_cache_slots=args.expert_cache_slots, **engine_options))
         return loaded[0].engine
 
     engine = AsyncEngine(load_model)  # loaded on the thread that will step it
@@ -398,6 +420,7 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
         f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB in {kv.dtype}); "
         f"swap space {config.num_host_blocks} blocks",
         f"          sized by {llm.kv_cache_chosen_by}",
+        *_experts_line(llm.model),
         f"context   {engine.max_model_len} tokens; up to {config.max_num_seqs} sequences per batch",
         f"sampling  {_describe_defaults(served.defaults)}",
         f"API key   {'required' if args.api_key else 'not required'}",
@@ -406,6 +429,14 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
     if not getattr(args, "no_ui", False):
         lines.append(f"chat page {url}/")
     print("\n".join(lines), flush=True)
+
+
+def _experts_line(model) -> list[str]:
+    """How many experts live in host memory, where some do."""
+    from candelabra.core.models.offloaded_experts import describe_offload
+
+    described = describe_offload(model.layers)
+    return [] if described is None else [f"experts   {described}"]
 
 
 def _weights_source(llm) -> str:

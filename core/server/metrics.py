@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own.
 
 Gauges are read from the engine when scraped; counters and latency histograms are fed by each
-request as its outputs arrive (`RequestTimer`).
+request as its outputs arrive (`RequestTimer`), except the expert cache's of a model keeping experts in
+host memory, which the model counts and a scrape reads.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import collections
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from candelabra.core.engine.async_engine import AsyncEngine
+from candelabra.core.models.offloaded_experts import expert_cache_counts, offloaded_layers
 
 disable_created_metrics()  # the *_created series only repeat the start-up time
 
@@ -53,6 +56,9 @@ class ServerMetrics:
         self.ttft = histogram("candelabra_time_to_first_token_seconds", "From arrival to the first generated token.")
         self.itl = histogram("candelabra_inter_token_latency_seconds", "Between successive outputs of a request.")
         self.e2e = histogram("candelabra_e2e_request_latency_seconds", "From arrival to the last output.")
+        layers = getattr(engine.llm_engine.model, "layers", [])
+        if offloaded_layers(layers):
+            self.registry.register(_ExpertCacheCollector(layers, labels))
 
     def finished(self, reason: str) -> None:
         """Count a request that ended: stop, length, abort (client gone) or error."""
@@ -61,6 +67,28 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ExpertCacheCollector:
+    """The counts of a model whose experts are partly in host memory (this rank's, under tensor
+    parallelism), read when scraped: the model counts them as it steps."""
+
+    def __init__(self, layers: list, labels: dict[str, str]) -> None:
+        self.layers, self.labels = layers, labels
+
+    def collect(self):
+        counts = expert_cache_counts(self.layers)
+        for name, doc, value in (
+            ("candelabra_expert_cache_hits", "Routed experts from host memory found in a device slot, per layer "
+                                             "and step.", counts.hits),
+            ("candelabra_expert_cache_misses", "Routed experts from host memory copied into a device slot, per "
+                                               "layer and step.", counts.misses),
+            ("candelabra_expert_bytes_copied", "Bytes of experts copied from host memory to the device.",
+             counts.bytes_copied),
+        ):
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
 
 
 class RequestTimer:

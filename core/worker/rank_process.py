@@ -26,7 +26,7 @@ log = logging.getLogger("candelabra")
 @dataclass(frozen=True)
 class WorkerSpec:
     """All a rank other than 0 needs to load its shard: the backend, the checkpoint as `open_model`
-    takes it, the dtype, and where it sits in the topology."""
+    takes it, the dtype, where it sits in the topology, and how many experts it keeps in host memory."""
 
     backend: str
     model: str | None
@@ -39,6 +39,8 @@ class WorkerSpec:
     model_type: str | None
     topology: Topology
     local: int
+    num_experts_offload_per_rank: int = 0
+    expert_cache_slots: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +79,7 @@ def run_worker(spec: WorkerSpec, while_waiting: Callable[[], None] | None = None
     not all come, as `Backend.communicator` does), load this rank's shard, serve the orders."""
     from candelabra.core.loading.model import load_model
     from candelabra.core.loading.open import open_model
+    from candelabra.core.models.offloaded_experts import ExpertOffload
     from candelabra.plugins import choose_backend
 
     topology = spec.topology
@@ -86,7 +89,10 @@ def run_worker(spec: WorkerSpec, while_waiting: Callable[[], None] | None = None
     try:
         checkpoint = open_model(spec.model, spec.model_id, spec.weight_file, spec.revision, spec.load_format,
                                 spec.dummy_quantization)
-        model = load_model(checkpoint, backend, spec.dtype, spec.model_type, communicator=communicator)
+        offload = (ExpertOffload(spec.num_experts_offload_per_rank, spec.expert_cache_slots)
+                   if spec.num_experts_offload_per_rank else None)
+        model = load_model(checkpoint, backend, spec.dtype, spec.model_type, communicator=communicator,
+                           expert_offload=offload)
         checkpoint.release_pages()
         serve_orders(model, communicator)
     finally:
