@@ -66,9 +66,6 @@ class _Loader:
         if config.moe is not None and world_size > 1:
             raise ConfigError(f"a {config.architecture} is a mixture-of-experts model, which candelabra cannot split "
                               f"over {world_size} ranks yet: serve it without tensor parallelism")
-        if config.mla is not None and world_size > 1:
-            raise ConfigError(f"a {config.architecture} has latent attention, which candelabra cannot split over "
-                              f"{world_size} ranks yet: serve it without tensor parallelism")
         self.head_shard = shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
         layout = check_lm_head_layout(lm_head_layout or family.lm_head_layout)
         self.vocab_parallel = self.communicator is not None and layout == VOCAB_PARALLEL
@@ -95,8 +92,9 @@ class _Loader:
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         out = f"{attn}.{self.family.attention_out_name}"
         qkv_rows = self._qkv_rows()
-        out_columns = None if self.communicator is None else self.head_shard.output_columns(self.config.head_dim)
         latent = self.config.mla is not None
+        value_width = self.config.mla.v_head_dim if latent else self.config.head_dim
+        out_columns = None if self.communicator is None else self.head_shard.output_columns(value_width)
         layer = Layer(
             qkv=None if latent else self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "weight", qkv_rows),
             qkv_bias=None if latent else self._fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "bias",
@@ -114,11 +112,7 @@ class _Loader:
         if moe is not None and moe.is_sparse(index):
             layer.experts = self._experts(prefix)
         elif self.family.gated_mlp:
-            down = f"{mlp}.down_proj.weight"
-            columns = self._intermediate_columns(down)
-            rows = None if columns is None else [columns, _shifted(columns, self._checkpoint.tensor_shape(down)[1])]
-            layer.mlp_in = self._fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"), "weight", rows)
-            layer.mlp_out = self._row_parallel(down, columns)
+            layer.mlp_in, layer.mlp_out = self._gated_mlp(mlp)
         else:
             columns = self._intermediate_columns(f"{mlp}.fc2.weight")
             rows = None if columns is None else [columns]
@@ -162,16 +156,25 @@ class _Loader:
         bias = f"{block}.gate.e_score_correction_bias"
         if bias in self._names:  # float32, as the op takes it: it only breaks near-ties between experts
             experts.correction_bias = self.backend.to_device(self._host([bias], WeightRole.BIAS), "float32")
-        shared = f"{block}.shared_experts"
-        if f"{shared}.down_proj.weight" in self._names:
-            experts.shared_gate_up = self._fused(shared, "gate_up_proj", ("gate_proj", "up_proj"), "weight")
-            experts.shared_down = self._weight(f"{shared}.down_proj.weight", WeightRole.LINEAR)
+        if f"{block}.shared_experts.down_proj.weight" in self._names:
+            experts.shared_gate_up, experts.shared_down = self._gated_mlp(f"{block}.shared_experts")
         return experts
+
+    def _gated_mlp(self, prefix: str):
+        """A gated MLP's fused gate and up projection and its down projection, column- and row-parallel
+        over one range of the intermediate features under tensor parallelism."""
+        down = f"{prefix}.down_proj.weight"
+        columns = self._intermediate_columns(down)
+        rows = None if columns is None else [columns, _shifted(columns, self._checkpoint.tensor_shape(down)[1])]
+        return (self._fused(prefix, "gate_up_proj", ("gate_proj", "up_proj"), "weight", rows),
+                self._row_parallel(down, columns))
 
     def _latent_attention(self, attn: str) -> LatentAttention:
         """A layer's latent attention weights (see `LatentAttention`): the query's and the latent's
-        down-projections as one, and kv_b_proj split into each head's absorbed key and value."""
-        mla, heads = self.config.mla, self.config.num_heads
+        down-projections as one, and kv_b_proj split into each head's absorbed key and value. Under
+        tensor parallelism a rank keeps its query heads' rows of q_proj (or q_b_proj) and of kv_b_proj;
+        the latent's projection and norms, and so the latent cache, are the same on every rank."""
+        mla, heads, shard = self.config.mla, self.config.num_heads, self.head_shard.query_heads
         q_down = "q_a_proj" if mla.q_lora_rank else "q_proj"
         parts = (q_down, "kv_a_proj_with_mqa")
         biases = [f"{attn}.{part}.bias" in self._names for part in parts]
@@ -181,9 +184,14 @@ class _Loader:
         up = self._host([name], WeightRole.PER_HEAD)
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
         _check_shape(name, up, (heads * (nope + mla.v_head_dim), rank), "kv_b_proj is")
-        up = up.reshape(heads, nope + mla.v_head_dim, rank)
+        up = up.reshape(heads, nope + mla.v_head_dim, rank)[shard.start : shard.stop]
+        query_rows = range(shard.start * mla.qk_head_dim, shard.stop * mla.qk_head_dim)
+        latent_rows = None
+        if self.communicator is not None and not mla.q_lora_rank:  # q_proj's heads, then all of kv_a
+            width = heads * mla.qk_head_dim
+            latent_rows = [query_rows, range(width, width + rank + mla.qk_rope_head_dim)]
         weights = LatentAttention(
-            latent_in=self._fused(attn, "latent_in", parts, "weight"),
+            latent_in=self._fused(attn, "latent_in", parts, "weight", latent_rows),
             latent_in_bias=self._fused(attn, "latent_in", parts, "bias"),
             latent_norm=self._norm(f"{attn}.kv_a_layernorm"),
             absorbed_key=self._upload(f"{name}:key", WeightRole.PER_HEAD,
@@ -192,7 +200,8 @@ class _Loader:
         )
         if mla.q_lora_rank:
             weights.q_norm = self._norm(f"{attn}.q_a_layernorm")
-            weights.q_up = self._weight(f"{attn}.q_b_proj.weight", WeightRole.LINEAR)
+            rows = None if self.communicator is None else [query_rows]
+            weights.q_up = self._column_parallel(f"{attn}.q_b_proj.weight", WeightRole.LINEAR, rows)
         return weights
 
     # One tensor, or several stacked, from the checkpoint to the backend.
