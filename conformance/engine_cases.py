@@ -59,9 +59,6 @@ class EngineResult:
 def write_tiny_checkpoint(folder: Path, seed: int) -> None:
     """A random Qwen2ForCausalLM (GQA, qkv biases) and a word-level tokenizer ("w0" .. "w159")."""
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     rng = np.random.default_rng(seed)
 
@@ -91,7 +88,17 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
         "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 1,
     }
     (folder / "config.json").write_text(json.dumps(config))
-    vocabulary = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    write_word_tokenizer(folder, VOCAB)
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` tokens into `folder`: "<unk>" (0), "<eos>" (1), then
+    "w2", "w3", ... split on whitespace."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
     raw = RawTokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)

@@ -1,6 +1,8 @@
 """Tiny random models of every architecture, written as GGUF the way llama.cpp's converter
 writes them: gguf's own Hugging Face -> GGUF tensor names, the converter's q/k permutation
-(llama) and norm shift (Gemma), its metadata keys, 2-D weights in a chosen GGML type.
+(llama, and Mixtral, which GGUF files call llama) and norm shift (Gemma), a MoE layer's experts
+stacked into one 3-D tensor per projection, its metadata keys, 2-D weights and experts in a
+chosen GGML type (a router stays float32, as llama.cpp's quantizer leaves it).
 
 The GGUF loader's tests and the GGUF model conformance cases both build on this.
 """
@@ -8,6 +10,7 @@ The GGUF loader's tests and the GGUF model conformance cases both build on this.
 from __future__ import annotations
 
 import copy
+import re
 
 import gguf
 import numpy as np
@@ -109,14 +112,31 @@ CASES = {
     "stablelm": {"model_type": "stablelm", "qk_layernorm": True, "use_qkv_bias": True,
                  "use_parallel_residual": False, "partial_rotary_factor": 0.25, **LAYER_NORM},
     "glm4": {"model_type": "glm4", "head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.5, **RMS},
+    # 4 experts, 2 a token; every Qwen3-MoE layer sparse and renormalizing, as llama.cpp runs it.
+    "mixtral": {"model_type": "mixtral", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "tie_word_embeddings": False, "rope_theta": 1e6, **RMS},
+    "qwen3moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 64, "norm_topk_prob": True, "tie_word_embeddings": True, **RMS},
 }
+
+# The standard deviation of a tiny model's random weights: 0.3, but 0.15 for the MoE cases (as the
+# models level's own MoE cases draw them). At 0.3 bfloat16's rounding flipped near-ties between two
+# experts often enough to fail the models level in bfloat16 (logits NMSE up to 1.8e-2 over 6 seeds on
+# the torch backend); at 0.15 the worst was 6.1e-4.
+WEIGHT_SCALE = {"mixtral": 0.15, "qwen3moe": 0.15}
+
+# The GGUF architecture of a case named otherwise: llama.cpp calls Mixtral llama.
+GGUF_ARCHITECTURE = {"mixtral": "llama"}
+# Where the Hub's checkpoints keep a MoE family's experts, one tensor each: (block, gate, up, down).
+HUB_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+               "qwen3moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 HF_CLASSES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
-    "glm4": "Glm4ForCausalLM",
+    "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
 }  # fmt: skip
 
 
@@ -132,12 +152,71 @@ def tiny_model(arch, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter).mul(0.3).bfloat16().float())
+            parameter.copy_(torch.randn_like(parameter).mul(WEIGHT_SCALE.get(arch, 0.3)).bfloat16().float())
     return model
 
 
 def settings_of(arch):
     return {**COMMON, **CASES[arch]}
+
+
+def gguf_architecture(arch):
+    return GGUF_ARCHITECTURE.get(arch, arch)
+
+
+def hub_state_dict(model, arch):
+    """`model`'s tensors as float32 numpy arrays under the names the Hub's checkpoints (and a GGUF
+    checkpoint) give them: transformers 5's fused experts, [E, 2I, H] gate then up and [E, H, I], split
+    into one tensor per expert and projection."""
+    state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
+    if arch not in HUB_EXPERTS:
+        return state
+    block, gate, up, down = HUB_EXPERTS[arch]
+    hub = {}
+    for name, tensor in state.items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.(?:gate_up|down)_proj)", name)
+        if layer is None:
+            hub[name] = tensor
+            continue
+        prefix, part = f"model.layers.{layer.group(1)}.{block}", layer.group(2)
+        if part == "gate.weight":  # the router
+            hub[f"{prefix}.gate.weight"] = tensor
+        elif part == "experts.down_proj":
+            hub.update({f"{prefix}.experts.{e}.{down}.weight": expert for e, expert in enumerate(tensor)})
+        else:
+            for e, expert in enumerate(tensor):
+                hub[f"{prefix}.experts.{e}.{gate}.weight"], hub[f"{prefix}.experts.{e}.{up}.weight"] = \
+                    np.split(expert, 2)
+    return hub
+
+
+def transformers_state_dict(tensors, arch):
+    """`hub_state_dict`'s inverse: Hub-named tensors as transformers 5's modules take them."""
+    if arch not in HUB_EXPERTS:
+        return dict(tensors)
+    block, gate, up, down = HUB_EXPERTS[arch]
+    state, experts = {}, {}
+    for name, tensor in tensors.items():
+        found = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.(gate\.weight|experts\.(\d+)\.(\w+)\.weight)", name)
+        if found is None:
+            state[name] = tensor
+        elif found.group(3) is None:
+            state[f"model.layers.{found.group(1)}.mlp.gate.weight"] = tensor
+        else:
+            experts.setdefault(int(found.group(1)), {})[int(found.group(3)), found.group(4)] = tensor
+    for layer, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        prefix = f"model.layers.{layer}.mlp.experts"
+        state[f"{prefix}.gate_up_proj"] = np.stack([np.concatenate([parts[e, gate], parts[e, up]])
+                                                    for e in range(count)])
+        state[f"{prefix}.down_proj"] = np.stack([parts[e, down] for e in range(count)])
+    return state
+
+
+def quantized_by_converter(name, ndim):
+    """Whether llama.cpp stores the Hugging Face parameter `name` in a file's chosen type: every 2-D
+    weight and 3-D experts, but not a MoE router, which its quantizer leaves float32."""
+    return ndim >= 2 and not name.endswith(".gate.weight")
 
 
 def head_dim_of(arch):
@@ -147,7 +226,7 @@ def head_dim_of(arch):
 
 def gguf_metadata(arch):
     """The hyperparameters llama.cpp's converter writes for this architecture."""
-    s, a = settings_of(arch), arch
+    s, a = settings_of(arch), gguf_architecture(arch)
     metadata = {
         f"{a}.context_length": s["max_position_embeddings"],
         f"{a}.embedding_length": s["hidden_size"],
@@ -166,8 +245,13 @@ def gguf_metadata(arch):
         metadata[f"{a}.attention.layer_norm_epsilon"] = s["layer_norm_eps"]
     if "head_dim" in s:
         metadata[f"{a}.attention.key_length"] = metadata[f"{a}.attention.value_length"] = s["head_dim"]
-    if arch in ("llama", "phi3", "phi2", "stablelm", "glm4"):
+    if a in ("llama", "phi3", "phi2", "stablelm", "glm4"):
         metadata[f"{a}.rope.dimension_count"] = int(head_dim_of(arch) * s.get("partial_rotary_factor", 1.0))
+    if arch in HUB_EXPERTS:
+        metadata[f"{a}.expert_count"] = s.get("num_local_experts") or s["num_experts"]
+        metadata[f"{a}.expert_used_count"] = s["num_experts_per_tok"]
+    if "moe_intermediate_size" in s:
+        metadata[f"{a}.expert_feed_forward_length"] = s["moe_intermediate_size"]
     if "sliding_window" in s:
         metadata[f"{a}.attention.sliding_window"] = s["sliding_window"]
     if arch == "gemma2":
@@ -207,12 +291,14 @@ def llama3_rope_factors(arch):
     return np.array(factors, dtype=np.float32)
 
 
-def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False):
+def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata=None):
     """`model` written as llama.cpp's converter writes it: tensors named by gguf's own table,
-    q/k rows permuted (llama), norms + 1 (Gemma), StableLM's per-head norms stacked; 2-D
-    weights stored as `ggml_type`; with `fuse_qkv`, q/k/v fused into attn_qkv."""
-    s = settings_of(arch)
-    arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    q/k rows permuted (llama and Mixtral), norms + 1 (Gemma), StableLM's per-head norms stacked,
+    experts as 3-D [experts, rows, columns] gate, up and down tensors; 2-D weights and experts
+    stored as `ggml_type`, routers float32; with `fuse_qkv`, q/k/v fused into attn_qkv. `metadata`
+    adds to (or overrides) the hyperparameters, e.g. a tokenizer's keys."""
+    s, gguf_arch = settings_of(arch), gguf_architecture(arch)
+    arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch]
     name_map = gguf.get_tensor_name_map(arch_enum, s["num_hidden_layers"])
     tensors, stacked_norms = {}, {}
     for hf_name, tensor in model.state_dict().items():
@@ -224,9 +310,13 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False):
             stacked, head = module.rsplit(".norms.", 1)
             stacked_norms.setdefault(stacked, {})[int(head)] = data
             continue
-        if arch == "llama" and module.endswith("q_proj"):
+        experts = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
+        if experts is not None:
+            tensors.update(stacked_experts(int(experts.group(1)), experts.group(2), data))
+            continue
+        if gguf_arch == "llama" and module.endswith("q_proj"):
             data = permute_like_llama_cpp(data, s["num_attention_heads"])
-        if arch == "llama" and module.endswith("k_proj"):
+        if gguf_arch == "llama" and module.endswith("k_proj"):
             data = permute_like_llama_cpp(data, s["num_key_value_heads"])
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1
@@ -247,8 +337,24 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False):
         tensors["rope_factors_long.weight"] = np.array(s["rope_scaling"]["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(s["rope_scaling"]["short_factor"], dtype=np.float32)
     stored = {
-        name: encoded(data, ggml_type) if data.ndim == 2 and not name.startswith("rope_") else data
+        name: encoded(data, ggml_type) if data.ndim >= 2 and not name.startswith("rope_") and ROUTER not in name
+        else data
         for name, data in tensors.items()
     }
-    write_gguf(path, arch, gguf_metadata(arch), stored)
+    write_gguf(path, gguf_arch, gguf_metadata(arch) | (metadata or {}), stored)
     return tensors
+
+
+ROUTER = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].removeprefix("blk.{bid}.")
+
+
+def stacked_experts(layer, projection, data):
+    """transformers 5's fused experts of one layer (gate_up_proj [E, 2I, H], gate rows first, or
+    down_proj [E, H, I]) as the GGUF tensors llama.cpp's converter stacks them into."""
+    def name(tensor):
+        return f"{gguf.TENSOR_NAMES[tensor].format(bid=layer)}.weight"
+
+    if projection == "down_proj":
+        return {name(gguf.MODEL_TENSOR.FFN_DOWN_EXP): data}
+    gate, up = (np.ascontiguousarray(half) for half in np.split(data, 2, axis=1))
+    return {name(gguf.MODEL_TENSOR.FFN_GATE_EXP): gate, name(gguf.MODEL_TENSOR.FFN_UP_EXP): up}

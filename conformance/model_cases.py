@@ -105,25 +105,37 @@ MODEL_CASES = [
 
 
 # GGUF architectures and tensor types for the quantized cases (K-quants cannot be made in Python;
-# the default model's Q4_K and Q6_K tensors cover them).
+# the default model's Q4_K and Q6_K tensors cover them). The MoE families' experts are in a float type,
+# an int8 one and an int4 one.
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+GGUF_MOE_ARCHITECTURES = ("mixtral", "qwen3moe")
+GGUF_MOE_TYPES = ("F16", "Q8_0", "Q4_0")
 
 
 @dataclass(frozen=True)
 class GGUFModelCase:
-    """A tiny model written as llama.cpp writes GGUF, 2-D weights in `ggml_type`, checked against
-    transformers running the same weights quantized and dequantized by gguf."""
+    """A tiny model written as llama.cpp writes GGUF, 2-D weights (and experts) in `ggml_type`, checked
+    against transformers running the same weights quantized and dequantized by gguf."""
 
-    arch: str
+    arch: str  # a case of gguf_models.CASES
     ggml_type: str
 
     @property
     def name(self) -> str:
         return f"gguf-{self.arch}-{self.ggml_type.lower()}"
 
+    @property
+    def routes_experts(self) -> bool:
+        return self.arch in GGUF_MOE_ARCHITECTURES
 
-GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES]
+    @property
+    def tensor_parallel(self) -> bool:
+        return not self.routes_experts
+
+
+GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES] + [
+    GGUFModelCase(arch, kind) for arch in GGUF_MOE_ARCHITECTURES for kind in GGUF_MOE_TYPES]
 
 
 @dataclass
@@ -249,8 +261,7 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int,
             except OpNotSupported as exc:
                 return ModelResult(case.name, type(reference).__name__, NOT_SUPPORTED, None, "", seed, str(exc))
     prompt = np.random.default_rng(seed).integers(3, vocab, prompt_tokens)
-    routed = isinstance(case, ModelCase) and case.routes_experts
-    thresholds = MOE_MODEL_NMSE_THRESHOLDS if routed else MODEL_NMSE_THRESHOLDS
+    thresholds = MOE_MODEL_NMSE_THRESHOLDS if case.routes_experts else MODEL_NMSE_THRESHOLDS
     return _compare(backend, case.name, _rounded(reference, dtype), model, prompt, seed, dtype, thresholds[dtype])
 
 
@@ -270,15 +281,15 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
     import torch
     from gguf import GGMLQuantizationType
 
-    from candelabra.conformance.gguf_models import convert_to_gguf, round_tripped, tiny_model
+    from candelabra.conformance.gguf_models import convert_to_gguf, quantized_by_converter, round_tripped, tiny_model
 
     kind = GGMLQuantizationType[case.ggml_type]
     model = tiny_model(case.arch, seed)
     path = f"{folder}/{case.name}.gguf"
     convert_to_gguf(model, case.arch, path, kind)
-    with torch.no_grad():  # what the file stores: every 2-D weight through the quantizer
-        for parameter in model.parameters():
-            if parameter.ndim == 2:
+    with torch.no_grad():  # what the file stores: every 2-D weight and the experts through the quantizer
+        for name, parameter in model.named_parameters():
+            if quantized_by_converter(name, parameter.ndim):
                 parameter.copy_(torch.from_numpy(round_tripped(parameter.numpy(), kind)))
     return model, path
 

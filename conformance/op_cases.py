@@ -25,7 +25,7 @@ from candelabra.core.contract.step_metadata import (
     pad_token_lists,
     token_mask_words,
 )
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
 from candelabra.core.models.rope import RopeScaling, cos_sin_table
 
 # How far a sampled token's inverse-CDF interval may sit from the draw: float32 cumulative sums
@@ -458,6 +458,26 @@ def check_moe_experts(h: Harness, tokens: int, hidden: int, intermediate: int, e
     x = h.rand(tokens, hidden)
     gate_up = h.rand(experts, 2 * intermediate, hidden, scale=hidden**-0.5)
     down = h.rand(experts, hidden, intermediate, scale=intermediate**-0.5)
+    _check_experts(h, x, gate_up, down, top_k, gate_up, down, h.threshold)
+
+
+def check_quantized_moe_experts(h: Harness, format: str, tokens: int, hidden: int, intermediate: int, experts: int,
+                                top_k: int) -> None:
+    """Experts still in a GGUF format, for a backend that keeps it for the experts role: the oracle
+    multiplies by their dequantized values, as for a quantized `linear`."""
+    if format not in h.backend.quantized_formats or WeightRole.EXPERTS not in h.backend.quantized_roles:
+        raise OpNotSupported(h.backend.name, "moe_experts",
+                             f"it keeps no {format} experts (quantized_formats, quantized_roles)")
+    x = h.rand(tokens, hidden)
+    gate_up = QuantizedTensor.stack([random_quantized(h.rng, format, 2 * intermediate, hidden) for _ in range(experts)])
+    down = QuantizedTensor.stack([random_quantized(h.rng, format, hidden, intermediate) for _ in range(experts)])
+    threshold = max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format])
+    _check_experts(h, x, gate_up, down, top_k, gate_up.dequantize(), down.dequantize(), threshold)
+
+
+def _check_experts(h: Harness, x: np.ndarray, gate_up, down, top_k: int, gate_up_values: np.ndarray,
+                   down_values: np.ndarray, threshold: float) -> None:
+    tokens, experts = x.shape[0], gate_up.shape[0]
     available = h.rng.choice(experts, experts - experts // 4, replace=False)
     ids = np.stack([h.rng.choice(available, top_k, replace=False) for _ in range(tokens)])
     weights = h.rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
@@ -465,7 +485,8 @@ def check_moe_experts(h: Harness, tokens: int, hidden: int, intermediate: int, e
                  h.upload_weight("experts.gate_up_proj", WeightRole.EXPERTS, gate_up),
                  h.upload_weight("experts.down_proj", WeightRole.EXPERTS, down))
     h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
-    h.close("out", out, oracle.moe_experts(x, weights, ids, gate_up, down, lambda a: round_to(a, h.dtype)))
+    h.close("out", out, oracle.moe_experts(x, weights, ids, gate_up_values, down_values,
+                                           lambda a: round_to(a, h.dtype)), threshold=threshold)
 
 
 def check_memory(h: Harness, shape: tuple) -> None:
@@ -617,13 +638,23 @@ def _kv_dtype_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case
             for case in _grid(op, check, (dtype,), kv_dtype=[kv_dtype], **axes)]
 
 
-def _quantized_linear_grid(dtypes, **axes) -> list[Case]:
-    """Quantized `linear` cases, one format each, reported apart from the dense ones."""
+# Quantized experts are multiplied by the kernels of quantized linear weights, whose cases cover every
+# format: these cover each kind of form a backend may keep them in (int8 rows, int4 groups from a legacy
+# and from a K format, K-format blocks).
+EXPERT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+
+def _quantized_grid(op: str, check, dtypes, formats=GGUF_QUANTIZED_FORMATS, **axes) -> list[Case]:
+    """Cases of `op` with its weights quantized, one format each, reported apart from the dense ones."""
     return [
-        Case("linear", case.dtype, case.params, case.check, weight_format=dict(case.params)["format"])
-        for format in GGUF_QUANTIZED_FORMATS
-        for case in _grid("linear", check_quantized_linear, dtypes, format=[format], **axes)
+        Case(op, case.dtype, case.params, case.check, weight_format=dict(case.params)["format"])
+        for format in formats
+        for case in _grid(op, check, dtypes, format=[format], **axes)
     ]
+
+
+def _quantized_linear_grid(dtypes, **axes) -> list[Case]:
+    return _quantized_grid("linear", check_quantized_linear, dtypes, **axes)
 
 
 def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str, ...]] | None = None) -> list[Case]:
@@ -718,6 +749,9 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                experts=[8], top_k=[2]),
         *_grid("moe_experts", check_moe_experts, dtypes, tokens=[1, 33], hidden=[256], intermediate=[128],
                experts=[16], top_k=[4]),
+        # Widths of whole K-format blocks, as for quantized linear.
+        *_quantized_grid("moe_experts", check_quantized_moe_experts, dtypes, EXPERT_FORMATS, tokens=[5],
+                         hidden=[256], intermediate=[256], experts=[4], top_k=[2]),
         *_grid("memory", check_memory, dtypes, shape=[(3, 5, 7)]),
         *_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, layers=[3], block_size=[16, 32], kv_heads=[2],
                head_dim=[128]),

@@ -1,5 +1,6 @@
 """A real `candelabra serve` in a child process, on 127.0.0.1 and a free port, serving a tiny
-random model whose word-level vocabulary has thinking tags and whose chat template can open one."""
+random model whose word-level vocabulary has thinking tags and whose chat template can open one;
+and tiny MoE checkpoints, as safetensors and as GGUF, each with a tokenizer and a chat template."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from candelabra.conformance.engine_cases import write_tiny_checkpoint
+from candelabra.conformance.engine_cases import write_tiny_checkpoint, write_word_tokenizer
 
 THINK_WORDS = {"w158": "<think>", "w159": "</think>"}
 CHAT_TEMPLATE = (
@@ -40,6 +41,51 @@ def write_chat_checkpoint(folder: Path, seed: int = 11) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(config))
     return folder
+
+
+MOE_CHAT_TEMPLATE = ("{% for m in messages %}w5 {{ m['content'] }} {% endfor %}"
+                     "{% if add_generation_prompt %}w6{% endif %}")
+GGUF_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
+
+
+def write_moe_checkpoints(folder: Path, arch: str) -> tuple[Path, Path]:
+    """conformance's tiny random `arch` model (a gguf_models case: mixtral or qwen3moe) saved by
+    transformers with a word-level tokenizer ("<unk>", "<eos>", "w2" ...) and a chat template, and
+    converted to GGUF with Q4_0 weights and experts and a byte-pair tokenizer of its own ("<s>",
+    "</s>", letters and pairs of them). Returns the folder and the .gguf file."""
+    from gguf import GGMLQuantizationType
+
+    from candelabra.conformance.gguf_models import convert_to_gguf, settings_of, tiny_model
+
+    model = tiny_model(arch)
+    vocab_size = settings_of(arch)["vocab_size"]
+    saved = folder / arch
+    model.save_pretrained(saved)
+    write_word_tokenizer(saved, vocab_size)
+    config_file = saved / "tokenizer_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": MOE_CHAT_TEMPLATE}))
+    gguf_file = folder / f"{arch}-q4_0.gguf"
+    convert_to_gguf(model, arch, gguf_file, GGMLQuantizationType.Q4_0, metadata=byte_pair_tokenizer(vocab_size))
+    return saved, gguf_file
+
+
+def byte_pair_tokenizer(vocab_size: int) -> dict:
+    """GGUF metadata for a GPT-2 style tokenizer of `vocab_size` tokens: "<s>" (0) and "</s>" (1), the
+    letters with and without a leading space ("Ġ"), then two-letter words, each with its merge."""
+    letters = [chr(code) for code in range(ord("a"), ord("z") + 1)]
+    tokens = ["<s>", "</s>", "Ġ", *letters, *("Ġ" + letter for letter in letters)]
+    pairs = [a + b for a in "aeiou" for b in letters][: vocab_size - len(tokens)]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens + pairs,
+        "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) + len(pairs) - 2),
+        "tokenizer.ggml.merges": [f"Ġ {letter}" for letter in letters] + [f"{pair[0]} {pair[1]}" for pair in pairs],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.padding_token_id": 1,
+        "tokenizer.chat_template": GGUF_CHAT_TEMPLATE,
+    }
 
 
 class LiveServer:

@@ -2,15 +2,16 @@
 receives, one that keeps every GGUF format candelabra reads, one that also rounds activations as
 fast kernels do, and one with a quantized kernel bug.
 
-`QuantizedCpuBackend.linear` multiplies by a `QuantizedTensor`'s dequantized values on every
-call: slow, but an honest kernel for the formats it declares.
+`QuantizedCpuBackend.linear` (and `moe_experts`, whose experts it keeps quantized too) multiplies
+by a `QuantizedTensor`'s dequantized values on every call: slow, but an honest kernel for the
+formats it declares.
 """
 
 import numpy as np
 
 from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.cpu.ops import NumpyOps
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 
 
 class RecordingCpuBackend(CpuBackend):
@@ -35,10 +36,15 @@ class _DequantizingOps(NumpyOps):
             weight = weight.dequantize()
         return super().linear(x, weight, bias)
 
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        gate_up, down = (w.dequantize() if isinstance(w, QuantizedTensor) else w for w in (gate_up, down))
+        return super().moe_experts(x, weights, expert_ids, gate_up, down)
+
 
 class QuantizedCpuBackend(RecordingCpuBackend):
     name = "cpu-quantized"
     quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
+    quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EXPERTS}
     ops_class = _DequantizingOps
 
     def __init__(self, *args, **kwargs):

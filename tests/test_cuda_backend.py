@@ -139,3 +139,23 @@ def test_tensor_parallel_steps_and_the_flag_run_without_graphs_and_say_why():
     assert "interpreter" in why_no_graphs("cpu", False, None)
     assert "mixture-of-experts" in why_no_graphs("cuda", False, None, routes_experts=True)
     assert "experts in host memory" in why_no_graphs("cuda", False, None, True, offloads_experts=True)
+
+
+def test_int4_experts_are_kept_one_int4_weight_per_expert_and_other_formats_as_one_dense_tensor():
+    """The int4 GEMM takes each expert's rows as it takes a linear weight's; formats it has no kernel for are
+    dequantized, as linear weights of those formats are."""
+    from candelabra.backends.cuda.quantized import Int4CudaWeight
+    from candelabra.backends.torch.expert_weights import ExpertWeights
+    from candelabra.conformance.quantized_weights import random_quantized
+    from candelabra.core.contract.weights import QuantizedTensor, WeightRole
+
+    rng = np.random.default_rng(3)
+    backend = CudaBackend()
+    int4 = QuantizedTensor.stack([random_quantized(rng, "Q4_K", 64, 256) for _ in range(3)])
+    kept = backend.upload_weight("experts.down_proj", WeightRole.EXPERTS, int4, "float32")
+    assert isinstance(kept, ExpertWeights) and kept.shape == (3, 64, 256)
+    assert all(isinstance(expert, Int4CudaWeight) for expert in kept.experts)
+    int8 = QuantizedTensor.stack([random_quantized(rng, "Q8_0", 64, 256) for _ in range(3)])
+    dense = backend.upload_weight("experts.down_proj", WeightRole.EXPERTS, int8, "float32")
+    assert isinstance(dense, torch.Tensor) and dense.shape == (3, 64, 256)
+    np.testing.assert_array_equal(dense.cpu().numpy(), int8.dequantize())

@@ -29,10 +29,13 @@ from candelabra.conformance.gguf_models import (
     PHI3_LONGROPE,
     convert_to_gguf,
     encoded,
+    gguf_architecture,
     gguf_metadata,
     head_dim_of,
+    hub_state_dict,
     round_tripped,
     tiny_model,
+    transformers_state_dict,
     write_gguf,
 )
 from candelabra.core.weights import CheckpointError, default_model
@@ -59,14 +62,15 @@ def minimal_metadata(arch="qwen2", **changes):
     return {key: value for key, value in metadata.items() if value is not None}
 
 
-def hf_model_from(checkpoint):
+def hf_model_from(checkpoint, arch):
     """A transformers model built from the synthesized config and loaded with `checkpoint`."""
     import torch
     import transformers
     settings = dict(checkpoint.config)
     config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    state = {name: torch.from_numpy(checkpoint.load(name)) for name in checkpoint.tensor_names()}
+    tensors = transformers_state_dict({name: checkpoint.load(name) for name in checkpoint.tensor_names()}, arch)
+    state = {name: torch.from_numpy(tensor) for name, tensor in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected
     assert set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
@@ -106,7 +110,7 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_tensors_come_back_with_hugging_face_names_shapes_and_values(converted, arch):
     model, path, _ = converted(arch)
-    expected = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    expected = hub_state_dict(model, arch)
     if model.config.tie_word_embeddings:
         del expected["lm_head.weight"]
     with GGUFCheckpoint(path) as checkpoint:
@@ -144,7 +148,7 @@ def test_synthesized_config_matches_the_model(converted, arch):
 def test_transformers_model_from_synthesized_config_computes_the_same_logits(converted, arch):
     model, path, _ = converted(arch)
     with GGUFCheckpoint(path) as checkpoint:
-        rebuilt = hf_model_from(checkpoint)
+        rebuilt = hf_model_from(checkpoint, arch)
     np.testing.assert_allclose(logits(rebuilt, TOKENS), logits(model, TOKENS), rtol=1e-5, atol=1e-5)
 
 
@@ -246,11 +250,81 @@ def test_phi3_longrope_factors_move_into_the_config(converted):
     assert config["original_max_position_embeddings"] == 64
 
 
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts: Mixtral (a llama file with experts) and Qwen3-MoE
+
+
+def test_a_llama_file_with_experts_is_a_mixtral_and_qwen3moe_renormalizes_as_llama_cpp_does(converted):
+    with GGUFCheckpoint(converted("mixtral")[1]) as checkpoint:
+        mixtral = checkpoint.config
+    with GGUFCheckpoint(converted("qwen3moe")[1]) as checkpoint:
+        qwen = checkpoint.config
+    assert mixtral["architectures"] == ["MixtralForCausalLM"] and mixtral["model_type"] == "mixtral"
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"], mixtral["intermediate_size"]) == (4, 2, 96)
+    assert (qwen["num_experts"], qwen["num_experts_per_tok"], qwen["moe_intermediate_size"]) == (4, 2, 64)
+    # llama.cpp renormalizes Qwen3-MoE's chosen weights and makes every layer sparse, whatever
+    # transformers' defaults (norm_topk_prob false) would say.
+    assert qwen["norm_topk_prob"] is True and qwen["mlp_only_layers"] == [] and qwen["decoder_sparse_step"] == 1
+
+
+def test_the_expert_axis_is_gguf_s_last_dimension_and_numpy_s_first(converted):
+    """llama.cpp stacks a projection's experts as ne = [in_features, out_features, experts]: expert
+    e is the e-th block of rows in row-major order."""
+    model, path, _ = converted("mixtral")
+    stacked = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    assert [int(n) for n in stacked.shape] == [96, 64, 4]  # intermediate, hidden, experts
+    down = model.state_dict()["model.layers.1.mlp.experts.down_proj"].numpy()
+    with GGUFCheckpoint(path) as checkpoint:
+        assert checkpoint.tensor_shape("model.layers.1.block_sparse_moe.experts.3.w2.weight") == (64, 96)
+        for expert in range(4):
+            name = f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"
+            np.testing.assert_array_equal(checkpoint.load(name), down[expert], err_msg=name)
+
+
+def test_qwen3moe_tensors_equal_what_transformers_gguf_loader_reads(converted):
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    _, path, _ = converted("qwen3moe")
+    config = transformers.AutoConfig.for_model(**load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    with GGUFCheckpoint(path) as checkpoint:
+        ours = transformers_state_dict({name: checkpoint.load(name) for name in checkpoint.tensor_names()}, "qwen3moe")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        np.testing.assert_array_equal(tensor, theirs[name].float().numpy(), err_msg=name)
+
+
+def test_expert_weights_norm_false_turns_qwen3moe_renormalizing_off(converted, tmp_path):
+    _, _, written = converted("qwen3moe")
+    metadata = {**gguf_metadata("qwen3moe"), "qwen3moe.expert_weights_norm": False}
+    with GGUFCheckpoint(write_gguf(tmp_path / "plain.gguf", "qwen3moe", metadata, written)) as checkpoint:
+        assert checkpoint.config["norm_topk_prob"] is False
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"qwen3moe.expert_count": 3}, r"blk\.0\.ffn_gate_exps\.weight' is \[4, 64, 64\], expected \[3 experts"),
+    ({"qwen3moe.expert_used_count": 5}, "routes each token to 5 of its 4 experts"),
+    ({"qwen3moe.expert_feed_forward_length": None}, "lacks the metadata key 'qwen3moe.expert_feed_forward_length'"),
+])
+def test_expert_metadata_that_does_not_fit_is_a_one_line_error(converted, tmp_path, changes, match):
+    _, _, written = converted("qwen3moe")
+    metadata = {key: value for key, value in (gguf_metadata("qwen3moe") | changes).items() if value is not None}
+    path = write_gguf(tmp_path / "bad.gguf", "qwen3moe", metadata, written)
+    with pytest.raises(CheckpointError, match=match) as error:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(error.value)
+
+
 def test_every_layout_uses_names_gguf_knows_for_its_architecture():
     for arch, layout in LAYOUTS.items():
         arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-        assert set(layout.layer) <= set(gguf.MODEL_TENSORS[arch_enum]), arch
-    assert set(LAYOUTS) == set(ARCHITECTURES) == set(CASES)
+        experts = set(layout.experts.names) if layout.experts else set()
+        assert set(layout.layer) | experts <= set(gguf.MODEL_TENSORS[arch_enum]), arch
+    assert set(LAYOUTS) == set(ARCHITECTURES) == {gguf_architecture(arch) for arch in CASES}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,9 +4,12 @@ A GGUF file with K-quant linear weights (random blocks: Python cannot make K-qua
 a backend that keeps every GGUF format and on one that keeps none. The first must get the
 file's own blocks, in Hugging Face's row order, for the linear and LM-head roles only, and
 compute what the second computes from float weights; conformance must count quantized `linear`
-cases as not supported where no format is kept, and fail a kernel that gets one wrong.
+cases as not supported where no format is kept, and fail a kernel that gets one wrong. A MoE GGUF's
+quantized experts reach a backend that keeps their format for the experts role as the file's blocks,
+stacked, and any other backend dense.
 """
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -14,12 +17,18 @@ from gguf import GGMLQuantizationType as Q
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance import oracle
 from candelabra.conformance.compare import nmse
-from candelabra.conformance.gguf_models import gguf_metadata, permute_like_llama_cpp, write_gguf
+from candelabra.conformance.gguf_models import (
+    convert_to_gguf,
+    gguf_metadata,
+    permute_like_llama_cpp,
+    tiny_model,
+    write_gguf,
+)
 from candelabra.conformance.harness import FAILED, NOT_SUPPORTED, PASSED, run_case
 from candelabra.conformance.model_cases import GGUFModelCase, run_model_case
 from candelabra.conformance.op_cases import op_cases
 from candelabra.conformance.quantized_weights import random_quantized
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 from candelabra.core.loading.model import load_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from quantized_backends import (
@@ -59,13 +68,31 @@ def test_concatenated_rows_dequantize_to_the_stacked_weights():
         QuantizedTensor.concatenate([parts[0], random_quantized(rng, "Q6_K", 2, 512)])
 
 
+def test_stacked_experts_dequantize_to_the_stacked_weights_and_unstack_to_them():
+    rng = np.random.default_rng()
+    experts = [random_quantized(rng, "Q4_K", 3, 256) for _ in range(4)]
+    stacked = QuantizedTensor.stack(experts)
+    assert stacked.shape == (4, 3, 256) and stacked.format == "Q4_K"
+    np.testing.assert_array_equal(stacked.dequantize(), np.stack([e.dequantize() for e in experts]))
+    for expert, back in zip(experts, stacked.unstack()):
+        assert back.shape == expert.shape
+        np.testing.assert_array_equal(back.blocks, expert.blocks)
+    with pytest.raises(ValueError, match="differ in format or width"):
+        QuantizedTensor.stack([experts[0], random_quantized(rng, "Q4_K", 2, 256)])
+    with pytest.raises(ValueError, match="not 2-D"):
+        QuantizedTensor.concatenate([stacked, stacked])
+    with pytest.raises(ValueError, match="is not a stack of experts"):
+        experts[0].unstack()
+
+
 @pytest.mark.parametrize("format, blocks, shape, message", [
     ("F16", np.zeros((2, 64), np.uint8), (2, 32), "'F16' is not a quantized GGUF format; candelabra reads Q8_0"),
     ("Q9_9", np.zeros((2, 64), np.uint8), (2, 32), "'Q9_9' is not a quantized GGUF format"),
     ("Q4_K", np.zeros((2, 144), np.uint8), (2, 100), "Q4_K packs 256 values per block; 100 columns"),
     ("Q4_0", np.zeros((2, 36), np.uint8), (2, 32), r"uint8 \[2, 18\], got uint8 \[2, 36\]"),
     ("Q4_0", np.zeros((2, 18), np.int8), (2, 32), r"got int8 \[2, 18\]"),
-    ("Q4_0", np.zeros((2, 18), np.uint8), (2, 32, 1), "2-D"),
+    ("Q4_0", np.zeros((2, 18), np.uint8), (64,), "2-D"),
+    ("Q4_0", np.zeros((3, 2, 18), np.uint8), (2, 2, 32), r"2 x 2 x 32 weight are uint8 \[2, 2, 18\]"),
 ])
 def test_malformed_quantized_tensor_is_refused_in_one_line(format, blocks, shape, message):
     with pytest.raises(ValueError, match=message) as error:
@@ -247,18 +274,19 @@ def test_dense_tied_lm_head_is_the_embedding_tensor_itself(tmp_path, backend_nam
 # Conformance: quantized linear cases
 
 
-def _quantized_cases():
-    return [case for case in op_cases(("float32",)) if case.weight_format]
+def _quantized_cases(*ops):
+    """The quantized cases in float32, of `ops` (default: every op)."""
+    return [case for case in op_cases(("float32",)) if case.weight_format and (not ops or case.op in ops)]
 
 
 def test_every_format_candelabra_reads_has_quantized_linear_cases():
     cases = _quantized_cases()
     assert {case.weight_format for case in cases} == set(GGUF_QUANTIZED_FORMATS)
-    assert {case.op for case in cases} == {"linear"}
+    assert {case.op for case in cases} == {"linear", "moe_experts"}
     assert {dict(case.params).get("role", "linear") for case in cases} == {"linear", "lm_head"}
 
 
-def test_quantized_linear_passes_on_a_backend_that_keeps_every_format():
+def test_quantized_linear_and_experts_pass_on_a_backend_that_keeps_every_format():
     backend = QuantizedCpuBackend()
     results = [run_case(backend, case, seed) for seed, case in enumerate(_quantized_cases())]
     assert {r.status for r in results} == {PASSED}, [r.message for r in results if r.status != PASSED]
@@ -267,7 +295,7 @@ def test_quantized_linear_passes_on_a_backend_that_keeps_every_format():
 
 def test_quantized_thresholds_allow_activations_rounded_to_8_bits_per_block():
     backend = QuantizedRoundsActivations()
-    results = [run_case(backend, case, seed) for seed, case in enumerate(_quantized_cases())]
+    results = [run_case(backend, case, seed) for seed, case in enumerate(_quantized_cases("linear"))]
     assert {r.status for r in results} == {PASSED}, [r.message for r in results if r.status != PASSED]
     assert min(r.worst_nmse for r in results) > 1e-6, "activations were rounded"
 
@@ -278,11 +306,67 @@ def test_quantized_linear_is_not_supported_where_no_format_is_kept():
     assert all("keeps no" in r.message and r.weight_format in r.message for r in results)
 
 
+def test_quantized_experts_are_not_supported_where_the_format_is_kept_for_linear_weights_only():
+    cases = _quantized_cases("moe_experts")
+    results = [run_case(KeepsLinearWeightsOnly(), case, seed) for seed, case in enumerate(cases)]
+    assert {r.status for r in results} == {NOT_SUPPORTED}
+    assert all(f"keeps no {r.weight_format} experts" in r.message for r in results)
+
+
 def test_a_quantized_kernel_that_drops_the_bias_fails_exactly_the_cases_with_one():
     backend = QuantizedLinearDropsBias()
-    for seed, case in enumerate(_quantized_cases()):
+    for seed, case in enumerate(_quantized_cases("linear")):
         result = run_case(backend, case, seed)
         assert result.status == (FAILED if dict(case.params)["bias"] else PASSED), case.id
+
+
+# ---------------------------------------------------------------------------------------------
+# A MoE GGUF: its experts reach the backend as one 3-D QuantizedTensor, for the experts role only
+
+
+class KeepsLinearWeightsOnly(QuantizedCpuBackend):
+    """Keeps every format, but for the linear and LM-head roles only: its experts arrive dense."""
+
+    name = "cpu-quantized-linear-only"
+    quantized_roles = QUANTIZABLE_ROLES
+
+
+@pytest.fixture(scope="module")
+def quantized_experts(tmp_path_factory):
+    """A Qwen3-MoE GGUF with Q8_0 experts: its path, and gguf's own reading of its tensors."""
+    path = tmp_path_factory.mktemp("moe") / "qwen3moe-q8_0.gguf"
+    convert_to_gguf(tiny_model("qwen3moe"), "qwen3moe", path, ggml_type=Q.Q8_0)
+    return path, {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+
+
+def test_quantized_experts_reach_a_backend_that_keeps_them_as_the_files_blocks_stacked(quantized_experts):
+    path, stored = quantized_experts
+    with GGUFCheckpoint(path) as checkpoint:
+        backend, dense = QuantizedCpuBackend(), KeepsLinearWeightsOnly()
+        load_model(checkpoint, backend, "float32"), load_model(checkpoint, dense, "float32")
+    gate_up = backend.uploads["model.layers.1.mlp.experts.gate_up_proj", WeightRole.EXPERTS]
+    down = backend.uploads["model.layers.1.mlp.experts.down_proj", WeightRole.EXPERTS]
+    assert isinstance(gate_up, QuantizedTensor) and (gate_up.format, gate_up.shape) == ("Q8_0", (4, 128, 64))
+    assert (down.format, down.shape) == ("Q8_0", (4, 64, 64))
+    # gguf's reader gives each 3-D tensor's blocks as [experts, rows, bytes]: gate rows, then up rows.
+    blocks = {part: np.asarray(stored[f"blk.1.ffn_{part}_exps.weight"].data) for part in ("gate", "up", "down")}
+    np.testing.assert_array_equal(gate_up.blocks, np.concatenate([blocks["gate"], blocks["up"]], axis=1))
+    np.testing.assert_array_equal(down.blocks, blocks["down"])
+    router = backend.uploads["model.layers.1.mlp.gate.weight", WeightRole.LINEAR]
+    assert isinstance(router, np.ndarray), "llama.cpp leaves a router float32"
+    # Where the format is kept for linear weights only, the experts arrive dense, with the same values.
+    dense_gate_up = dense.uploads["model.layers.1.mlp.experts.gate_up_proj", WeightRole.EXPERTS]
+    assert isinstance(dense_gate_up, np.ndarray) and dense_gate_up.dtype == np.float32
+    np.testing.assert_array_equal(dense_gate_up, gate_up.dequantize())
+    assert isinstance(dense.uploads["model.layers.1.self_attn.qkv_proj.weight", WeightRole.LINEAR], QuantizedTensor)
+
+
+def test_a_moe_gguf_with_quantized_experts_matches_transformers_on_a_backend_that_keeps_them():
+    backend = QuantizedCpuBackend()
+    result = run_model_case(backend, GGUFModelCase("mixtral", "Q4_0"), seed=2)
+    assert result.status == PASSED, result.message
+    kept = {role for (_, role), weight in backend.uploads.items() if isinstance(weight, QuantizedTensor)}
+    assert kept == {WeightRole.LINEAR, WeightRole.LM_HEAD, WeightRole.EXPERTS}
 
 
 # ---------------------------------------------------------------------------------------------

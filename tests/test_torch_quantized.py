@@ -233,3 +233,46 @@ def test_a_rebuild_runs_outside_inference_mode_after_one_inside_it(form_name):
     thread.join()
     assert not errors and len(outputs) == 2
     assert nmse(outputs[1], oracle(x, values)) < MATMUL_NMSE
+
+
+# A MoE layer's experts
+
+
+def quantized_experts(rng, format, experts, rows, columns):
+    return QuantizedTensor.stack([random_quantized(rng, format, rows, columns) for _ in range(experts)])
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q6_K"])
+def test_quantized_experts_are_kept_one_form_per_expert_and_multiply_as_their_values(format):
+    from candelabra.backends.torch.backend import TorchBackend
+    from candelabra.backends.torch.expert_weights import ExpertWeights
+    from candelabra.conformance.oracle import moe_experts
+    from candelabra.core.contract.weights import WeightRole
+
+    rng = np.random.default_rng(20)
+    backend = TorchBackend()
+    gate_up, down = quantized_experts(rng, format, 4, 512, 256), quantized_experts(rng, format, 4, 256, 256)
+    kept_gate_up = backend.upload_weight("experts.gate_up_proj", WeightRole.EXPERTS, gate_up, "float32")
+    kept_down = backend.upload_weight("experts.down_proj", WeightRole.EXPERTS, down, "float32")
+    assert isinstance(kept_gate_up, ExpertWeights) and kept_gate_up.shape == (4, 512, 256)
+    assert all(isinstance(expert, weight_forms.KeptWeight) for expert in (*kept_gate_up.experts, *kept_down.experts))
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    ids = np.array([[0, 2], [2, 3], [3, 0], [2, 0], [0, 3], [3, 2]], dtype=np.int32)
+    weights = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+    out = backend.ops.moe_experts(torch.from_numpy(x), torch.from_numpy(weights), torch.from_numpy(ids),
+                                  kept_gate_up, kept_down)
+    assert nmse(out, moe_experts(x, weights, ids, gate_up.dequantize(), down.dequantize())) < 1e-10
+
+
+def test_experts_a_placement_keeps_dense_are_one_3d_tensor_of_their_values():
+    """On a device's placement no CPU kernel keeps a quantized form: the experts come back as one tensor."""
+    from candelabra.backends.torch.backend import TorchBackend
+    from candelabra.backends.torch.placement import DevicePlacement
+    from candelabra.core.contract.weights import WeightRole
+
+    backend = TorchBackend()
+    backend.placement = DevicePlacement(backend.torch_device, "gloo")
+    experts = quantized_experts(np.random.default_rng(21), "Q4_K", 3, 64, 256)
+    kept = backend.upload_weight("experts.down_proj", WeightRole.EXPERTS, experts, "float32")
+    assert isinstance(kept, torch.Tensor) and kept.shape == (3, 64, 256)
+    np.testing.assert_array_equal(kept.numpy(), experts.dequantize())

@@ -16,7 +16,7 @@ from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, t
 from candelabra.core.contract.backend import Probe
 from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.step_metadata import StepMetadata
-from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 
 log = logging.getLogger("candelabra")
 
@@ -26,7 +26,9 @@ INTERPRETER_DTYPES = ("float32", "float16")
 
 class CudaBackend(TorchBackend):
     name = "cuda"
-    quantized_roles = QUANTIZABLE_ROLES  # its embedding op reads a dense table
+    # Its embedding op reads a dense table; int4 experts are kept one by one for the int4 GEMM, as linear
+    # weights are (the torch backend's `upload_quantized_experts` over this `upload_quantized`).
+    quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EXPERTS}
     device_type = "cpu" if interpreting() else "cuda"
     dtypes = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
     distributed_backend = "gloo" if interpreting() else "nccl"  # the interpreter's tensors are CPU tensors

@@ -50,8 +50,9 @@ class TorchBackend(Backend):
     # dequantizes the rest itself, so the choice can depend on the compute dtype.
     quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
     # On a CPU the embedding table stays quantized too, shared with a tied LM head: the default
-    # model's table is 136 MB as int8 rows against 272 as bfloat16, on top of its LM head's 136.
-    quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EMBEDDING}
+    # model's table is 136 MB as int8 rows against 272 as bfloat16, on top of its LM head's 136. A MoE
+    # layer's experts are kept one by one as linear weights are (`upload_quantized_experts`).
+    quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EMBEDDING, WeightRole.EXPERTS}
     # The torch.distributed process-group backend its communicator uses: Gloo sums CPU tensors.
     distributed_backend: ClassVar[str] = "gloo"
 
@@ -159,7 +160,9 @@ class TorchBackend(Backend):
         last, self._last_embedding = self._last_embedding, None
         if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
             return self._time_as_lm_head(weight, last[2], dtype)
-        if isinstance(weight, QuantizedTensor):
+        if isinstance(weight, QuantizedTensor) and role is WeightRole.EXPERTS:
+            tensor = self.upload_quantized_experts(name, weight, dtype)
+        elif isinstance(weight, QuantizedTensor):
             tensor = self.upload_quantized(name, weight, dtype, role)
         else:
             tensor = self.to_device(weight, dtype)
@@ -185,6 +188,18 @@ class TorchBackend(Backend):
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
+
+    def upload_quantized_experts(self, name: str, experts: QuantizedTensor, dtype: str):
+        """A MoE layer's stacked experts still in a GGUF format: each expert kept as a linear weight of its
+        format and shape is (`upload_quantized`), for `moe_experts` to multiply by the same kernels; one
+        3-D tensor where every expert came back dense."""
+        from candelabra.backends.torch.expert_weights import ExpertWeights
+
+        kept = [self.upload_quantized(f"{name}[{index}]", expert, dtype)
+                for index, expert in enumerate(experts.unstack())]
+        if all(isinstance(expert, torch.Tensor) for expert in kept):
+            return torch.stack(kept)
+        return ExpertWeights(kept, experts.shape)
 
     def kernel_chooser(self, dtype: str):
         """The choices of this process for `dtype` and this backend's share of the cores."""

@@ -121,8 +121,9 @@ class TorchOps(Ops):
         return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
 
     def moe_experts(self, x, weights, expert_ids, gate_up, down):
-        """The picks sorted by expert, then one pair of matmuls per expert some token chose. Counting
-        the picks per expert waits for the device, so a step with experts cannot be captured."""
+        """The picks sorted by expert, then one pair of matmuls per expert some token chose, by `linear`:
+        an expert kept quantized (`ExpertWeights`) runs its form's kernels. Counting the picks per
+        expert waits for the device, so a step with experts cannot be captured."""
         check_experts_shapes(x, weights, expert_ids, gate_up, down)
         picked = expert_ids.reshape(-1).long()
         order = torch.argsort(picked, stable=True)
@@ -134,8 +135,8 @@ class TorchOps(Ops):
         for expert in (e for e, count in enumerate(counts) if count):
             picks = slice(starts[expert], starts[expert + 1])
             rows = token_of_pick[picks]
-            activation = self.silu_and_mul(F.linear(x.index_select(0, rows), gate_up[expert]))
-            out.index_add_(0, rows, F.linear(activation, down[expert]).float() * pick_weights[picks])
+            activation = self.silu_and_mul(self.linear(x.index_select(0, rows), gate_up[expert]))
+            out.index_add_(0, rows, self.linear(activation, down[expert]).float() * pick_weights[picks])
         return out.to(x.dtype)
 
 

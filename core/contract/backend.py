@@ -82,7 +82,8 @@ class Backend(ABC):
     # still quantized; the core dequantizes every other weight first.
     quantized_formats: ClassVar[frozenset[str]] = frozenset()
     # Linear and LM-head weights by default; a backend whose `Ops.embedding` reads rows of its own
-    # quantized handle adds WeightRole.EMBEDDING.
+    # quantized handle adds WeightRole.EMBEDDING, and one whose `Ops.moe_experts` multiplies by its own
+    # handles of quantized experts WeightRole.EXPERTS.
     quantized_roles: ClassVar[frozenset[WeightRole]] = QUANTIZABLE_ROLES
     # Set by the engine before it asks for a step executor (`--disable-cuda-graph`): run every step
     # op by op, capturing and compiling nothing. A backend that never captures ignores it.
@@ -252,9 +253,10 @@ class Backend(ABC):
         a fused projection carries the fused name, "...qkv_proj.weight") for the op its `role` feeds.
 
         `weight` is a float32 host array, or a `QuantizedTensor` when the role is in
-        `quantized_roles` and its format is in `quantized_formats`. What this returns is what the
-        op receives: `Ops.linear` takes whatever came back for roles linear and lm_head, so a
-        backend may keep its own layout or a packed handle there; `Ops.embedding` takes the
+        `quantized_roles` and its format is in `quantized_formats` (for role experts, the 3-D stack
+        of a MoE layer's experts). What this returns is what the op receives: `Ops.linear` takes
+        whatever came back for roles linear and lm_head, and `Ops.moe_experts` for role experts,
+        so a backend may keep its own layout or a packed handle there; `Ops.embedding` takes the
         embedding role's table (a tensor of `dtype`, or the backend's own handle where embedding is
         among its `quantized_roles`) and the norm ops the norm role's weights, which must be
         tensors of `dtype`. A tied LM head arrives a second time, right after the embedding and

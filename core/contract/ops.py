@@ -358,7 +358,8 @@ class Ops:
 
         `weights` [T, K] float32 and `expert_ids` [T, K] int32 are what `route_experts` returned;
         `gate_up` and `down` what `Backend.upload_weight` returned for the experts role, of
-        values [E, 2I, H] (the gate rows, then the up rows) and [E, H, I]. With e = expert_ids[t, j],
+        values [E, 2I, H] (the gate rows, then the up rows) and [E, H, I]; experts it took still
+        quantized multiply as `linear`'s quantized weights do. With e = expert_ids[t, j],
         gate[e] = gate_up[e, :I] and up[e] = gate_up[e, I:]:
 
             out[t] = sum over j of weights[t, j] * (down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])))

@@ -6,11 +6,12 @@ Query, key and value projections are fused into one matmul at load time, and so 
 a checkpoint that stores them fused is read as it is. A MoE layer's experts are stacked into two
 3-D weights (`Experts`), from one tensor per expert and projection or from transformers 5's fused
 ones, where the family's `expert_names` say, the last of them in host memory where an `ExpertOffload` asks
-(`candelabra.core.models.offloaded_experts`). Biases and per-head q/k norms are taken where
-the checkpoint holds them. What differs between families is said by the family class: its block's
-norm names, a gated or plain MLP, its attention output's and final norm's names. With a communicator
-of more than one rank only this rank's part of each weight is read (the rules are in
-`candelabra.core.models.sharding`).
+(`candelabra.core.models.offloaded_experts`); a GGUF file's quantized experts stay quantized, as one
+3-D `QuantizedTensor`, for a backend that keeps their format for the experts role. Biases and
+per-head q/k norms are taken where the checkpoint holds them. What differs between families is said
+by the family class: its block's norm names, a gated or plain MLP, its attention output's and final
+norm's names. With a communicator of more than one rank only this rank's part of each weight is
+read (the rules are in `candelabra.core.models.sharding`).
 """
 
 from __future__ import annotations
@@ -130,22 +131,16 @@ class _Loader:
         block = next((b for b in blocks if f"{b}.gate.weight" in self._names), blocks[0])
         router = self._weight(f"{block}.gate.weight", WeightRole.LINEAR)
         fused_gate_up, fused_down = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
-        experts = range(moe.num_experts)
-        if fused_gate_up in self._names:
-            gate_up = self._host([fused_gate_up], WeightRole.EXPERTS)
-        else:
-            gate_up = np.stack([self._host([f"{block}.experts.{e}.{names.gate}.weight",
-                                            f"{block}.experts.{e}.{names.up}.weight"], WeightRole.EXPERTS)
-                                for e in experts])
-        if fused_down in self._names:
-            down = self._host([fused_down], WeightRole.EXPERTS)
-        else:
-            down = np.stack([self._host([f"{block}.experts.{e}.{names.down}.weight"], WeightRole.EXPERTS)
-                             for e in experts])
+        each = [f"{block}.experts.{e}" for e in range(moe.num_experts)]
+        gate_up = self._stacked_experts(fused_gate_up, [[f"{expert}.{names.gate}.weight", f"{expert}.{names.up}.weight"]
+                                                        for expert in each])
+        down = self._stacked_experts(fused_down, [[f"{expert}.{names.down}.weight"] for expert in each])
         size, hidden = moe.expert_intermediate_size, self.config.hidden_size
         _check_shape(fused_gate_up, gate_up, (moe.num_experts, 2 * size, hidden))
         _check_shape(fused_down, down, (moe.num_experts, hidden, size))
         if self.expert_offload is not None:
+            # the slots hold dense rows: offloaded experts are dequantized (kept quantized is not built yet)
+            gate_up, down = (w.dequantize() if isinstance(w, QuantizedTensor) else w for w in (gate_up, down))
             offloaded = OffloadedExperts.place(
                 self.backend, self.expert_offload, self.config.architecture, (fused_gate_up, fused_down), gate_up,
                 down, self.dtype, lambda name, weight: self._upload(name, WeightRole.EXPERTS, weight))
@@ -204,12 +199,27 @@ class _Loader:
             weights.q_up = self._column_parallel(f"{attn}.q_b_proj.weight", WeightRole.LINEAR, rows)
         return weights
 
+    def _stacked_experts(self, fused: str, per_expert: list[list[str]]) -> HostWeight:
+        """One projection of every expert, [E, out, in]: the checkpoint's fused 3-D tensor where it has
+        one, else each expert's tensors (their rows one after another) stacked, still quantized where
+        they all share a format the backend keeps for experts."""
+        if fused in self._names:
+            return self._host([fused], WeightRole.EXPERTS)
+        kept = self._kept_format([name for names in per_expert for name in names], WeightRole.EXPERTS)
+        experts = [self._read(names, kept) for names in per_expert]
+        return np.stack(experts) if kept is None else QuantizedTensor.stack(experts)
+
     # One tensor, or several stacked, from the checkpoint to the backend.
 
     def _host(self, names: list[str], role: WeightRole) -> HostWeight:
         """The tensors `names`, their rows one after another, as the backend takes them for `role`:
         still quantized when they share a format it keeps, else dequantized to float32."""
-        if self._kept_format(names, role) is None:
+        return self._read(names, self._kept_format(names, role))
+
+    def _read(self, names: list[str], kept_format: str | None) -> HostWeight:
+        """The tensors `names`, their rows one after another: dequantized to float32 where `kept_format`
+        is None, else as stored."""
+        if kept_format is None:
             parts = [self._checkpoint.load(name) for name in names]
             tensor = parts[0] if len(parts) == 1 else np.concatenate(parts)
         else:
@@ -316,7 +326,7 @@ class _Loader:
         return intermediate_columns(size, self.communicator.rank, self.communicator.world_size, block)
 
 
-def _check_shape(name: str, weight: np.ndarray, expected: tuple[int, ...],
+def _check_shape(name: str, weight: HostWeight, expected: tuple[int, ...],
                  what: str = "the experts stacked are") -> None:
     if weight.shape != expected:
         raise ConfigError(f"{name}: {what} {list(weight.shape)}, but config.json's counts and sizes make it "

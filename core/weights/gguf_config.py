@@ -1,9 +1,10 @@
 """A Hugging Face config.json dict synthesized from a GGUF file's metadata.
 
 GGUF keeps hyperparameters under keys named for its architecture ("qwen2.block_count"); each
-supported architecture maps to one Hugging Face class here. What GGUF does not store is filled
-in the way llama.cpp itself fills it in when it runs the file (Gemma's query scaling, Gemma 3's
-local/global layer pattern and local rope base).
+supported architecture maps to one Hugging Face class here, or to a second one when the file holds
+experts (llama: Mixtral). What GGUF does not store is filled in the way llama.cpp itself fills it in
+when it runs the file (Gemma's query scaling, Gemma 3's local/global layer pattern and local rope
+base, Qwen3-MoE's renormalized expert weights).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class Architecture:
     hidden_act: str
     layer_norm: bool = False  # LayerNorm with layer_norm_eps rather than RMSNorm with rms_norm_eps
     extras: Callable[[Metadata, dict], dict] | None = None  # keys only this architecture has
+    # What a file of this architecture is when it holds experts (`{arch}.expert_count` above 0).
+    with_experts: Architecture | None = None
 
 
 class Metadata:
@@ -86,6 +89,8 @@ def synthesize_config(file: GGUFFile) -> dict:
         raise CheckpointError(file.path, f"holds a {arch_name!r} model; candelabra reads GGUF files of: {supported}")
     arch = ARCHITECTURES[arch_name]
     meta = Metadata(file, arch_name)
+    if arch.with_experts is not None and meta.integer("expert_count", 0) > 0:
+        arch = arch.with_experts
     config = base_config(meta, arch)
     if arch.extras is not None:
         config.update(arch.extras(meta, config))
@@ -244,6 +249,30 @@ def query_pre_attn_scalar(config: dict, large_model_layers: int) -> int:
     return config["head_dim"]
 
 
+def expert_extras(meta: Metadata, config: dict) -> dict:
+    """The experts' count and how many a token takes, as Mixtral's config.json names them."""
+    experts, used = meta.positive("expert_count"), meta.positive("expert_used_count")
+    if used > experts:
+        raise CheckpointError(meta.file.path, f"routes each token to {used} of its {experts} experts")
+    return {"num_local_experts": experts, "num_experts_per_tok": used}
+
+
+def qwen3moe_extras(meta: Metadata, config: dict) -> dict:
+    """Qwen3-MoE's expert settings: every layer sparse, as llama.cpp runs it, the chosen experts'
+    weights renormalized (the Hub's configs say norm_topk_prob true) unless `expert_weights_norm`
+    says otherwise."""
+    routed = expert_extras(meta, config)
+    return {
+        **attention_bias_extras(meta, config),
+        "num_experts": routed["num_local_experts"],
+        "num_experts_per_tok": routed["num_experts_per_tok"],
+        "moe_intermediate_size": meta.positive("expert_feed_forward_length"),
+        "norm_topk_prob": bool(meta.raw(f"{meta.arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def gemma_extras(meta: Metadata, config: dict) -> dict:
     return {"hidden_activation": "gelu_pytorch_tanh"}
 
@@ -317,10 +346,13 @@ def stablelm_extras(meta: Metadata, config: dict) -> dict:
     }
 
 
+MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", "silu", extras=expert_extras)
+
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("LlamaForCausalLM", "llama", "silu", extras=llama_extras),
+    "llama": Architecture("LlamaForCausalLM", "llama", "silu", extras=llama_extras, with_experts=MIXTRAL),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", "silu"),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", "silu", extras=attention_bias_extras),
+    "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "silu", extras=qwen3moe_extras),
     "gemma": Architecture("GemmaForCausalLM", "gemma", "gelu_pytorch_tanh", extras=gemma_extras),
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", "gelu_pytorch_tanh", extras=gemma2_extras),
     "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", "gelu_pytorch_tanh", extras=gemma3_extras),

@@ -12,8 +12,9 @@ GGUF loader, which reverses them too):
   x * (1 + w) where llama.cpp computes x * w.
 
 Where GGUF fuses what Hugging Face keeps apart (phi2's and glm4's attn_qkv, StableLM's
-per-head q/k norms stacked into one tensor), one GGUF tensor yields several recipes, each a
-range of its rows.
+per-head q/k norms stacked into one tensor, a MoE layer's experts stacked into one 3-D tensor per
+projection), one GGUF tensor yields several recipes, each a range of its rows. Experts come back
+one tensor per expert and projection, as the Hub's checkpoints store them.
 """
 
 from __future__ import annotations
@@ -45,10 +46,21 @@ class TensorRecipe:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """Where a MoE layer's experts go: each of GGUF's 3-D tensors of every expert's gate, up or down
+    projection, [experts, out_features, in_features] in numpy's order, becomes one tensor per expert,
+    `model.layers.N.{block}.experts.{e}.{names[tensor]}.weight`."""
+
+    block: str
+    names: dict[T, str]
+
+
+@dataclass(frozen=True)
 class Layout:
     """One architecture's tensor names."""
 
     layer: dict[T, str]  # GGUF tensor in block N -> Hugging Face module under model.layers.N
+    experts: ExpertLayout | None = None  # where a file with experts keeps them (its router is in `layer`)
     final_norm: str = "model.norm"
     split_qkv: bool = False  # attn_qkv fused in GGUF, q_proj/k_proj/v_proj apart in Hugging Face
     per_head_qk_norm: bool = False  # StableLM: one LayerNorm per head, stacked in GGUF
@@ -79,11 +91,16 @@ SANDWICH_NORMS = {
     T.FFN_POST_NORM: "post_feedforward_layernorm",
 }
 LLAMA_LAYER = PRE_NORMS | ATTENTION | GATED_MLP
+# Mixtral's GGUF files are llama's, with experts: its Hub checkpoints' names for them.
+MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", {T.FFN_GATE_EXP: "w1", T.FFN_UP_EXP: "w3", T.FFN_DOWN_EXP: "w2"})
+QWEN_EXPERTS = ExpertLayout("mlp", {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj", T.FFN_DOWN_EXP: "down_proj"})
 
 LAYOUTS: dict[str, Layout] = {
-    "llama": Layout(LLAMA_LAYER, permuted_qk=True, config_only=frozenset({T.ROPE_FREQS, T.ATTN_ROT_EMBD})),
+    "llama": Layout(LLAMA_LAYER | {T.FFN_GATE_INP: "block_sparse_moe.gate"}, experts=MIXTRAL_EXPERTS,
+                    permuted_qk=True, config_only=frozenset({T.ROPE_FREQS, T.ATTN_ROT_EMBD})),
     "qwen2": Layout(LLAMA_LAYER),
     "qwen3": Layout(LLAMA_LAYER | QK_NORM),
+    "qwen3moe": Layout(PRE_NORMS | ATTENTION | QK_NORM | {T.FFN_GATE_INP: "mlp.gate"}, experts=QWEN_EXPERTS),
     "gemma": Layout(LLAMA_LAYER, shifted_norms=True),
     "gemma2": Layout(SANDWICH_NORMS | ATTENTION | GATED_MLP, shifted_norms=True),
     "gemma3": Layout(SANDWICH_NORMS | ATTENTION | GATED_MLP | QK_NORM, shifted_norms=True),
@@ -144,6 +161,8 @@ class _RecipeBuilder:
     def __init__(self, file: GGUFFile, layout: Layout, config: dict) -> None:
         self.file, self.layout, self.config = file, layout, config
         self.layer_names = {gguf_block_name(tensor): hf for tensor, hf in layout.layer.items()}
+        self.expert_names = {gguf_block_name(tensor): hf for tensor, hf in
+                             (layout.experts.names.items() if layout.experts else ())}
         self.top_names = {
             TENSOR_NAMES[T.TOKEN_EMBD]: "model.embed_tokens",
             TENSOR_NAMES[T.OUTPUT_NORM]: layout.final_norm,
@@ -180,6 +199,8 @@ class _RecipeBuilder:
         elif self.layout.per_head_qk_norm and part in (Q_NORM, K_NORM):
             module = "self_attn.q_layernorm" if part == Q_NORM else "self_attn.k_layernorm"
             self._split_heads(info, prefix + module, suffix)
+        elif part in self.expert_names:
+            self._split_experts(info, prefix, self.expert_names[part], suffix)
         elif part in self.layer_names:
             name = hf_name(prefix + self.layer_names[part], suffix)
             recipe = TensorRecipe(info.name, info.shape, reorder_rows=self._reorder_rows(part), fix=self._fix(info))
@@ -234,6 +255,20 @@ class _RecipeBuilder:
         for head in range(info.shape[0]):
             recipe = TensorRecipe(info.name, (head_dim,), rows=(head, head + 1))
             self._put(hf_name(f"{module}.norms.{head}", suffix), recipe)
+
+
+    def _split_experts(self, info: TensorInfo, prefix: str, module: str, suffix: str) -> None:
+        experts = self.config.get("num_local_experts") or self.config.get("num_experts")
+        if not experts:
+            raise self._unknown(info)
+        if len(info.shape) != 3 or info.shape[0] != experts:
+            problem = f"tensor {info.name!r} is {list(info.shape)}, expected [{experts} experts, rows, columns]"
+            raise CheckpointError(self.file.path, problem)
+        rows = info.shape[1]
+        block = f"{prefix}{self.layout.experts.block}.experts"
+        for expert in range(experts):
+            recipe = TensorRecipe(info.name, info.shape[1:], rows=(expert * rows, (expert + 1) * rows))
+            self._put(hf_name(f"{block}.{expert}.{module}", suffix), recipe)
 
 
 def split_suffix(name: str) -> tuple[str, str]:

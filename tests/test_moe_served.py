@@ -1,0 +1,67 @@
+"""`candelabra serve` serves a tiny Mixtral and a tiny Qwen3-MoE from safetensors (on the numpy reference
+backend) and from GGUF with Q4_0 experts (on the torch backend, which keeps them quantized), and the real
+`openai` client gets a chat completion and a streamed completion from each. The four servers start at
+once and serve the module."""
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from candelabra.conformance.gguf_models import HF_CLASSES
+from live_server import LiveServer, write_moe_checkpoints
+
+SERVED = [(arch, form) for arch in ("mixtral", "qwen3moe") for form in ("safetensors", "gguf")]
+BACKENDS = {"safetensors": "cpu", "gguf": "torch"}
+# Both tokenizers keep ids 0 and 1 for special tokens, which would leave no text.
+NO_SPECIALS = {"logit_bias": {"0": -100, "1": -100}, "extra_body": {"ignore_eos": True}}
+GREEDY = {"temperature": 0, "max_tokens": 6, **NO_SPECIALS}
+CHATS = {"safetensors": [{"role": "user", "content": "w20 w21 w22"}],
+         "gguf": [{"role": "user", "content": "hello there"}]}
+PROMPTS = {"safetensors": "w5 w30 w31 w6", "gguf": "one more time"}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(arch, checkpoint format) -> its LiveServer."""
+    root = tmp_path_factory.mktemp("moe-served")
+    servers = {}
+    for arch in ("mixtral", "qwen3moe"):
+        checkpoints = dict(zip(("safetensors", "gguf"), write_moe_checkpoints(root, arch)))
+        for form, path in checkpoints.items():
+            servers[arch, form] = LiveServer("--weight-path", str(path), "--backend", BACKENDS[form],
+                                             "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0")
+    with contextlib.ExitStack() as stack:
+        for server in servers.values():
+            stack.push(server.__exit__)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(LiveServer.__enter__, servers.values()))
+        yield servers
+
+
+def client_of(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("arch, form", SERVED)
+def test_a_served_moe_model_answers_a_chat(servers, arch, form):
+    server = servers[arch, form]
+    assert f"({HF_CLASSES[arch]}, 2 layers)" in server.startup
+    reply = client_of(server).chat.completions.create(model=server.model, messages=CHATS[form], **GREEDY)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 6
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+
+
+@pytest.mark.parametrize("arch, form", SERVED)
+def test_a_served_moe_model_streams_the_completion_it_gives_whole(servers, arch, form):
+    server = servers[arch, form]
+    client = client_of(server)
+    whole = client.completions.create(model=server.model, prompt=PROMPTS[form], **GREEDY)
+    stream = client.completions.create(model=server.model, prompt=PROMPTS[form], stream=True, **GREEDY)
+    chunks = [chunk for chunk in stream if chunk.choices]
+    assert len(chunks) > 1
+    streamed = "".join(chunk.choices[0].text for chunk in chunks)
+    assert streamed == whole.choices[0].text and streamed.strip()
+    assert chunks[-1].choices[0].finish_reason == "length"
