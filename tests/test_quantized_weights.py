@@ -219,7 +219,8 @@ def test_only_linear_and_lm_head_roles_arrive_quantized(loaded):
     stored, (model, backend), (_, dense_backend) = loaded
     tied = "lm_head.weight" not in stored
     roles = {role for _, role in backend.uploads}
-    assert roles == set(WeightRole) - {WeightRole.BIAS, WeightRole.EXPERTS}  # this llama has no biases, no experts
+    # this llama has no biases, no experts and no latent attention
+    assert roles == set(WeightRole) - {WeightRole.BIAS, WeightRole.EXPERTS, WeightRole.PER_HEAD}
     for (name, role), weight in backend.uploads.items():
         if role in (WeightRole.EMBEDDING, WeightRole.NORM):
             assert isinstance(weight, np.ndarray) and weight.dtype == np.float32, name
