@@ -78,7 +78,7 @@ class Server:
         return self.root + ENDPOINT_PATHS["completions"]
 
 
-def parse_arguments() -> argparse.Namespace:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", help="candelabra's backend (default: %(default)s)")
     parser.add_argument("--model", metavar="PATH", help="checkpoint folder or .gguf (default: the default model)")
@@ -100,7 +100,7 @@ def parse_arguments() -> argparse.Namespace:
                         help="tokens each request generates (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write every number as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.peer_pid is not None and not args.peer_url:
         parser.error("--peer-pid needs --peer-url")
     return args
@@ -113,8 +113,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def main() -> int:
-    args = parse_arguments()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that `finally` stops the server
     headers = api_headers(None)
     try:

@@ -19,6 +19,8 @@ import pytest
 
 from candelabra.backends.cuda.availability import INTERPRETER_VARIABLE, cuda_missing, interpreting
 from candelabra.core.contract.communicator import Communicator
+from candelabra.core.contract.step_metadata import StepMetadata
+from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,3 +213,20 @@ class BroadcastOnlyRank(Communicator):
 
     def close(self) -> None:
         pass
+
+
+def prefill_and_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, list[int]]:
+    """The prefill's logits for every prompt position, and `steps` greedy tokens decoded after it."""
+    block_size = 16
+    blocks = list(range(-(-(len(prompt) + steps) // block_size)))
+    runner = ModelRunner(model, num_blocks=len(blocks), block_size=block_size)
+    prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], block_size,
+                                 logits_rows=np.arange(len(prompt)))
+    logits = model.backend.to_host(runner.logits(prompt, prefill))
+    tokens = [int(np.argmax(logits[-1]))]
+    for step in range(1, steps):
+        decode = StepMetadata.build([1], [len(prompt) + step], [blocks], block_size)
+        next_logits = model.backend.to_host(runner.logits(np.array([tokens[-1]]), decode))
+        assert np.isfinite(next_logits).all()
+        tokens.append(int(np.argmax(next_logits[0])))
+    return logits, tokens

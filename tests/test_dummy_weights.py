@@ -16,7 +16,6 @@ import pytest
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.model_cases import MODEL_CASES, ModelCase, make_reference
 from candelabra.core import cli
-from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 from candelabra.core.llm import LLM
 from candelabra.core.loading import dummy as dummy_module
@@ -26,9 +25,9 @@ from candelabra.core.models.config import ModelConfig
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import CheckpointError
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from candelabra.core.worker.model_runner import ModelRunner
 from candelabra.plugins import installed_plugins
 from quantized_backends import QuantizedCpuBackend, RecordingCpuBackend
+from support import prefill_and_decode
 
 LLAMA_3_8B = Path(__file__).resolve().parent.parent / "bench" / "configs" / "llama-3-8b"
 
@@ -88,23 +87,6 @@ def test_dummy_lists_exactly_the_tensors_transformers_saves(saved, case):
 
 # ---------------------------------------------------------------------------------------------
 # Tiny dummy models run
-
-
-def prefill_and_decode(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, list[int]]:
-    """The prefill's logits for every prompt position, and `steps` greedy tokens decoded after it."""
-    block_size = 16
-    blocks = list(range(-(-(len(prompt) + steps) // block_size)))
-    runner = ModelRunner(model, num_blocks=len(blocks), block_size=block_size)
-    prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], block_size,
-                                 logits_rows=np.arange(len(prompt)))
-    logits = model.backend.to_host(runner.logits(prompt, prefill))
-    tokens = [int(np.argmax(logits[-1]))]
-    for step in range(1, steps):
-        decode = StepMetadata.build([1], [len(prompt) + step], [blocks], block_size)
-        next_logits = model.backend.to_host(runner.logits(np.array([tokens[-1]]), decode))
-        assert np.isfinite(next_logits).all()
-        tokens.append(int(np.argmax(next_logits[0])))
-    return logits, tokens
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
