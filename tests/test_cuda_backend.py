@@ -137,8 +137,8 @@ def test_tensor_parallel_steps_and_the_flag_run_without_graphs_and_say_why():
     assert "--disable-cuda-graph" in why_no_graphs("cuda", True, None)
     assert "tensor parallelism over 2 ranks" in why_no_graphs("cuda", False, SimpleNamespace(world_size=2))
     assert "interpreter" in why_no_graphs("cpu", False, None)
-    assert "mixture-of-experts" in why_no_graphs("cuda", False, None, routes_experts=True)
-    assert "experts in host memory" in why_no_graphs("cuda", False, None, True, offloads_experts=True)
+    assert "experts in host memory" in why_no_graphs("cuda", False, None, offloads_experts=True)
+    assert "quantized one by one" in why_no_graphs("cuda", False, None, quantized_experts=True)
 
 
 def test_int4_experts_are_kept_one_int4_weight_per_expert_and_other_formats_as_one_dense_tensor():

@@ -1,6 +1,7 @@
 """Every Triton kernel of the cuda backend, compiled for Hopper (sm_90a) and Ampere (sm_80) without a GPU:
-the specializations serving launches for bench/configs' models and the conformance suite's test models,
-each checked for compile errors, spills and shared memory (backends/cuda/compile_check.py)."""
+the specializations serving launches for bench/configs' models and the conformance suite's test models
+(see CI_PLAN for the share CI builds), each checked for compile errors, spills and shared memory
+(backends/cuda/compile_check.py)."""
 
 import json
 import os
@@ -71,19 +72,29 @@ for name in ("sm_90a", "sm_80"):
                                   "sm_80", "1", "_int4_gemv_kernel", "256", "2", "1"]
 
 
-# What CI compiles: every model of bench/configs in bfloat16 (the dtype they serve in) for Hopper and
-# Ampere, and Llama-3-8B in float32 (the paths that spill first) for Hopper. The conformance test models
-# (head dimensions of 16 and 32 that nothing served has) and every other dtype are in the whole grid,
-# `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md): their 130 variants took
-# four of CI's 30 minutes on 2 cores.
+# What CI compiles: every dense model of bench/configs in bfloat16 (the dtype they serve in) for Hopper and
+# Ampere, and Llama-3-8B in float32 (the paths that spill first) for Hopper; of the mixture-of-experts models
+# (bench/configs' Qwen3-30B-A3B and the conformance suite's tiny Mixtral and Qwen3-MoE), the fused-MoE
+# kernels alone, in bfloat16 for both (30 variants, about 30 s on 2 cores). The conformance test models'
+# other kernels (head dimensions of 16 and 32 that nothing served has), Qwen3-30B-A3B's (13 a target, 10 of
+# them attention with 8 query heads a KV head) and every other dtype are in the whole grid,
+# `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md): the test models' 130 variants
+# took four of CI's 30 minutes on 2 cores.
 CI_PLAN = """
 import json, sys
 from pathlib import Path
-from candelabra.backends.cuda.compile_check import DEFAULT_CONFIGS, TARGETS, check, workloads_from
+from candelabra.backends.cuda.compile_check import DEFAULT_CONFIGS, TARGETS, Workload, check, workloads_from
+from candelabra.conformance.model_cases import MODEL_CASES, config_json
 configs = workloads_from([DEFAULT_CONFIGS])
+dense = [w for w in configs if not w.experts]
+routed = [w for w in configs if w.experts] + [Workload.from_hf_config(case.name, config_json(case))
+                                              for case in MODEL_CASES if case.routes_experts]
 llama = [w for w in configs if w.label == "llama-3-8b"]
-results = (check(configs, [TARGETS["sm_90a"], TARGETS["sm_80"]], ("bfloat16",))
-           + check(llama, [TARGETS["sm_90a"]], ("float32",)))
+fused_moe = frozenset({"_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel", "_down_kernel",
+                       "_sum_picks_kernel"})
+both = [TARGETS["sm_90a"], TARGETS["sm_80"]]
+results = (check(dense, both, ("bfloat16",)) + check(llama, [TARGETS["sm_90a"]], ("float32",))
+           + check(routed, both, ("bfloat16",), kernels=fused_moe))
 Path(sys.argv[1]).write_text(json.dumps([vars(r) | {"problems": r.problems} for r in results]))
 """
 
@@ -105,7 +116,8 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     kernels = {entry["kernel"] for entry in compiled}
     assert kernels >= {"_attention_tile_kernel", "_merge_segments_kernel", "_rms_norm_kernel", "_gated_kernel",
                        "_elementwise_kernel", "_rotary_kernel", "_write_kv_kernel", "_sample_rows",
-                       "_int4_matmul_kernel"}
+                       "_int4_matmul_kernel", "_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel",
+                       "_down_kernel", "_sum_picks_kernel"}
     assert all(entry["registers"] for entry in compiled)
     attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}

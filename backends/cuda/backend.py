@@ -13,6 +13,7 @@ from typing import Any
 
 from candelabra.backends.cuda.availability import cuda_missing, interpreter_broken, interpreting, triton_missing
 from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, torch, torch_dtype
+from candelabra.backends.torch.expert_weights import ExpertWeights
 from candelabra.core.contract.backend import Probe
 from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -91,9 +92,11 @@ class CudaBackend(TorchBackend):
         experts = [each for each in (getattr(layer, "experts", None) for layer in getattr(model, "layers", ()))
                    if each is not None]
         offloaded = any(getattr(each, "offloaded", None) is not None for each in experts)
+        quantized = any(isinstance(each.gate_up, ExpertWeights) or isinstance(each.down, ExpertWeights)
+                        for each in experts)
         latent = getattr(getattr(model, "config", None), "mla", None) is not None
         why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None),
-                                bool(experts), offloaded, latent)
+                                offloaded, quantized, latent)
         if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
@@ -108,8 +111,8 @@ class CudaBackend(TorchBackend):
         return CudaStep.prepare(meta, self.torch_device)
 
 
-def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes_experts: bool = False,
-                  offloads_experts: bool = False, latent_attention: bool = False) -> str | None:
+def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, offloads_experts: bool = False,
+                  quantized_experts: bool = False, latent_attention: bool = False) -> str | None:
     """Why decode steps are not replayed from CUDA graphs, or None when they are."""
     if device_type != "cuda":
         return "CPU tensors through the Triton interpreter"
@@ -122,8 +125,9 @@ def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, routes
     if offloads_experts:
         return ("experts in host memory (--num-experts-offload-per-rank: each MoE layer reads its routing on the host "
                 "to copy the experts it picked in)")
-    if routes_experts:
-        return "mixture-of-experts layers (moe_experts counts each expert's tokens on the host, which a graph cannot)"
+    if quantized_experts:
+        return ("experts kept quantized one by one (the fused MoE kernel takes dense experts; the per-expert path "
+                "counts each expert's tokens on the host)")
     if latent_attention:
         return "latent attention (no Triton kernel yet: torch's, over gather groups built on the host each step)"
     return None

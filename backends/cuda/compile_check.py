@@ -10,9 +10,10 @@ its dots became (wgmma on sm_90a's tensor cores, mma.sync on sm_80's, fma where 
 
 The variants are found, not listed: each kernel's own launch code runs on CPU tensors of a model's shapes
 (one decoder layer's ops at the batch shapes serving uses: decode steps of every CUDA-graph size, prefill
-chunks, mixed steps; sampling; the int4 GEMM at every band of rows) with Triton's launcher replaced by a
-recorder, planning its grids for the target's SM count. What is compiled is what those wrappers would
-launch on that GPU. Needs TRITON_INTERPRET unset: under the interpreter nothing is compiled.
+chunks, mixed steps, a mixture-of-experts model's experts at each of those token counts; sampling; the
+int4 GEMM at every band of rows) with Triton's launcher replaced by a recorder, planning its grids for
+the target's SM count. What is compiled is what those wrappers would launch on that GPU. Needs
+TRITON_INTERPRET unset: under the interpreter nothing is compiled.
 
 A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
 or needs more shared memory than one block may have on the target.
@@ -71,6 +72,8 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
                                              "kernels/paged_attention.py choose_tiling"),
     "_int4_matmul_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
     "_int4_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
+    "_gate_up_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
+    "_down_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
 }
 
 
@@ -137,6 +140,9 @@ class Workload:
     mlp: str  # "silu_and_mul", "gelu_and_mul" or "gelu"
     gelu_approximation: str
     rotary_style: str
+    experts: int = 0  # routed experts of a mixture-of-experts model's sparse layers; 0 for a dense model
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_hf_config(cls, label: str, config: dict) -> Workload:
@@ -150,12 +156,15 @@ class Workload:
         mlp = ("silu_and_mul" if act == "silu" else "gelu_and_mul") if model_class.gated_mlp else "gelu"
         windows = tuple(sorted({model.window_of(layer) for layer in range(model.num_layers)},
                                key=lambda window: window or 0))
+        moe = model.moe
         return cls(label=label, hidden=model.hidden_size, heads=model.num_heads, kv_heads=model.num_kv_heads,
                    head_dim=model.head_dim, rotary_dim=model.rotary_dim, intermediate=model.intermediate_size,
                    vocab=model.vocab_size, windows=windows, softcap=model.attn_logit_softcapping,
                    norm=model_class.norm_kind, mlp=mlp,
                    gelu_approximation="none" if act == "silu" else _gelu_approximation(act),
-                   rotary_style=model_class.rotary_style)
+                   rotary_style=model_class.rotary_style, experts=moe.num_experts if moe else 0,
+                   experts_per_token=moe.experts_per_token if moe else 0,
+                   expert_intermediate=moe.expert_intermediate_size if moe else 0)
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(N, K) of each linear layer: qkv, attention out, gate/up (or up), down, LM head."""
@@ -166,8 +175,9 @@ class Workload:
 
 
 def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) -> None:
-    """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses,
-    then sampling and the int4 GEMMs (inside `recording_launches`, nothing runs)."""
+    """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses
+    (its routed experts too, for a mixture-of-experts model), then sampling and the int4 GEMMs (inside
+    `recording_launches`, nothing runs)."""
     import torch
 
     from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
@@ -207,6 +217,9 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) 
             for window in w.windows:
                 paged_attention(q, key_cache, value_cache, step, w.head_dim ** -0.5, window, w.softcap)
 
+    if w.experts:
+        launch_experts(w, compute)
+
     sampling_rows = 4
     logits = torch.empty(sampling_rows, w.vocab, dtype=torch.float32)
     for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (0.7, 0.9)):
@@ -219,6 +232,22 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) 
         scales = torch.empty(columns, width // GROUP_SIZE, dtype=compute)
         for rows in INT4_ROWS:
             int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
+
+
+def launch_experts(workload: Workload, compute) -> None:
+    """`moe_experts` of a mixture-of-experts layer at the token count of every step shape serving uses."""
+    import torch
+
+    from candelabra.backends.cuda.kernels.fused_moe import moe_experts
+
+    w = workload
+    # never touched: memory the recorded launches only take the strides of
+    gate_up = torch.empty(w.experts, 2 * w.expert_intermediate, w.hidden, dtype=compute)
+    down = torch.empty(w.experts, w.hidden, w.expert_intermediate, dtype=compute)
+    for tokens in sorted({sum(query_lens) for query_lens in _step_shapes()}):
+        moe_experts(torch.empty(tokens, w.hidden, dtype=compute),
+                    torch.empty(tokens, w.experts_per_token, dtype=torch.float32),
+                    torch.empty(tokens, w.experts_per_token, dtype=torch.int32), gate_up, down)
 
 
 def _step_shapes() -> list[list[int]]:
@@ -373,21 +402,22 @@ def _gpu_target(target: Target):
 # The whole check.
 
 def check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
-          progress: Callable[[str], None] = lambda line: None) -> list[Compiled]:
-    """Every distinct specialization the workloads launch, compiled for each target (in a Triton cache of
-    their own, so that every build runs ptxas and reports)."""
+          progress: Callable[[str], None] = lambda line: None,
+          kernels: frozenset[str] | None = None) -> list[Compiled]:
+    """Every distinct specialization the workloads launch (of `kernels` alone, by name, unless None),
+    compiled for each target (in a Triton cache of their own, so that every build runs ptxas and reports)."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as cache:
         previous, knobs.cache.dir = knobs.cache.dir, cache
         try:
-            return _check(workloads, targets, dtypes, progress)
+            return _check(workloads, targets, dtypes, progress, kernels)
         finally:
             knobs.cache.dir = previous
 
 
 def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
-           progress: Callable[[str], None]) -> list[Compiled]:
+           progress: Callable[[str], None], kernels: frozenset[str] | None) -> list[Compiled]:
     results: list[Compiled] = []
     for target in targets:
         found: dict[str, tuple[Launch, Specialization, list[str]]] = {}
@@ -397,6 +427,8 @@ def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, 
                     start = len(launches)
                     launch_workload(workload, dtype, kv_dtypes=(dtype,))
                     for launch in launches[start:]:
+                        if kernels is not None and launch.name not in kernels:
+                            continue
                         spec = specialization(launch, target)
                         entry = found.setdefault(spec.identity(launch.name), (launch, spec, []))
                         if workload.label not in entry[2]:

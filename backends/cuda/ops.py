@@ -1,13 +1,15 @@
 """The cuda backend's ops: Triton kernels for norms, activations, rotary with the cache write, paged
-attention, sampling and int4 GEMMs; torch (cuBLAS) for dense GEMMs and the rest."""
+attention, sampling, int4 GEMMs and the experts of a mixture-of-experts layer; torch (cuBLAS) for dense
+GEMMs and the rest."""
 
 from __future__ import annotations
 
-from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
+from candelabra.backends.cuda.kernels import activations, fused_moe, norms, rotary, sampling
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.quantized import Int4CudaWeight
+from candelabra.backends.torch.expert_weights import ExpertWeights
 from candelabra.backends.torch.ops import TorchOps
-from candelabra.core.contract.ops import KVCache
+from candelabra.core.contract.ops import KVCache, check_experts_shapes
 
 
 class CudaOps(TorchOps):
@@ -47,6 +49,15 @@ class CudaOps(TorchOps):
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
         return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap)
+
+    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+        """The picks sorted by expert and two grouped GEMMs, all on the device (kernels/fused_moe.py):
+        nothing waits for the host, so a decode step with experts replays from a CUDA graph. Experts kept
+        quantized one by one (int4) run torch's per-expert path through the int4 GEMM instead."""
+        if isinstance(gate_up, ExpertWeights) or isinstance(down, ExpertWeights):
+            return super().moe_experts(x, weights, expert_ids, gate_up, down)
+        check_experts_shapes(x, weights, expert_ids, gate_up, down)
+        return fused_moe.moe_experts(x, weights, expert_ids, gate_up, down)
 
     def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
         return super().paged_latent_attention(q_latent, q_rope, cache, step.gathering(), scale)
