@@ -5,6 +5,10 @@ tokenizer, so this level needs no torch) runs on the backend under test. Greedy 
 identical whether a request runs alone or among others arriving at random steps, with chunked
 prefill on and off, on prefix-cache hits and misses, and after forced preemption by recompute
 and by swap; n > 1 samples under a fixed seed must reproduce. Every case ends with all blocks free.
+
+The cases named "moe-..." run the first four checks again on a tiny Qwen3-MoE checkpoint, where a
+step's tokens go to different experts and every expert runs on whichever of them chose it; a
+backend without the MoE ops reports them "not supported".
 """
 
 from __future__ import annotations
@@ -16,16 +20,25 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.conformance.harness import NOT_SUPPORTED
 from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.ops import OpNotSupported
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 2, 4, 2, 16, 128
+# The MoE checkpoint's layers: 4 experts (2 a rank at TP=2), 2 a token, of this many intermediate features.
+EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 4, 2, 64
 BLOCK_SIZE, MAX_TOKENS = 16, 12
 
 
 @dataclass(frozen=True)
 class EngineCase:
-    name: str
+    check: str  # what runs (`_run_case`)
     description: str
+    moe: bool = False  # on the Qwen3-MoE checkpoint rather than the Qwen2 one
+
+    @property
+    def name(self) -> str:
+        return f"moe-{self.check}" if self.moe else self.check
 
 
 ENGINE_CASES = [
@@ -36,6 +49,10 @@ ENGINE_CASES = [
     EngineCase("preempt-swap", "a KV cache too small for all, preempting by swapping to host"),
     EngineCase("parallel-samples", "n = 3 seeded samples, twice"),
     EngineCase("prompt-logprobs", "prompts scored chunked, batched and after a cached run vs whole and alone"),
+    EngineCase("staggered-arrivals", "MoE: requests arriving at random steps, alone vs together", moe=True),
+    EngineCase("chunked-prefill", "MoE: prefill in chunks of 5 tokens vs whole", moe=True),
+    EngineCase("prefix-cache", "MoE: a prompt sharing a cached prefix vs no cache", moe=True),
+    EngineCase("preempt-recompute", "MoE: a KV cache too small for all, preempting by recompute", moe=True),
 ]
 
 # How far a prompt token's logprob may move between a batched, chunked step and the prompt alone:
@@ -56,8 +73,9 @@ class EngineResult:
         return dict(self.__dict__)
 
 
-def write_tiny_checkpoint(folder: Path, seed: int) -> None:
-    """A random Qwen2ForCausalLM (GQA, qkv biases) and a word-level tokenizer ("w0" .. "w159")."""
+def write_tiny_checkpoint(folder: Path, seed: int, moe: bool = False) -> None:
+    """A random Qwen2ForCausalLM (GQA, qkv biases), or with `moe` a Qwen3MoeForCausalLM (GQA, q/k
+    norms, EXPERTS experts in every layer), and a word-level tokenizer ("w0" .. "w159")."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -70,11 +88,17 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
         p = f"model.layers.{i}"
         for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
             tensors[f"{p}.self_attn.{name}_proj.weight"] = weight(rows * HEAD_DIM, HIDDEN)
-            tensors[f"{p}.self_attn.{name}_proj.bias"] = weight(rows * HEAD_DIM)
+            if not moe:
+                tensors[f"{p}.self_attn.{name}_proj.bias"] = weight(rows * HEAD_DIM)
         tensors[f"{p}.self_attn.o_proj.weight"] = weight(HIDDEN, HEADS * HEAD_DIM)
-        tensors[f"{p}.mlp.gate_proj.weight"] = weight(INTERMEDIATE, HIDDEN)
-        tensors[f"{p}.mlp.up_proj.weight"] = weight(INTERMEDIATE, HIDDEN)
-        tensors[f"{p}.mlp.down_proj.weight"] = weight(HIDDEN, INTERMEDIATE)
+        if moe:
+            tensors[f"{p}.self_attn.q_norm.weight"] = 1 + weight(HEAD_DIM)
+            tensors[f"{p}.self_attn.k_norm.weight"] = 1 + weight(HEAD_DIM)
+            tensors[f"{p}.mlp.gate.weight"] = weight(EXPERTS, HIDDEN, scale=0.5)
+            for e in range(EXPERTS):
+                tensors |= _gated_mlp(f"{p}.mlp.experts.{e}", EXPERT_INTERMEDIATE, weight)
+        else:
+            tensors |= _gated_mlp(f"{p}.mlp", INTERMEDIATE, weight)
         tensors[f"{p}.input_layernorm.weight"] = 1 + weight(HIDDEN)
         tensors[f"{p}.post_attention_layernorm.weight"] = 1 + weight(HIDDEN)
     tensors["lm_head.weight"] = weight(VOCAB, HIDDEN, scale=0.5)
@@ -82,11 +106,15 @@ def write_tiny_checkpoint(folder: Path, seed: int) -> None:
     config = {
         # No model_type: transformers would pick Qwen's tokenizer class from it and replace the
         # word-level splitting with Qwen's.
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 1,
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"], "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": 1,
     }
+    if moe:
+        config |= {"head_dim": HEAD_DIM, "num_experts": EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                   "moe_intermediate_size": EXPERT_INTERMEDIATE, "norm_topk_prob": True}
     (folder / "config.json").write_text(json.dumps(config))
     write_word_tokenizer(folder, VOCAB)
 
@@ -103,6 +131,11 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
 
+def _gated_mlp(prefix: str, intermediate: int, weight) -> dict[str, np.ndarray]:
+    """A gated MLP's projections under `prefix`, drawn gate, up, down."""
+    shapes = (("gate_proj", (intermediate, HIDDEN)), ("up_proj", (intermediate, HIDDEN)),
+              ("down_proj", (HIDDEN, intermediate)))
+    return {f"{prefix}.{name}.weight": weight(*shape) for name, shape in shapes}
 
 
 class _Harness:
@@ -162,10 +195,14 @@ def _tokens(outputs) -> list[list[int]]:
 
 def run_engine_case(backend, case: EngineCase, seed: int, dtype: str = "float32", make_harness=None) -> EngineResult:
     """`case` on `backend` (an instance); `make_harness(backend, folder, dtype)` may build the engines
-    another way (the parallel level passes a backend class and a tensor-parallel harness)."""
+    another way (the parallel level passes a backend class and a tensor-parallel harness). A MoE case
+    on a backend without the MoE ops is "not supported"."""
     with tempfile.TemporaryDirectory() as folder:
-        write_tiny_checkpoint(Path(folder), seed)
-        h = (make_harness or _Harness)(backend, Path(folder), dtype)
+        write_tiny_checkpoint(Path(folder), seed, case.moe)
+        try:
+            h = (make_harness or _Harness)(backend, Path(folder), dtype)
+        except OpNotSupported as exc:
+            return EngineResult(case.name, NOT_SUPPORTED, "", seed, str(exc))
     try:
         return _run_case(h, case, seed)
     finally:
@@ -180,18 +217,18 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
     prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 60, 6)]
     problems, detail = [], ""
 
-    if case.name == "staggered-arrivals":
+    if case.check == "staggered-arrivals":
         engine = h.engine()
         together = h.run(engine, prompts, greedy, arrivals=sorted(rng.integers(0, 15, len(prompts)).tolist()))
         problems.append(_differ(_tokens(together), _tokens(h.alone(prompts, greedy))))
         detail = f"{len(prompts)} requests"
-    elif case.name == "chunked-prefill":
+    elif case.check == "chunked-prefill":
         engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
         chunked = h.run(engine, prompts, greedy)
         whole = h.alone(prompts, greedy, prefill_chunk_size=0, max_num_batched_tokens=512)
         problems.append(_differ(_tokens(chunked), _tokens(whole)))
         detail = f"{engine.stats['steps']} steps chunked"
-    elif case.name == "prefix-cache":
+    elif case.check == "prefix-cache":
         shared = rng.integers(2, VOCAB, 3 * BLOCK_SIZE + 5).tolist()
         first, second = shared + [7, 8, 9], shared + [11, 12]
         engine = h.engine(enable_prefix_caching=True)
@@ -202,8 +239,8 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         if hits < 3 * BLOCK_SIZE:
             problems.append(f"the second prompt reused {hits} cached tokens, expected {3 * BLOCK_SIZE}")
         detail = f"{hits} prompt tokens from the cache"
-    elif case.name in ("preempt-recompute", "preempt-swap"):
-        mode = case.name.split("-")[1]
+    elif case.check in ("preempt-recompute", "preempt-swap"):
+        mode = case.check.split("-")[1]
         # Each request needs 5 blocks and 10 exist: most are preempted, some several times, and
         # their blocks are reused by others while they wait.
         long_prompts = [rng.integers(2, VOCAB, 40).tolist() for _ in range(8)]
@@ -215,7 +252,7 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         if not count:
             problems.append(f"no preemption by {mode} happened")
         detail = f"{count} preemptions by {mode}"
-    elif case.name == "parallel-samples":
+    elif case.check == "parallel-samples":
         seed = int(rng.integers(2**31))
         sampled = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
         single = SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -232,7 +269,7 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         problems.append(_differ([s for samples in shared for s in samples],
                                 [s for samples in alone for s in samples for _ in range(3)]))
         detail = "3 samples per request"
-    elif case.name == "prompt-logprobs":
+    elif case.check == "prompt-logprobs":
         scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
         engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
         h.run(engine, prompts[:2], greedy)  # their blocks are in the prefix cache now
@@ -243,7 +280,7 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
                      for i, (got, expected) in enumerate(zip(together, alone))]
         detail = f"{sum(len(p) - 1 for p in prompts)} prompt tokens scored"
     else:
-        raise ValueError(f"unknown engine case {case.name!r}")
+        raise ValueError(f"unknown engine check {case.check!r}")
 
     problems.append(_all_blocks_free(engine))
     problems = [p for p in problems if p]

@@ -57,7 +57,7 @@ class ModelCase:
     config_class: str  # a transformers configuration class
     settings: dict = field(default_factory=dict)
     prompt_tokens: int = PROMPT_TOKENS
-    tensor_parallel: bool = True  # whether the parallel level runs it (MoE experts are not sharded yet)
+    tensor_parallel: bool = True  # whether the parallel level runs it
     routes_experts: bool = False  # a mixture of experts, held to MOE_MODEL_NMSE_THRESHOLDS
 
 
@@ -83,14 +83,13 @@ MODEL_CASES = [
     ModelCase("stablelm", "StableLmConfig", {"num_key_value_heads": 4, "use_qkv_bias": True}),
     ModelCase("stablelm-parallel", "StableLmConfig", {"num_key_value_heads": 4, "use_parallel_residual": True}),
     ModelCase("glm4", "Glm4Config", {"head_dim": 16}),
-    # 8 experts, 2 a token; Mixtral renormalizes their weights, this Qwen3-MoE does not, and keeps a
-    # dense MLP in its middle layer.
+    # 8 experts, 2 a token (at TP=2 each rank holds 4); Mixtral renormalizes their weights, this
+    # Qwen3-MoE does not, and keeps a dense MLP in its middle layer.
     ModelCase("mixtral", "MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 7},
-              tensor_parallel=False, routes_experts=True),
+              routes_experts=True),
     ModelCase("qwen3-moe", "Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                                               "moe_intermediate_size": 48, "mlp_only_layers": [1],
-                                              "norm_topk_prob": False}, tensor_parallel=False,
-              routes_experts=True),
+                                              "norm_topk_prob": False}, routes_experts=True),
     # Latent attention (no q bottleneck in V2, as in V2-Lite; one in V3), a dense first layer, a shared
     # expert, and routing by groups: 8 experts in 4 groups of which 2 are kept, 2 experts a token. V2
     # with yarn and DeepSeek's mscale; V3 with its sigmoid scores and a random correction bias.
@@ -98,9 +97,9 @@ MODEL_CASES = [
         **_DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}},
-        tensor_parallel=False, routes_experts=True),
+        routes_experts=True),
     ModelCase("deepseek-v3", "DeepseekV3Config", {**_DEEPSEEK, "q_lora_rank": 24, "norm_topk_prob": True},
-              tensor_parallel=False, routes_experts=True),
+              routes_experts=True),
 ]
 
 
@@ -128,10 +127,6 @@ class GGUFModelCase:
     @property
     def routes_experts(self) -> bool:
         return self.arch in GGUF_MOE_ARCHITECTURES
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return not self.routes_experts
 
 
 GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES] + [

@@ -27,6 +27,7 @@ from candelabra.core.contract.step_metadata import (
 )
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
 from candelabra.core.models.rope import RopeScaling, cos_sin_table
+from candelabra.core.models.sharding import take_experts
 
 # How far a sampled token's inverse-CDF interval may sit from the draw: float32 cumulative sums
 # over a large vocabulary drift by about this much.
@@ -452,13 +453,17 @@ def check_route_experts(h: Harness, tokens: int, experts: int, top_k: int, routi
     h.close("weights", weights, ref_weights)
 
 
-def check_moe_experts(h: Harness, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int) -> None:
+def check_moe_experts(h: Harness, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int,
+                      held: str = "all") -> None:
     """A quarter of the experts are chosen by no token; with more tokens than that leaves room for,
-    others are chosen by several."""
+    others are chosen by several. `held` "middle": the weights hold only the middle half of the
+    experts (a tensor-parallel rank's share, `first_expert` past 0), and the picks of the others,
+    below and above it, add nothing."""
     x = h.rand(tokens, hidden)
     gate_up = h.rand(experts, 2 * intermediate, hidden, scale=hidden**-0.5)
     down = h.rand(experts, hidden, intermediate, scale=intermediate**-0.5)
-    _check_experts(h, x, gate_up, down, top_k, gate_up, down, h.threshold)
+    share = range(experts) if held == "all" else range(experts // 4, experts - experts // 4)
+    _check_experts(h, x, gate_up, down, top_k, gate_up, down, h.threshold, share)
 
 
 def check_quantized_moe_experts(h: Harness, format: str, tokens: int, hidden: int, intermediate: int, experts: int,
@@ -476,17 +481,21 @@ def check_quantized_moe_experts(h: Harness, format: str, tokens: int, hidden: in
 
 
 def _check_experts(h: Harness, x: np.ndarray, gate_up, down, top_k: int, gate_up_values: np.ndarray,
-                   down_values: np.ndarray, threshold: float) -> None:
+                   down_values: np.ndarray, threshold: float, share: range | None = None) -> None:
+    """Routing over all of `gate_up`'s experts, the op given only those of `share` (all by default)."""
     tokens, experts = x.shape[0], gate_up.shape[0]
+    share = share or range(experts)
     available = h.rng.choice(experts, experts - experts // 4, replace=False)
     ids = np.stack([h.rng.choice(available, top_k, replace=False) for _ in range(tokens)])
     weights = h.rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
     out = h.call(h.backend.ops.moe_experts, h.upload(x), h.upload(weights, "float32"), h.upload(ids),
-                 h.upload_weight("experts.gate_up_proj", WeightRole.EXPERTS, gate_up),
-                 h.upload_weight("experts.down_proj", WeightRole.EXPERTS, down))
+                 h.upload_weight("experts.gate_up_proj", WeightRole.EXPERTS, take_experts(gate_up, share)),
+                 h.upload_weight("experts.down_proj", WeightRole.EXPERTS, take_experts(down, share)),
+                 first_expert=share.start)
     h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
-    h.close("out", out, oracle.moe_experts(x, weights, ids, gate_up_values, down_values,
-                                           lambda a: round_to(a, h.dtype)), threshold=threshold)
+    h.close("out", out, oracle.moe_experts(x, weights, ids, gate_up_values[share.start : share.stop],
+                                           down_values[share.start : share.stop], lambda a: round_to(a, h.dtype),
+                                           first_expert=share.start), threshold=threshold)
 
 
 def check_memory(h: Harness, shape: tuple) -> None:
@@ -749,6 +758,8 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                experts=[8], top_k=[2]),
         *_grid("moe_experts", check_moe_experts, dtypes, tokens=[1, 33], hidden=[256], intermediate=[128],
                experts=[16], top_k=[4]),
+        *_grid("moe_experts", check_moe_experts, dtypes, tokens=[33], hidden=[64], intermediate=[32],
+               experts=[8], top_k=[2], held=["middle"]),
         # Widths of whole K-format blocks, as for quantized linear.
         *_quantized_grid("moe_experts", check_quantized_moe_experts, dtypes, EXPERT_FORMATS, tokens=[5],
                          hidden=[256], intermediate=[256], experts=[4], top_k=[2]),

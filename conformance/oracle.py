@@ -419,14 +419,18 @@ def paged_latent_attention(q_latent, q_rope, key_cache, value_cache, query_start
     return paged_attention(queries, keys, _f64(value_cache), query_start_loc, seq_lens, block_tables, scale)
 
 
-def moe_experts(x, weights, expert_ids, gate_up, down, round_activation=lambda a: a):
-    """Each token's experts one by one; `round_activation` rounds each expert's activation to the
-    compute dtype before `down`, as the op says."""
+def moe_experts(x, weights, expert_ids, gate_up, down, round_activation=lambda a: a, first_expert=0):
+    """Each token's experts one by one, skipping those outside the weights' experts first_expert ..;
+    `round_activation` rounds each expert's activation to the compute dtype before `down`, as the op
+    says."""
     x, gate_up, down = _f64(x), _f64(gate_up), _f64(down)
     intermediate = down.shape[2]
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
-        for weight, e in zip(_f64(weights[t]), np.asarray(expert_ids[t], dtype=np.int64)):
+        for weight, expert in zip(_f64(weights[t]), np.asarray(expert_ids[t], dtype=np.int64)):
+            e = expert - first_expert
+            if not 0 <= e < gate_up.shape[0]:
+                continue
             gate, up = gate_up[e, :intermediate] @ x[t], gate_up[e, intermediate:] @ x[t]
             activation = _f64(round_activation(_silu(gate) * up))
             out[t] += weight * (down[e] @ activation)

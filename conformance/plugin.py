@@ -17,6 +17,7 @@ from candelabra.conformance.engine_cases import ENGINE_CASES
 from candelabra.conformance.harness import case_seed
 from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES
 from candelabra.conformance.op_cases import op_cases
+from candelabra.conformance.parallel_engine import PARALLEL_ENGINE_CASES
 from candelabra.plugins import RegistryError, backend_class
 
 
@@ -70,9 +71,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
     model_cases = MODEL_CASES + GGUF_MODEL_CASES
     sharded_cases = [case for case in model_cases if getattr(case, "tensor_parallel", True)]
-    # fixture -> (cases, whether they compare with transformers); the parallel level reuses both lists
+    # fixture -> (cases, whether they compare with transformers); the parallel level reuses the models
+    # level's list and most of the engine level's
     named = {"model_case": (model_cases, True), "engine_case": (ENGINE_CASES, False),
-             "parallel_model_case": (sharded_cases, True), "parallel_engine_case": (ENGINE_CASES, False)}
+             "parallel_model_case": (sharded_cases, True), "parallel_engine_case": (PARALLEL_ENGINE_CASES, False)}
     for fixture, (cases, needs_reference) in named.items():
         if fixture in metafunc.fixturenames:
             _run(metafunc.config)

@@ -203,6 +203,18 @@ class GroupsScoredByMax(_OneBrokenOp):
     ops_class = _GroupsScoredByMax
 
 
+class _ExpertsHeldFromZero(NumpyOps):
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
+        return super().moe_experts(x, weights, expert_ids, gate_up, down)
+
+
+class ExpertsHeldFromZero(_OneBrokenOp):
+    """Leaves out first_expert: a rank holding experts 2 to 5 runs the picks of 0 to 3 with them."""
+
+    name = "broken-expert-share"
+    ops_class = _ExpertsHeldFromZero
+
+
 def _round_bfloat16(x):
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)

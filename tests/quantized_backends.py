@@ -36,9 +36,9 @@ class _DequantizingOps(NumpyOps):
             weight = weight.dequantize()
         return super().linear(x, weight, bias)
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
         gate_up, down = (w.dequantize() if isinstance(w, QuantizedTensor) else w for w in (gate_up, down))
-        return super().moe_experts(x, weights, expert_ids, gate_up, down)
+        return super().moe_experts(x, weights, expert_ids, gate_up, down, first_expert)
 
 
 class QuantizedCpuBackend(RecordingCpuBackend):

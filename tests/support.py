@@ -195,6 +195,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+class LoadOnlyCommunicator(Communicator):
+    """A rank of a group that never communicates: enough to load a shard, which makes no collective call."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+
 class BroadcastOnlyRank(Communicator):
     """Rank `rank` of two ranks that are threads of this process, joined by `line` (a queue.Queue):
     rank 0's broadcasts reach rank 1, which is how rank 0 hands the others its orders; a step's

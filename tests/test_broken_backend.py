@@ -134,3 +134,10 @@ def test_expert_groups_scored_by_the_wrong_rule_fail_routing_by_their_expert_ids
     messages = failures_of(broken_backends.GroupsScoredByMax(), "route_experts")
     assert messages and all(m.startswith("expert ids: not equal") for m in messages)
     assert len(messages) < len([case for case in op_cases(("float32",)) if case.op == "route_experts"])
+
+
+def test_a_share_of_the_experts_indexed_from_zero_fails_exactly_the_cases_of_a_share():
+    backend = broken_backends.ExpertsHeldFromZero()
+    cases = [case for case in op_cases(backend.dtypes) if case.op == "moe_experts" and case.dtype == "float32"]
+    failed = {case.id for case in cases if run_case(backend, case, seed=7).status == FAILED}
+    assert failed and failed == {case.id for case in cases if ("held", "middle") in case.params}

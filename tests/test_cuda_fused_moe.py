@@ -116,6 +116,18 @@ def test_a_pick_of_an_expert_that_does_not_exist_adds_nothing():
     assert_matches(out, expected, "float32")
 
 
+def test_a_share_of_the_experts_runs_only_the_picks_of_its_own_from_first_expert_on():
+    rng = np.random.default_rng(6)
+    (x, weights, expert_ids, gate_up, down), _ = routed_layer(rng, "float32", 9, 64, 32, 8, 2, 0)
+    share = slice(2, 6)  # a tensor-parallel rank's experts: picks of 0, 1, 6 and 7 are another rank's
+
+    out = moe_experts(x, weights, expert_ids, gate_up[share], down[share], first_expert=2)
+
+    expected = oracle.moe_experts(float64_values(x), float64_values(weights), expert_ids.cpu().numpy(),
+                                  float64_values(gate_up[share]), float64_values(down[share]), first_expert=2)
+    assert_matches(out, expected, "float32")
+
+
 def test_no_tokens_and_weights_it_cannot_read_are_answered_clearly():
     rng = np.random.default_rng(5)
     (x, weights, expert_ids, gate_up, down), _ = routed_layer(rng, "float32", 3, 64, 32, 4, 2, 0)

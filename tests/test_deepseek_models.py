@@ -1,10 +1,9 @@
 """DeepSeek V2 and V3: their routers and latent attention read from config.json, yarn's mscale where
-DeepSeek puts it, the latent KV cache a model asks for, clear refusals (tensor parallelism, a backend
-without the latent attention ops, a kv_b_proj of the wrong size), and a tiny DeepSeek-V3 served through
-`LLM` greedily as transformers generates. (Logits at every position against transformers are the
-models level's "deepseek-v2" and "deepseek-v3" cases.)"""
-
-import queue
+DeepSeek puts it, the latent KV cache a model asks for, a tensor-parallel rank's share of the experts,
+clear refusals (a backend without the latent attention ops, a kv_b_proj of the wrong size), and a tiny
+DeepSeek-V3 served through `LLM` greedily as transformers generates. (Logits at every position against
+transformers are the models level's "deepseek-v2" and "deepseek-v3" cases, and at TP=2 against TP=1 the
+parallel level's.)"""
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.rope import attention_factor
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from support import BroadcastOnlyRank
+from support import LoadOnlyCommunicator
 
 DEEPSEEK_V2, DEEPSEEK_V3 = (next(c for c in MODEL_CASES if c.name == name) for name in ("deepseek-v2", "deepseek-v3"))
 
@@ -121,14 +120,27 @@ def test_the_model_asks_for_a_latent_cache_of_one_rotary_key_and_one_latent_per_
 
 
 # ---------------------------------------------------------------------------------------------
-# Refusals
+# Tensor parallelism
 
 
-def test_latent_attention_is_refused_at_tensor_parallelism_saying_why(saved):
+def test_a_rank_keeps_the_whole_router_half_the_routed_experts_and_half_the_shared_experts_features(saved):
     folder, _ = saved
-    with SafetensorsCheckpoint(folder) as checkpoint, pytest.raises(ConfigError) as refused:
-        load_model(checkpoint, CpuBackend(), "float32", communicator=BroadcastOnlyRank(1, queue.Queue()))
-    assert "2 ranks" in str(refused.value)
+    with SafetensorsCheckpoint(folder) as checkpoint:
+        whole, second = (load_model(checkpoint, CpuBackend(), "float32", communicator=communicator)
+                         for communicator in (None, LoadOnlyCommunicator(1, 2)))
+    for layer, share in zip(whole.layers, second.layers):
+        if layer.experts is None:  # the dense first layer
+            continue
+        experts, half = layer.experts, len(layer.experts.gate_up) // 2
+        assert share.experts.first == half
+        np.testing.assert_array_equal(share.experts.gate_up, experts.gate_up[half:])
+        np.testing.assert_array_equal(share.experts.router, experts.router)
+        np.testing.assert_array_equal(share.experts.correction_bias, experts.correction_bias)
+        assert share.experts.shared_down.shape[1] * 2 == experts.shared_down.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
 
 
 def test_a_backend_without_the_latent_attention_ops_is_refused_naming_them_before_loading(saved):

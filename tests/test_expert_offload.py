@@ -153,6 +153,31 @@ def test_a_scripted_routing_counts_hits_misses_and_bytes_and_every_step_matches_
     np.testing.assert_array_equal(backend.to_host(layer.down)[:3], down[:3])
 
 
+def test_a_tensor_parallel_ranks_share_gives_its_experts_output_with_some_in_host_memory():
+    """Rank 1 of 2 holds the layer's experts 4 to 7, the last 2 in host memory with one slot: random
+    routing over all 8 runs its own picks in turns and leaves out the others, as the share kept whole does."""
+    backend = TorchWithDeviceMemory()
+    rng = np.random.default_rng(5)
+    gate_up = rng.standard_normal((4, 8, 16)).astype(np.float32)
+    down = rng.standard_normal((4, 16, 4)).astype(np.float32)
+    layer = OffloadedExperts.place(backend, ExpertOffload(2, cache_slots=1), "MixtralForCausalLM",
+                                   ("gate_up", "down"), gate_up, down, "float32",
+                                   lambda name, weight: backend.upload_weight(name, WeightRole.EXPERTS, weight,
+                                                                              "float32"),
+                                   first_expert=4, layer_experts=8)
+    experts = Experts(router=None, gate_up=layer.gate_up, down=layer.down, offloaded=layer, first=4)
+    whole = backend.to_device(gate_up), backend.to_device(down)
+    for step in range(6):
+        picks = np.stack([rng.choice(8, 2, replace=False) for _ in range(5)]).astype(np.int32)
+        ids = backend.to_device(picks)
+        h = backend.to_device(rng.standard_normal((5, 16)).astype(np.float32))
+        weights = backend.to_device(rng.uniform(0.1, 1.0, (5, 2)).astype(np.float32))
+        expected = backend.to_host(backend.ops.moe_experts(h, weights, ids, *whole, first_expert=4))
+        np.testing.assert_array_equal(backend.to_host(run_experts(backend.ops, experts, h, weights, ids)), expected,
+                                      err_msg=f"step {step}")
+    assert layer.counts.misses > 1 and set(layer.slots.held) <= {2, 3}  # the share's last two, by its own index
+
+
 # ---------------------------------------------------------------------------------------------
 # A whole model
 

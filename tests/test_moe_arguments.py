@@ -34,3 +34,11 @@ def test_the_numpy_backend_refuses_expert_weights_that_do_not_fit_the_tokens():
         ops.moe_experts(x, weights, ids, gate_up, down)
     with pytest.raises(ValueError, match="unknown expert scoring"):
         ops.route_experts(rng.standard_normal((3, 4)).astype(np.float32), 2, scoring="tanh")
+
+
+def test_a_negative_first_expert_is_refused():
+    ops = CpuBackend().ops
+    x, ids = np.zeros((2, 16), np.float32), np.zeros((2, 1), np.int32)
+    gate_up, down = np.zeros((4, 2 * 8, 16), np.float32), np.zeros((4, 16, 8), np.float32)
+    with pytest.raises(ValueError, match="first_expert .* got -1"):
+        ops.moe_experts(x, np.ones((2, 1), np.float32), ids, gate_up, down, first_expert=-1)

@@ -1,10 +1,11 @@
 """Mixtral and Qwen3-MoE: which layers are sparse and how they route, read from config.json; the experts
-stacked alike from the Hub's one-tensor-per-expert layout and transformers 5's fused one; MoE models
-refused at tensor parallelism and on a backend without the MoE ops, naming why; and a tiny Mixtral
-served through `LLM`, greedy as transformers. (Logits at every position against transformers are the
-models level's "mixtral" and "qwen3-moe" cases.)"""
+stacked alike from the Hub's one-tensor-per-expert layout and transformers 5's fused one; a tensor-parallel
+rank's share of the experts, whose outputs add up to the whole layer's; MoE models refused on a backend
+without the MoE ops, naming why; and a tiny Mixtral served through `LLM`, greedy as transformers. (Logits
+at every position against transformers are the models level's "mixtral" and "qwen3-moe" cases, and at
+TP=2 against TP=1 the parallel level's.)"""
 
-import queue
+import json
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from candelabra.core.contract.ops import OpNotSupported, Ops
 from candelabra.core.contract.weights import WeightRole
 from candelabra.core.llm import LLM
 from candelabra.core.loading.decoder_weights import load_decoder_weights
+from candelabra.core.loading.dummy import DummyCheckpoint
 from candelabra.core.loading.model import load_model
 from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.mixtral import Mixtral
@@ -26,7 +28,7 @@ from candelabra.core.models.qwen import Qwen3Moe
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from quantized_backends import RecordingCpuBackend
-from support import BroadcastOnlyRank
+from support import LoadOnlyCommunicator
 
 MIXTRAL, QWEN3_MOE = (next(case for case in MODEL_CASES if case.name == name) for name in ("mixtral", "qwen3-moe"))
 
@@ -95,12 +97,13 @@ def test_more_experts_a_token_than_there_are_is_refused():
 # Loading
 
 
-def _experts_uploaded(folder, family) -> tuple[RecordingCpuBackend, dict]:
-    """What the loader uploaded for `folder`'s checkpoint, and the model's layers' weights."""
+def _experts_uploaded(folder, family, communicator=None) -> tuple[RecordingCpuBackend, dict]:
+    """What the loader uploaded for `folder`'s checkpoint, and the model's layers' weights (a shard's
+    with a `communicator`)."""
     backend = RecordingCpuBackend()
     with SafetensorsCheckpoint(folder) as checkpoint:
         config = ModelConfig.from_hf(checkpoint.config)
-        weights = load_decoder_weights(family, config, backend, checkpoint, "float32")
+        weights = load_decoder_weights(family, config, backend, checkpoint, "float32", communicator)
     return backend, weights
 
 
@@ -142,11 +145,45 @@ def test_experts_stack_gate_rows_then_up_rows_from_either_layout(saved, tmp_path
         assert roles and set(roles.values()) == {WeightRole.EXPERTS}
 
 
-def test_a_moe_model_is_refused_at_tensor_parallelism_saying_why(saved):
-    folder, _ = saved[MIXTRAL.name]
-    with SafetensorsCheckpoint(folder) as checkpoint, pytest.raises(ConfigError) as refused:
-        load_model(checkpoint, CpuBackend(), "float32", communicator=BroadcastOnlyRank(1, queue.Queue()))
-    assert "mixture-of-experts" in str(refused.value) and "2 ranks" in str(refused.value)
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: each rank a share of the experts, whole
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_each_rank_loads_the_whole_router_and_its_half_of_the_experts_from_either_layout(saved, tmp_path, layout):
+    folder, model = saved[MIXTRAL.name]
+    if layout == "fused":
+        folder = _fused_copy(model, tmp_path)
+    _, whole = _experts_uploaded(folder, Mixtral)
+    shards = [_experts_uploaded(folder, Mixtral, LoadOnlyCommunicator(rank, 2))[1] for rank in (0, 1)]
+    for index, layer in enumerate(whole.layers):
+        for rank, shard in enumerate(shards):
+            experts, kept = shard.layers[index].experts, slice(4 * rank, 4 * rank + 4)
+            assert experts.first == 4 * rank
+            np.testing.assert_array_equal(experts.gate_up, layer.experts.gate_up[kept])
+            np.testing.assert_array_equal(experts.down, layer.experts.down[kept])
+            np.testing.assert_array_equal(experts.router, layer.experts.router)
+
+
+def test_ranks_holding_two_and_three_of_five_experts_add_up_to_the_whole_layer(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config_json(MIXTRAL) | {"num_local_experts": 5}))
+    checkpoint, backend = DummyCheckpoint(tmp_path, seed=2), CpuBackend()
+    whole = load_model(checkpoint, backend, "float32")
+    ranks = [load_model(checkpoint, backend, "float32", communicator=LoadOnlyCommunicator(rank, 2)) for rank in (0, 1)]
+    assert [(r.layers[0].experts.first, len(r.layers[0].experts.gate_up)) for r in ranks] == [(0, 2), (2, 3)]
+    h = np.random.default_rng(4).standard_normal((16, whole.config.hidden_size)).astype(np.float32)
+    for index, layer in enumerate(whole.layers):
+        partial = [rank.mlp(index, rank.layers[index], h) for rank in ranks]
+        assert all(np.abs(p).max() > 0 for p in partial)  # each rank's experts were picked
+        np.testing.assert_allclose(partial[0] + partial[1], whole.mlp(index, layer, h), rtol=1e-5, atol=1e-6)
+
+
+def test_more_ranks_than_a_moe_layer_has_experts_are_refused_before_loading_a_weight(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config_json(MIXTRAL) | {"num_local_experts": 3}))
+    backend = RecordingCpuBackend()
+    with pytest.raises(ValueError, match="each MoE layer's 3 experts, fewer than the ranks: use at most 3 ranks"):
+        load_model(DummyCheckpoint(tmp_path), backend, "float32", communicator=LoadOnlyCommunicator(0, 4))
+    assert backend.uploads == {}
 
 
 # ---------------------------------------------------------------------------------------------

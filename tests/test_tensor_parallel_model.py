@@ -2,9 +2,9 @@
 communicator over Gloo, and every model case of the models level at TP=2 against TP=1.
 
 The multi-process tests start two real processes per run (rank 0 and 1 on 127.0.0.1, one core
-each), and each run takes every case: three runs for the model cases (both LM-head layouts in
-float32, and the GGUF cases in bfloat16, through the torch backend's quantized kernels) and one
-for the collectives.
+each), and each run takes every case (the MoE ones with their experts split whole): three runs for
+the model cases (both LM-head layouts in float32, the MoE cases in the default one only, and the GGUF
+cases in bfloat16, through the torch backend's quantized kernels) and one for the collectives.
 """
 
 import json
@@ -16,7 +16,6 @@ from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.conformance.model_cases import GGUF_MODEL_CASES, MODEL_CASES, VOCAB, make_reference
 from candelabra.conformance.parallel_cases import greedy_decode, run_communicator_checks, run_parallel_cases
-from candelabra.core.contract import Communicator
 from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
 from candelabra.core.loading.dummy import DummyCheckpoint
 from candelabra.core.loading.model import load_model
@@ -24,25 +23,24 @@ from candelabra.core.models.sharding import (
     LM_HEAD_LAYOUTS,
     REPLICATED,
     VOCAB_PARALLEL,
+    expert_share,
     intermediate_columns,
     pad_rows,
     quantization_block,
     shard_heads,
     take_columns,
+    take_experts,
     take_rows,
     vocab_rows,
 )
 from candelabra.core.weights.random_quantized import random_quantized
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+from support import LoadOnlyCommunicator
 
-ALL_CASES = [case for case in MODEL_CASES if case.tensor_parallel] + GGUF_MODEL_CASES  # MoE experts do not shard yet
-
-
-class LoadOnlyCommunicator(Communicator):
-    """A rank of a group that never communicates: enough to load a shard, which makes no collective call."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+ALL_CASES = [case for case in MODEL_CASES if case.tensor_parallel] + GGUF_MODEL_CASES
+# The LM head's layout and how the MLP splits are independent: the MoE cases run in the default layout only.
+CASES_BY_LAYOUT = {VOCAB_PARALLEL: ALL_CASES,
+                   REPLICATED: [case for case in ALL_CASES if not getattr(case, "routes_experts", False)]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +87,29 @@ def test_intermediate_features_split_on_the_quantization_blocks_of_the_down_proj
     # Fewer whole blocks than ranks: single features.
     assert [intermediate_columns(256, rank, 2, 256) for rank in range(2)] == [range(0, 128), range(128, 256)]
     assert [intermediate_columns(97, rank, 2) for rank in range(2)] == [range(0, 48), range(48, 97)]
+
+
+def test_experts_split_whole_and_in_order_over_the_ranks_shares_differing_by_at_most_one():
+    assert [expert_share(8, rank, 2) for rank in range(2)] == [range(0, 4), range(4, 8)]
+    assert [expert_share(5, rank, 2) for rank in range(2)] == [range(0, 2), range(2, 5)]
+    assert [expert_share(3, rank, 3) for rank in range(3)] == [range(0, 1), range(1, 2), range(2, 3)]
+    for experts, world_size in ((128, 3), (60, 8), (7, 4)):
+        shares = [expert_share(experts, rank, world_size) for rank in range(world_size)]
+        assert [e for share in shares for e in share] == list(range(experts))
+        assert {len(share) for share in shares} == {experts // world_size, -(-experts // world_size)}
+
+
+def test_more_ranks_than_a_moe_layer_has_experts_is_refused_naming_both():
+    with pytest.raises(ValueError, match="over 4 ranks splits each MoE layer's 3 experts, fewer than the ranks: "
+                                         "use at most 3 ranks"):
+        expert_share(3, 0, 4)
+
+
+def test_a_ranks_experts_of_a_quantized_stack_stay_in_their_blocks():
+    stack = QuantizedTensor.stack([random_quantized(np.random.default_rng(e), "Q4_K", 4, 256) for e in range(5)])
+    taken = take_experts(stack, range(2, 5))
+    assert isinstance(taken, QuantizedTensor) and taken.shape == (3, 4, 256)
+    np.testing.assert_array_equal(taken.dequantize(), stack.dequantize()[2:5])
 
 
 def test_a_vocabulary_that_does_not_divide_is_padded_to_equal_shards():
@@ -235,16 +256,17 @@ def test_the_torch_communicator_over_gloo():
 
 @pytest.fixture(scope="module")
 def tensor_parallel_results():
-    """Every case at TP=2 against TP=1 in float32, in both LM-head layouts: {(layout, case): result}."""
+    """The cases at TP=2 against TP=1 in float32, in both LM-head layouts: {(layout, case): result}."""
     results = {}
     for layout in LM_HEAD_LAYOUTS:
-        for result in run_parallel_cases("torch", 2, ALL_CASES, seed=11, dtype="float32", lm_head_layout=layout):
+        for result in run_parallel_cases("torch", 2, CASES_BY_LAYOUT[layout], seed=11, dtype="float32",
+                                         lm_head_layout=layout):
             results[layout, result.case] = result
     return results
 
 
-@pytest.mark.parametrize("case", [case.name for case in ALL_CASES])
-@pytest.mark.parametrize("layout", [VOCAB_PARALLEL, REPLICATED])
+@pytest.mark.parametrize("layout, case", [(layout, case.name) for layout, cases in CASES_BY_LAYOUT.items()
+                                          for case in cases])
 def test_every_case_at_tp2_matches_tp1(tensor_parallel_results, layout, case):
     """Logits within the float32 model threshold, and the same 16 greedy tokens. The safetensors
     cases' vocabulary does not divide over 2 ranks, so the vocabulary-parallel head pads its shards."""

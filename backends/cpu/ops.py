@@ -128,13 +128,13 @@ class NumpyOps(Ops):
     def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
         return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
-        check_experts_shapes(x, weights, expert_ids, gate_up, down)
-        picked = expert_ids.reshape(-1)
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
+        check_experts_shapes(x, weights, expert_ids, gate_up, down, first_expert)
+        picked = expert_ids.reshape(-1).astype(np.int64) - first_expert  # indices into the experts held
         token_of_pick = np.repeat(np.arange(x.shape[0]), expert_ids.shape[1])
         pick_weights = weights.reshape(-1, 1).astype(np.float32)
         out = np.zeros(x.shape, dtype=np.float32)
-        for expert in np.unique(picked):
+        for expert in np.unique(picked[(picked >= 0) & (picked < gate_up.shape[0])]):
             picks = np.flatnonzero(picked == expert)
             rows = token_of_pick[picks]
             # The reference's own linear and silu_and_mul, so that a subclass replacing one op leaves this one whole.

@@ -50,14 +50,14 @@ class CudaOps(TorchOps):
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
         return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap)
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
         """The picks sorted by expert and two grouped GEMMs, all on the device (kernels/fused_moe.py):
         nothing waits for the host, so a decode step with experts replays from a CUDA graph. Experts kept
         quantized one by one (int4) run torch's per-expert path through the int4 GEMM instead."""
         if isinstance(gate_up, ExpertWeights) or isinstance(down, ExpertWeights):
-            return super().moe_experts(x, weights, expert_ids, gate_up, down)
-        check_experts_shapes(x, weights, expert_ids, gate_up, down)
-        return fused_moe.moe_experts(x, weights, expert_ids, gate_up, down)
+            return super().moe_experts(x, weights, expert_ids, gate_up, down, first_expert)
+        check_experts_shapes(x, weights, expert_ids, gate_up, down, first_expert)
+        return fused_moe.moe_experts(x, weights, expert_ids, gate_up, down, first_expert=first_expert)
 
     def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
         return super().paged_latent_attention(q_latent, q_rope, cache, step.gathering(), scale)

@@ -125,8 +125,9 @@ class MlxOps(Ops):
     def paged_latent_attention(self, q_latent, q_rope, cache, step, scale):
         return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
-        check_experts_shapes(x, weights, expert_ids, gate_up, down)
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
+        check_experts_shapes(x, weights, expert_ids, gate_up, down, first_expert)
+        expert_ids, weights = _held_picks(expert_ids, weights, first_expert, gate_up.shape[0])
         tokens, top_k = expert_ids.shape
         if tokens * top_k < SORTED_PICKS_MIN:
             rows, experts = mx.expand_dims(x, (-2, -3)), expert_ids  # [T, 1, 1, H] against [T, K]
@@ -142,6 +143,15 @@ class MlxOps(Ops):
     def _experts_mlp(self, rows, experts, gate_up, down, sorted_indices):
         gated = _gather_mm(rows, gate_up.swapaxes(-1, -2), experts, sorted_indices)
         return _gather_mm(self.silu_and_mul(gated), down.swapaxes(-1, -2), experts, sorted_indices)
+
+
+def _held_picks(expert_ids, weights, first_expert, held):
+    """The picks as indices into the `held` experts from `first_expert` on, and their weights; a pick
+    of an expert not held becomes one of expert 0 at weight 0 (knowing which are held would mean
+    reading the ids back, which would end the lazy graph)."""
+    local = expert_ids - first_expert
+    inside = (local >= 0) & (local < held)
+    return mx.where(inside, local, 0), mx.where(inside, weights, 0)
 
 
 def _gather_mm(a, b, rhs_indices, sorted_indices):

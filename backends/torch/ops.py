@@ -120,16 +120,19 @@ class TorchOps(Ops):
     def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
         return attention.paged_latent_attention(q_latent, q_rope, cache, step, scale)
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
-        """The picks sorted by expert, then one pair of matmuls per expert some token chose, by `linear`:
-        an expert kept quantized (`ExpertWeights`) runs its form's kernels. Counting the picks per
-        expert waits for the device, so a step with experts cannot be captured."""
-        check_experts_shapes(x, weights, expert_ids, gate_up, down)
-        picked = expert_ids.reshape(-1).long()
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
+        """The picks sorted by expert, then one pair of matmuls per expert held that some token chose, by
+        `linear`: an expert kept quantized (`ExpertWeights`) runs its form's kernels. The picks of experts
+        not held sort last, counted as one more expert, and are left out. Counting the picks per expert
+        waits for the device, so a step with experts cannot be captured."""
+        check_experts_shapes(x, weights, expert_ids, gate_up, down, first_expert)
+        held = gate_up.shape[0]
+        picked = expert_ids.reshape(-1).long() - first_expert
+        picked = picked.masked_fill((picked < 0) | (picked >= held), held)
         order = torch.argsort(picked, stable=True)
         token_of_pick = order // expert_ids.shape[1]
         pick_weights = weights.reshape(-1).float()[order, None]
-        counts = torch.bincount(picked, minlength=gate_up.shape[0]).tolist()
+        counts = torch.bincount(picked, minlength=held + 1).tolist()[:held]
         starts = [0, *itertools.accumulate(counts)]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in (e for e, count in enumerate(counts) if count):

@@ -403,8 +403,8 @@ class $ops_class_name(Ops):
         return self.on_host("route_experts", router_logits, top_k, scoring, renormalize, scale, num_groups,
                             top_groups, group_scoring, correction_bias, result_dtype="float32")
 
-    def moe_experts(self, x, weights, expert_ids, gate_up, down):
-        return self.on_host("moe_experts", x, weights, expert_ids, gate_up, down)
+    def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
+        return self.on_host("moe_experts", x, weights, expert_ids, gate_up, down, first_expert)
 
     # The way to the reference on the host: delete it once no op calls it.
 

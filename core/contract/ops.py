@@ -353,22 +353,27 @@ class Ops:
         """
         raise self._unsupported("route_experts")
 
-    def moe_experts(self, x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    def moe_experts(self, x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor,
+                    first_expert: int = 0) -> Tensor:
         """The routed experts' gated SiLU MLPs, summed by weight: x [T, H] -> [T, H].
 
         `weights` [T, K] float32 and `expert_ids` [T, K] int32 are what `route_experts` returned;
         `gate_up` and `down` what `Backend.upload_weight` returned for the experts role, of
-        values [E, 2I, H] (the gate rows, then the up rows) and [E, H, I]; experts it took still
-        quantized multiply as `linear`'s quantized weights do. With e = expert_ids[t, j],
+        values [E, 2I, H] (the gate rows, then the up rows) and [E, H, I]: the layer's experts
+        first_expert .. first_expert + E - 1 (all of them where first_expert is 0 and E the
+        router's count; a tensor-parallel rank holds its share). Experts it took still quantized
+        multiply as `linear`'s quantized weights do. With e = expert_ids[t, j] - first_expert,
         gate[e] = gate_up[e, :I] and up[e] = gate_up[e, I:]:
 
-            out[t] = sum over j of weights[t, j] * (down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])))
+            out[t] = sum over j with 0 <= e < E of
+                     weights[t, j] * (down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])))
 
-        Products are accumulated in at least float32. Each expert's activation (the silu product)
-        is rounded to x's dtype before `down`, as a dense MLP's is by `silu_and_mul`; the weighted
-        sum over experts is in float32 and rounded to x's dtype once, at the end. How a backend
-        gets there (a loop over the experts used, tokens sorted by expert, a grouped matmul) is
-        its own choice.
+        A pick of an expert the weights do not hold adds nothing (it is another rank's, and the
+        ranks' outputs summed are the whole layer's). Products are accumulated in at least
+        float32. Each expert's activation (the silu product) is rounded to x's dtype before
+        `down`, as a dense MLP's is by `silu_and_mul`; the weighted sum over experts is in float32
+        and rounded to x's dtype once, at the end. How a backend gets there (a loop over the
+        experts used, tokens sorted by expert, a grouped matmul) is its own choice.
         """
         raise self._unsupported("moe_experts")
 
@@ -417,8 +422,12 @@ def check_routing(num_experts: int, top_k: int, scoring: str, num_groups: int, t
         raise ValueError(f"top_k {top_k} must be between 1 and the {choosable} experts that can be chosen")
 
 
-def check_experts_shapes(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> None:
-    """Raise ValueError, naming the shapes, where `moe_experts` arguments do not fit together."""
+def check_experts_shapes(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor,
+                         first_expert: int = 0) -> None:
+    """Raise ValueError, naming the shapes, where `moe_experts` arguments do not fit together (or
+    first_expert is negative)."""
+    if first_expert < 0:
+        raise ValueError(f"moe_experts' first_expert is the layer's index of the first expert held; got {first_expert}")
     shapes = {name: tuple(value.shape) for name, value in
               (("x", x), ("weights", weights), ("expert_ids", expert_ids), ("gate_up", gate_up), ("down", down))}
     tokens, hidden = shapes["x"] if len(shapes["x"]) == 2 else (None, None)

@@ -5,7 +5,8 @@ tensor-parallel rank's shard.
 Query, key and value projections are fused into one matmul at load time, and so are gate and up;
 a checkpoint that stores them fused is read as it is. A MoE layer's experts are stacked into two
 3-D weights (`Experts`), from one tensor per expert and projection or from transformers 5's fused
-ones, where the family's `expert_names` say, the last of them in host memory where an `ExpertOffload` asks
+ones, where the family's `expert_names` say (a tensor-parallel rank keeps its share of them, whole
+experts), the last of them in host memory where an `ExpertOffload` asks
 (`candelabra.core.models.offloaded_experts`); a GGUF file's quantized experts stay quantized, as one
 3-D `QuantizedTensor`, for a backend that keeps their format for the experts role. Biases and
 per-head q/k norms are taken where the checkpoint holds them. What differs between families is said
@@ -31,11 +32,13 @@ from candelabra.core.models.sharding import (
     VOCAB_PARALLEL,
     HostWeight,
     check_lm_head_layout,
+    expert_share,
     intermediate_columns,
     pad_rows,
     quantization_block,
     shard_heads,
     take_columns,
+    take_experts,
     take_rows,
     vocab_rows,
 )
@@ -49,8 +52,8 @@ def load_decoder_weights(family: type[DecoderModel], config: ModelConfig, backen
     `communicator` of more than one rank that rank's shard, its LM head laid out as `lm_head_layout`
     (one of `sharding.LM_HEAD_LAYOUTS`; the family's default when None), and with `expert_offload` some
     of each MoE layer's experts in host memory (see `offloaded_experts`; the backend must take them).
-    ValueError when the world size does not split the heads (see `sharding.shard_heads`), ConfigError
-    for a MoE model at a world size above 1 (its experts are not sharded yet)."""
+    ValueError when the world size does not split the heads (see `sharding.shard_heads`) or leaves a rank
+    no experts of a MoE layer (`sharding.expert_share`)."""
     return _Loader(family, config, backend, checkpoint, dtype, communicator, lm_head_layout, progress,
                    expert_offload).load()
 
@@ -64,10 +67,8 @@ class _Loader:
         self.dtype = backend.check_dtype(dtype)
         self.communicator = communicator if communicator is not None and communicator.world_size > 1 else None
         rank, world_size = (communicator.rank, communicator.world_size) if self.communicator else (0, 1)
-        if config.moe is not None and world_size > 1:
-            raise ConfigError(f"a {config.architecture} is a mixture-of-experts model, which candelabra cannot split "
-                              f"over {world_size} ranks yet: serve it without tensor parallelism")
         self.head_shard = shard_heads(config.num_heads, config.num_kv_heads, rank, world_size)
+        self.experts = expert_share(config.moe.num_experts, rank, world_size) if config.moe is not None else None
         layout = check_lm_head_layout(lm_head_layout or family.lm_head_layout)
         self.vocab_parallel = self.communicator is not None and layout == VOCAB_PARALLEL
         self.block = family.block_for(config)
@@ -125,29 +126,32 @@ class _Loader:
         return layer
 
     def _experts(self, prefix: str) -> Experts:
-        """A MoE layer's router and experts, stacked (see `ExpertNames` for the layouts read)."""
-        names, moe = self.family.expert_names, self.config.moe
+        """A MoE layer's router (whole: every rank routes every token) and this rank's experts,
+        stacked (see `ExpertNames` for the layouts read)."""
+        names, moe, kept = self.family.expert_names, self.config.moe, self.experts
         blocks = [f"{prefix}.{block}" for block in names.blocks]
         block = next((b for b in blocks if f"{b}.gate.weight" in self._names), blocks[0])
         router = self._weight(f"{block}.gate.weight", WeightRole.LINEAR)
         fused_gate_up, fused_down = f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
-        each = [f"{block}.experts.{e}" for e in range(moe.num_experts)]
-        gate_up = self._stacked_experts(fused_gate_up, [[f"{expert}.{names.gate}.weight", f"{expert}.{names.up}.weight"]
-                                                        for expert in each])
-        down = self._stacked_experts(fused_down, [[f"{expert}.{names.down}.weight"] for expert in each])
+        each = [f"{block}.experts.{e}" for e in kept]
         size, hidden = moe.expert_intermediate_size, self.config.hidden_size
-        _check_shape(fused_gate_up, gate_up, (moe.num_experts, 2 * size, hidden))
-        _check_shape(fused_down, down, (moe.num_experts, hidden, size))
+        gate_up = self._stacked_experts(fused_gate_up, [[f"{expert}.{names.gate}.weight", f"{expert}.{names.up}.weight"]
+                                                        for expert in each], (2 * size, hidden))
+        down = self._stacked_experts(fused_down, [[f"{expert}.{names.down}.weight"] for expert in each], (hidden, size))
+        _check_shape(fused_gate_up, gate_up, (len(kept), 2 * size, hidden))
+        _check_shape(fused_down, down, (len(kept), hidden, size))
         if self.expert_offload is not None:
             # the slots hold dense rows: offloaded experts are dequantized (kept quantized is not built yet)
             gate_up, down = (w.dequantize() if isinstance(w, QuantizedTensor) else w for w in (gate_up, down))
             offloaded = OffloadedExperts.place(
                 self.backend, self.expert_offload, self.config.architecture, (fused_gate_up, fused_down), gate_up,
-                down, self.dtype, lambda name, weight: self._upload(name, WeightRole.EXPERTS, weight))
-            experts = Experts(router=router, gate_up=offloaded.gate_up, down=offloaded.down, offloaded=offloaded)
+                down, self.dtype, lambda name, weight: self._upload(name, WeightRole.EXPERTS, weight),
+                first_expert=kept.start, layer_experts=moe.num_experts)
+            experts = Experts(router=router, gate_up=offloaded.gate_up, down=offloaded.down, offloaded=offloaded,
+                              first=kept.start)
         else:
             experts = Experts(router=router, gate_up=self._upload(fused_gate_up, WeightRole.EXPERTS, gate_up),
-                              down=self._upload(fused_down, WeightRole.EXPERTS, down))
+                              down=self._upload(fused_down, WeightRole.EXPERTS, down), first=kept.start)
         bias = f"{block}.gate.e_score_correction_bias"
         if bias in self._names:  # float32, as the op takes it: it only breaks near-ties between experts
             experts.correction_bias = self.backend.to_device(self._host([bias], WeightRole.BIAS), "float32")
@@ -199,14 +203,18 @@ class _Loader:
             weights.q_up = self._column_parallel(f"{attn}.q_b_proj.weight", WeightRole.LINEAR, rows)
         return weights
 
-    def _stacked_experts(self, fused: str, per_expert: list[list[str]]) -> HostWeight:
-        """One projection of every expert, [E, out, in]: the checkpoint's fused 3-D tensor where it has
-        one, else each expert's tensors (their rows one after another) stacked, still quantized where
-        they all share a format the backend keeps for experts."""
+    def _stacked_experts(self, fused: str, per_expert: list[list[str]], matrix: tuple[int, int]) -> HostWeight:
+        """One projection of this rank's experts, [E', out, in]: those of the checkpoint's fused 3-D tensor
+        of every expert's `matrix` where it has one, else the tensors `per_expert` of each (their rows
+        one after another) stacked, the other experts' not read; still quantized where they all share a
+        format the backend keeps for experts."""
         if fused in self._names:
-            return self._host([fused], WeightRole.EXPERTS)
+            every = self._host([fused], WeightRole.EXPERTS)
+            _check_shape(fused, every, (self.config.moe.num_experts, *matrix))
+            return take_experts(every, self.experts)
         kept = self._kept_format([name for names in per_expert for name in names], WeightRole.EXPERTS)
         experts = [self._read(names, kept) for names in per_expert]
+        self._progress.update((self.config.moe.num_experts - len(per_expert)) * len(per_expert[0]))
         return np.stack(experts) if kept is None else QuantizedTensor.stack(experts)
 
     # One tensor, or several stacked, from the checkpoint to the backend.

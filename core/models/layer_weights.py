@@ -21,11 +21,12 @@ class Norm:
 
 @dataclass
 class Experts:
-    """A MoE layer's MLP weights: the router's linear weight [E, H], and every expert's gate and up
-    projections stacked [E, 2I, H] (gate rows first) and down projections [E, H, I], uploaded with role
-    EXPERTS; DeepSeek's router bias for choosing (float32 [E]) and its shared experts' fused gate and up
-    [2S, H] and down [H, S] linear weights, where the checkpoint has them. With some experts in host
-    memory, `offloaded` brings them into the rows after the others (see
+    """A MoE layer's MLP weights: the router's linear weight [E, H], and the experts' gate and up
+    projections stacked [E', 2I, H] (gate rows first) and down projections [E', H, I], uploaded with
+    role EXPERTS: every expert (E' = E), or a tensor-parallel rank's share, the E' experts from the
+    layer's expert `first` on. DeepSeek's router bias for choosing (float32 [E]) and its shared experts'
+    fused gate and up [2S, H] and down [H, S] linear weights, where the checkpoint has them. With some
+    experts in host memory, `offloaded` brings them into the rows after the others (see
     `candelabra.core.models.offloaded_experts`)."""
 
     router: Any
@@ -35,6 +36,7 @@ class Experts:
     shared_gate_up: Any = None
     shared_down: Any = None
     offloaded: OffloadedExperts | None = None
+    first: int = 0
 
 
 @dataclass

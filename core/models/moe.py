@@ -39,7 +39,9 @@ class ExpertNames:
 @dataclass(frozen=True)
 class SparseMoeMlp:
     """Router, routing, experts: `Ops.route_experts` then `Ops.moe_experts`, plus the shared experts'
-    gated MLP where the layer has them (DeepSeek)."""
+    gated MLP where the layer has them (DeepSeek). Every token is routed over all the layer's experts;
+    those `experts` holds run (with tensor parallelism this rank's share, whose output, like the shared
+    experts' intermediate share, is a partial sum)."""
 
     moe: MoeConfig
 
@@ -56,12 +58,12 @@ class SparseMoeMlp:
 
 
 def run_experts(ops: Ops, experts: Experts, h, weights, expert_ids):
-    """`Ops.moe_experts` of the routed picks: at once where the layer's experts are all on the device;
-    where some are in host memory, in the turns that bring them in (`offloaded_experts`), each on the
-    device rows a lookup table gives (`gather_rows` of an int32 [E, 1] table is exact), the picks of
-    other turns weighted 0, and the turns' outputs summed."""
+    """`Ops.moe_experts` of the routed picks: at once where the layer's experts (this rank's) are all on
+    the device; where some are in host memory, in the turns that bring them in (`offloaded_experts`), each
+    on the device rows a lookup table gives (`gather_rows` of an int32 [E, 1] table is exact), the picks
+    of other turns weighted 0, and the turns' outputs summed."""
     if experts.offloaded is None:
-        return ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down)
+        return ops.moe_experts(h, weights, expert_ids, experts.gate_up, experts.down, first_expert=experts.first)
     tokens, top_k = expert_ids.shape
     picks = expert_ids.reshape(tokens * top_k)
     out = None

@@ -20,6 +20,10 @@ the turn uses, so every expert multiplies exactly the tokens it multiplies witho
 the turns' outputs add up. In float32, with two experts a token (Mixtral), the logits are bit for bit
 those of the model kept whole on the device; with more a token the order of the sum may differ.
 
+Under tensor parallelism the rank's weights are its share of the layer's experts (from its first
+expert on, `Experts.first`): the N are the last of its share, and the picks of other ranks' experts go
+to a row past the device weights' last, which `moe_experts` leaves out.
+
 On a backend whose tensors are in host memory already (`Backend.shares_host_memory`) nothing moves,
 and the model loads as without the flag.
 """
@@ -115,14 +119,17 @@ class ExpertTurn:
 
 
 class OffloadedExperts:
-    """One MoE layer's experts with the last `num_offloaded` in host memory: the device weights
-    (`gate_up`, `down`: the resident experts, then the slots), and the turns of each step."""
+    """One MoE layer's experts (this rank's `num_experts`, the layer's from `first_expert` on, of
+    `layer_experts`) with the last `num_offloaded` in host memory: the device weights (`gate_up`, `down`:
+    the resident experts, then the slots), and the turns of each step."""
 
     def __init__(self, backend: Backend, gate_up: Tensor, down: Tensor, host_gate_up: Any, host_down: Any,
-                 num_experts: int, num_offloaded: int, num_slots: int, bytes_per_expert: int) -> None:
+                 num_experts: int, num_offloaded: int, num_slots: int, bytes_per_expert: int,
+                 first_expert: int = 0, layer_experts: int | None = None) -> None:
         self.backend, self.gate_up, self.down = backend, gate_up, down
         self._host_gate_up, self._host_down = host_gate_up, host_down
         self.num_experts, self.num_offloaded = num_experts, num_offloaded
+        self.first_expert, self.layer_experts = first_expert, layer_experts or num_experts
         self.num_resident = num_experts - num_offloaded
         self.slots = ExpertSlots(num_slots)
         self.bytes_per_expert = bytes_per_expert
@@ -130,9 +137,10 @@ class OffloadedExperts:
 
     @classmethod
     def place(cls, backend: Backend, offload: ExpertOffload, architecture: str, names: tuple[str, str],
-              gate_up: np.ndarray, down: np.ndarray, dtype: DType,
-              upload: Callable[[str, np.ndarray], Tensor]) -> OffloadedExperts:
-        """A layer's stacked experts, float32 gate_up [E, 2I, H] and down [E, H, I] named `names`: the
+              gate_up: np.ndarray, down: np.ndarray, dtype: DType, upload: Callable[[str, np.ndarray], Tensor],
+              first_expert: int = 0, layer_experts: int | None = None) -> OffloadedExperts:
+        """A layer's stacked experts, float32 gate_up [E, 2I, H] and down [E, H, I] named `names` (the
+        rank's share from the layer's expert `first_expert` on, of `layer_experts`: all by default): the
         last `offload.num_offloaded` to host memory, the others and zeroed slots through `upload`."""
         num_experts = gate_up.shape[0]
         offload.check_experts(num_experts, architecture)
@@ -143,14 +151,15 @@ class OffloadedExperts:
             device.append(upload(name, np.concatenate([weight[:resident], empty_slots])))
             host.append(backend.host_experts(name, weight[resident:].copy(), dtype))  # a view would keep all E
         bytes_per_expert = (gate_up[0].size + down[0].size) * BYTES_PER_ELEMENT[dtype]
-        return cls(backend, *device, *host, num_experts, offload.num_offloaded, slots, bytes_per_expert)
+        return cls(backend, *device, *host, num_experts, offload.num_offloaded, slots, bytes_per_expert,
+                   first_expert, layer_experts)
 
     def turns(self, expert_ids: Tensor) -> Iterator[ExpertTurn]:
         """The `moe_experts` calls that run the step's picks `expert_ids` [T, K] (int32), each turn's
         experts from host memory copied in before it is yielded. Read to the end: the slots have
         already been given to every turn when the first is yielded."""
-        picks = self.backend.to_host(expert_ids)
-        routed = np.unique(picks).tolist()
+        picks = self.backend.to_host(expert_ids).astype(np.int64) - self.first_expert  # this rank's: 0 .. E - 1
+        routed = [e for e in np.unique(picks).tolist() if 0 <= e < self.num_experts]
         resident = [e for e in routed if e < self.num_resident]
         slot_turns = self.slots.turns(e for e in routed if e >= self.num_resident)
         self._count(slot_turns)
@@ -182,9 +191,11 @@ class OffloadedExperts:
         self.counts.add(ExpertCacheCounts(sum(turn.hits for turn in turns), misses, misses * self.bytes_per_expert))
 
     def _turn(self, rows: dict[int, int], picks: np.ndarray, masked: bool, filler: int = 0) -> ExpertTurn:
-        """The turn running the experts `rows` (expert -> device row); the other experts go to `filler`."""
-        table = np.full((self.num_experts, 1), filler, np.int32)
-        table[list(rows), 0] = list(rows.values())
+        """The turn running the experts `rows` (expert -> device row); this rank's other experts go to
+        `filler`, other ranks' past the device rows."""
+        table = np.full((self.layer_experts, 1), self.num_resident + self.slots.num_slots, np.int32)
+        table[self.first_expert : self.first_expert + self.num_experts, 0] = filler
+        table[[self.first_expert + expert for expert in rows], 0] = list(rows.values())
         mask = np.isin(picks, list(rows)).astype(np.float32) if masked else None
         return ExpertTurn(self.backend.to_device(table),
                           None if mask is None else self.backend.to_device(mask, "float32"))

@@ -12,6 +12,11 @@ is added on rank 0 only, so that the sum holds it once.
 - MLP: gate and up (or fc1) column-parallel over a range of the intermediate features, kept fused per
   rank as [gate_local; up_local]; down (or fc2) row-parallel over the same range
   (`intermediate_columns`).
+- MoE layer: the router replicated (every rank routes every token), the experts split whole
+  (expert parallelism): each rank keeps a contiguous share of the experts (`expert_share`), runs
+  only its own experts' picks, and its partial output joins the MLP's all-reduce. Why whole experts
+  rather than a share of every expert's intermediate features: docs/design-notes.md, "Experts under
+  tensor parallelism".
 - LM head: replicated, or vocabulary-parallel (`vocab_rows`): each rank computes the logits of its
   tokens, and an all-gather joins them.
 - Everything else (embedding, norms, q/k norms, rotary tables) is replicated.
@@ -101,6 +106,16 @@ def intermediate_columns(size: int, rank: int, world_size: int, block: int = 1) 
     return _share(size // block, rank, world_size, block)
 
 
+def expert_share(num_experts: int, rank: int, world_size: int) -> range:
+    """The experts of a MoE layer rank `rank` of `world_size` keeps, out of `num_experts`: contiguous,
+    num_experts // world_size or one more each. ValueError when there are fewer experts than ranks,
+    which would leave a rank none."""
+    if num_experts < world_size:
+        raise ValueError(f"tensor parallelism over {world_size} ranks splits each MoE layer's {num_experts} experts, "
+                         f"fewer than the ranks: use at most {num_experts} ranks")
+    return _share(num_experts, rank, world_size, 1)
+
+
 def vocab_rows(vocab_size: int, rank: int, world_size: int) -> tuple[range, int]:
     """The vocabulary-parallel LM head's rows (token ids) rank `rank` of `world_size` keeps, and
     the rows every rank's shard is padded to with zero rows, ceil(vocab_size / world_size), so
@@ -123,6 +138,14 @@ def take_rows(weight: HostWeight, ranges: Sequence[range]) -> HostWeight:
         blocks = _rows(weight.blocks, ranges)
         return QuantizedTensor(weight.format, blocks, (blocks.shape[0], weight.shape[1]))
     return _rows(weight, ranges)
+
+
+def take_experts(stacked: HostWeight, experts: range) -> HostWeight:
+    """The experts `experts` of a MoE layer's stacked projection [E, out, in], dense or quantized."""
+    if isinstance(stacked, QuantizedTensor):
+        blocks = stacked.blocks[experts.start : experts.stop]
+        return QuantizedTensor(stacked.format, blocks, (len(experts), *stacked.shape[1:]))
+    return stacked[experts.start : experts.stop]
 
 
 def take_columns(weight: HostWeight, columns: range) -> HostWeight:

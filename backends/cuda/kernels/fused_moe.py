@@ -25,8 +25,9 @@ graph, an op-by-op step and a rerun agree exactly. It costs P x H float32 of scr
 1,024-token chunk of Qwen3-30B-A3B's top-8 of hidden 2,048; atomics would need a K-th of it) and
 one more launch that reads it back.
 
-A pick whose expert id is outside [0, E) adds nothing to its token (`route_experts` never makes
-one; the device cannot raise).
+A pick whose expert id, less `first_expert`, is outside [0, E) adds nothing to its token and
+fills no tile: under tensor parallelism, another rank's expert (`route_experts` never makes one
+otherwise; the device cannot raise).
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ def sort_picks(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Sort
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+                down: torch.Tensor, tiles: MoeTiles | None = None, first_expert: int = 0) -> torch.Tensor:
     """`Ops.moe_experts`: x [T, H], weights and expert_ids [T, K], gate_up [E, 2I, H] (gate rows, then
-    up rows) and down [E, H, I] in x's dtype, each weight's last axis contiguous -> [T, H] in x's
-    dtype. `tiles` None picks them for the shape and device."""
+    up rows) and down [E, H, I] in x's dtype (the layer's experts from `first_expert` on), each
+    weight's last axis contiguous -> [T, H] in x's dtype. `tiles` None picks them for the shape and
+    device."""
     tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts, _, _ = gate_up.shape
@@ -146,6 +148,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     picks = tokens * top_k
     tiles = tiles or choose_tiles(picks, num_experts, x.dtype)
     flat_ids = expert_ids.to(torch.int32).reshape(-1).contiguous()
+    if first_expert:
+        flat_ids = flat_ids - first_expert  # indices into the experts held
     pick_weights = weights.to(torch.float32).reshape(-1).contiguous()
     sorted_picks = sort_picks(flat_ids, num_experts, tiles.block_m)
 
