@@ -74,14 +74,16 @@ for name in ("sm_90a", "sm_80"):
 
 # What CI compiles: every dense model of bench/configs in bfloat16 (the dtype they serve in) for Hopper and
 # Ampere, and Llama-3-8B in float32 (the paths that spill first) for Hopper; of the mixture-of-experts models
-# (bench/configs' Qwen3-30B-A3B and the conformance suite's tiny Mixtral and Qwen3-MoE), the fused-MoE
-# kernels alone, in bfloat16 for both (30 variants, about 30 s on 2 cores). The conformance test models'
-# other kernels (head dimensions of 16 and 32 that nothing served has), Qwen3-30B-A3B's (13 a target, 10 of
-# them attention with 8 query heads a KV head) and every other dtype are in the whole grid,
-# `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md): the test models' 130 variants
-# took four of CI's 30 minutes on 2 cores.
+# (bench/configs' Qwen3-30B-A3B and DeepSeek-V2-Lite, the conformance suite's tiny MoE models), the fused-MoE
+# kernels alone, in bfloat16 for both (about 30 s on 2 cores); of the latent-attention ones (DeepSeek-V2-Lite,
+# and again with DeepSeek-V3's 128 heads, for the tiles of 64 heads V3 launches), the kernels of their
+# attention. The conformance test models' other kernels (head dimensions of 16 and 32 that nothing served
+# has), Qwen3-30B-A3B's (13 a target, 10 of them attention with 8 query heads a KV head) and every other
+# dtype are in the whole grid, `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md): the
+# test models' 130 variants took four of CI's 30 minutes on 2 cores.
 CI_PLAN = """
 import json, sys
+from dataclasses import replace
 from pathlib import Path
 from candelabra.backends.cuda.compile_check import DEFAULT_CONFIGS, TARGETS, Workload, check, workloads_from
 from candelabra.conformance.model_cases import MODEL_CASES, config_json
@@ -92,9 +94,12 @@ routed = [w for w in configs if w.experts] + [Workload.from_hf_config(case.name,
 llama = [w for w in configs if w.label == "llama-3-8b"]
 fused_moe = frozenset({"_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel", "_down_kernel",
                        "_sum_picks_kernel"})
+latent = frozenset({"_latent_attention_kernel", "_merge_segments_kernel", "_rotary_kernel", "_rms_norm_kernel"})
+v3_heads = [replace(w, label="deepseek-v3 heads", heads=128) for w in configs if w.label == "deepseek-v2-lite"]
 both = [TARGETS["sm_90a"], TARGETS["sm_80"]]
 results = (check(dense, both, ("bfloat16",)) + check(llama, [TARGETS["sm_90a"]], ("float32",))
-           + check(routed, both, ("bfloat16",), kernels=fused_moe))
+           + check(routed, both, ("bfloat16",), kernels=fused_moe)
+           + check([w for w in configs if w.mla] + v3_heads, both, ("bfloat16",), kernels=latent))
 Path(sys.argv[1]).write_text(json.dumps([vars(r) | {"problems": r.problems} for r in results]))
 """
 
@@ -117,8 +122,11 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     assert kernels >= {"_attention_tile_kernel", "_merge_segments_kernel", "_rms_norm_kernel", "_gated_kernel",
                        "_elementwise_kernel", "_rotary_kernel", "_write_kv_kernel", "_sample_rows",
                        "_int4_matmul_kernel", "_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel",
-                       "_down_kernel", "_sum_picks_kernel"}
+                       "_down_kernel", "_sum_picks_kernel", "_latent_attention_kernel"}
     assert all(entry["registers"] for entry in compiled)
     attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}
+    latent = [entry for entry in compiled if entry["kernel"] == "_latent_attention_kernel"]
+    assert {"wgmma", "mma"} <= {entry["mma"] for entry in latent}
+    assert {"deepseek-v2-lite", "deepseek-v3 heads"} <= {model for entry in latent for model in entry["models"]}
     assert not set(SPILL_FREE) - kernels

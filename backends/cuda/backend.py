@@ -94,9 +94,8 @@ class CudaBackend(TorchBackend):
         offloaded = any(getattr(each, "offloaded", None) is not None for each in experts)
         quantized = any(isinstance(each.gate_up, ExpertWeights) or isinstance(each.down, ExpertWeights)
                         for each in experts)
-        latent = getattr(getattr(model, "config", None), "mla", None) is not None
         why_not = why_no_graphs(self.torch_device.type, self.eager_steps, getattr(model, "communicator", None),
-                                offloaded, quantized, latent)
+                                offloaded, quantized)
         if why_not is None:
             from candelabra.backends.cuda.graphs import CudaGraphExecutor
 
@@ -112,7 +111,7 @@ class CudaBackend(TorchBackend):
 
 
 def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, offloads_experts: bool = False,
-                  quantized_experts: bool = False, latent_attention: bool = False) -> str | None:
+                  quantized_experts: bool = False) -> str | None:
     """Why decode steps are not replayed from CUDA graphs, or None when they are."""
     if device_type != "cuda":
         return "CPU tensors through the Triton interpreter"
@@ -128,6 +127,4 @@ def why_no_graphs(device_type: str, eager_steps: bool, communicator: Any, offloa
     if quantized_experts:
         return ("experts kept quantized one by one (the fused MoE kernel takes dense experts; the per-expert path "
                 "counts each expert's tokens on the host)")
-    if latent_attention:
-        return "latent attention (no Triton kernel yet: torch's, over gather groups built on the host each step)"
     return None

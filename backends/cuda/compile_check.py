@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from candelabra.backends.cuda.availability import assume_multiprocessors, interpreting
+from candelabra.core.models.config import LatentAttentionConfig
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
     "_int4_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
     "_gate_up_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
     "_down_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
+    "_latent_attention_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16", "DOT_DTYPE=fp16"),
+                                               "kernels/latent_attention.py choose_latent_tiling"),
 }
 
 
@@ -143,6 +146,7 @@ class Workload:
     experts: int = 0  # routed experts of a mixture-of-experts model's sparse layers; 0 for a dense model
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    mla: LatentAttentionConfig | None = None  # latent attention (DeepSeek) in place of paged attention
 
     @classmethod
     def from_hf_config(cls, label: str, config: dict) -> Workload:
@@ -164,14 +168,20 @@ class Workload:
                    gelu_approximation="none" if act == "silu" else _gelu_approximation(act),
                    rotary_style=model_class.rotary_style, experts=moe.num_experts if moe else 0,
                    experts_per_token=moe.experts_per_token if moe else 0,
-                   expert_intermediate=moe.expert_intermediate_size if moe else 0)
+                   expert_intermediate=moe.expert_intermediate_size if moe else 0, mla=model.mla)
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """(N, K) of each linear layer: qkv, attention out, gate/up (or up), down, LM head."""
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        """(N, K) of each linear layer: qkv (with latent attention, its input projection and the query's
+        up-projection where it has one), attention out, gate/up (or up), down, LM head."""
         mlp_in = 2 * self.intermediate if self.mlp != "gelu" else self.intermediate
-        return [(q_width + 2 * kv_width, self.hidden), (self.hidden, q_width), (mlp_in, self.hidden),
-                (self.hidden, self.intermediate), (self.vocab, self.hidden)]
+        mlp_and_head = [(mlp_in, self.hidden), (self.hidden, self.intermediate), (self.vocab, self.hidden)]
+        if self.mla is not None:  # core/models/deepseek.py's projections
+            mla, q_width = self.mla, self.heads * self.mla.qk_head_dim
+            latent_in = (mla.q_lora_rank or q_width) + mla.kv_lora_rank + mla.qk_rope_head_dim
+            q_up = [(q_width, mla.q_lora_rank)] if mla.q_lora_rank else []
+            return [(latent_in, self.hidden), *q_up, (self.hidden, self.heads * mla.v_head_dim), *mlp_and_head]
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(q_width + 2 * kv_width, self.hidden), (self.hidden, q_width), *mlp_and_head]
 
 
 def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) -> None:
@@ -204,6 +214,9 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) 
     for kv_dtype in kv_dtypes:
         for query_lens in _step_shapes():
             step = _cuda_step(query_lens)
+            if w.mla is not None:
+                _launch_latent_attention(w, step, compute, torch_dtype(kv_dtype))
+                continue
             tokens = step.num_tokens
             blocks = int(step.block_tables.max()) + 1
             key_cache = torch.empty(blocks, BLOCK_SIZE, w.kv_heads, w.head_dim, dtype=torch_dtype(kv_dtype))
@@ -248,6 +261,31 @@ def launch_experts(workload: Workload, compute) -> None:
         moe_experts(torch.empty(tokens, w.hidden, dtype=compute),
                     torch.empty(tokens, w.experts_per_token, dtype=torch.float32),
                     torch.empty(tokens, w.experts_per_token, dtype=torch.int32), gate_up, down)
+
+
+def _launch_latent_attention(w: Workload, step, compute, kv_dtype) -> None:
+    """What a latent-attention layer launches (core/models/deepseek.py): the query's and the latent's
+    norms, rotary with the cache write of the rotary key and the latent, attention over the latent cache."""
+    import torch
+
+    from candelabra.backends.cuda.kernels import norms, rotary
+    from candelabra.backends.cuda.kernels.latent_attention import paged_latent_attention
+
+    mla, tokens = w.mla, step.num_tokens
+    rank, rope_dim, q_width = mla.kv_lora_rank, mla.qk_rope_head_dim, w.heads * mla.qk_head_dim
+    projected = torch.empty(tokens, (mla.q_lora_rank or q_width) + rank + rope_dim, dtype=compute)
+    for width in filter(None, (mla.q_lora_rank, rank)):
+        norms.rms_norm(projected[:, :width], torch.empty(width, dtype=compute), 1e-6)
+    blocks = int(step.block_tables.max()) + 1
+    rope_cache = torch.empty(blocks, BLOCK_SIZE, 1, rope_dim, dtype=kv_dtype)
+    latent_cache = torch.empty(blocks, BLOCK_SIZE, 1, rank, dtype=kv_dtype)
+    q = torch.empty(tokens, w.heads, mla.qk_head_dim, dtype=compute)
+    cos_sin = torch.empty(int(step.max_query_len) * 4, rope_dim, dtype=torch.float32)
+    q_rope = rotary.rotary_write_kv(q[..., mla.qk_nope_head_dim:], projected[:, -rope_dim:].reshape(tokens, 1, -1),
+                                    torch.empty(tokens, 1, rank, dtype=compute), step.rope_positions, cos_sin,
+                                    w.rotary_style, rope_cache, latent_cache, step.slot_mapping)
+    q_latent = torch.empty(w.heads, tokens, rank, dtype=compute).transpose(0, 1)  # as per_head_linear gives it
+    paged_latent_attention(q_latent, q_rope, rope_cache, latent_cache, step, mla.qk_head_dim ** -0.5)
 
 
 def _step_shapes() -> list[list[int]]:
@@ -487,15 +525,7 @@ def workloads_from(paths: list[Path]) -> list[Workload]:
         files += sorted(path.glob("*/config.json")) + sorted(path.glob("*.json")) if path.is_dir() else [path]
     configs = [(file.parent.name if file.name == "config.json" else file.stem,
                 json.loads(file.read_text(encoding="utf-8"))) for file in files]
-    # A model with latent attention attends through torch's gathering code on this backend: no kernel
-    # of its attention to compile yet.
-    return [Workload.from_hf_config(label, config) for label, config in configs if not _latent(config)]
-
-
-def _latent(config: dict) -> bool:
-    from candelabra.core.models.config import ModelConfig
-
-    return ModelConfig.from_hf(config).mla is not None
+    return [Workload.from_hf_config(label, config) for label, config in configs]
 
 
 def main(argv: list[str] | None = None) -> int:

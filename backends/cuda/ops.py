@@ -1,10 +1,11 @@
 """The cuda backend's ops: Triton kernels for norms, activations, rotary with the cache write, paged
-attention, sampling, int4 GEMMs and the experts of a mixture-of-experts layer; torch (cuBLAS) for dense
-GEMMs and the rest."""
+attention, latent attention, sampling, int4 GEMMs and the experts of a mixture-of-experts layer; torch
+(cuBLAS) for dense GEMMs and the rest."""
 
 from __future__ import annotations
 
 from candelabra.backends.cuda.kernels import activations, fused_moe, norms, rotary, sampling
+from candelabra.backends.cuda.kernels.latent_attention import paged_latent_attention
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.backends.torch.expert_weights import ExpertWeights
@@ -60,7 +61,7 @@ class CudaOps(TorchOps):
         return fused_moe.moe_experts(x, weights, expert_ids, gate_up, down, first_expert=first_expert)
 
     def paged_latent_attention(self, q_latent, q_rope, cache: KVCache, step, scale):
-        return super().paged_latent_attention(q_latent, q_rope, cache, step.gathering(), scale)
+        return paged_latent_attention(q_latent, q_rope, cache.key, cache.value, step, scale)
 
     def sample(self, logits, params):
         return sampling.sample(logits, params)

@@ -7,12 +7,11 @@ given padded size launches the same grids every time and can be captured in a CU
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from candelabra.backends.torch.attention import TorchStep
 from candelabra.backends.torch.batched_upload import upload
 from candelabra.core.contract.step_metadata import StepMetadata
 
@@ -33,7 +32,6 @@ class CudaStep:
     # [D] int32: in a step that also has longer queries, the tokens of its one-token sequences (decodes),
     # which attention tiles apart from the rest; None where there are none, or only those
     decode_tokens: torch.Tensor | None = None
-    _gathering: TorchStep | None = field(default=None, repr=False)
 
     @classmethod
     def prepare(cls, meta: StepMetadata, device: torch.device) -> CudaStep:
@@ -50,12 +48,6 @@ class CudaStep:
             arrays.append((meta.query_start_loc[:-1][decodes], torch.int32))
         return cls(host=meta, **dict(zip(names, upload(arrays, device))), block_size=meta.block_size,
                    max_query_len=int(meta.max_query_len))
-
-    def gathering(self) -> TorchStep:
-        """The step as torch's gathering attention takes it, built on first use (latent attention)."""
-        if self._gathering is None:
-            self._gathering = TorchStep.prepare(self.host, self.slot_mapping.device)
-        return self._gathering
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,7 @@ LOG2_E = math.log2(math.e)
 MIN_DOT_SIZE = 16
 # A split decode aims at this many programs an SM, so that each keeps a few blocks of keys in flight.
 DECODE_PROGRAMS_PER_SM = 4
-_TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -182,13 +182,7 @@ class _AttentionLaunch:
             partials = (self.out, self.out, self.out)  # never touched when there is a single segment
         self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False)
         if segments > 1:
-            _merge_segments_kernel[(count, num_heads)](
-                self.out, *partials, self.out.stride(0), self.out.stride(1),
-                tokens if tokens is not None else self.out,
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, NUM_SEGMENTS=segments,
-                TOKEN_LIST=tokens is not None,
-                num_warps=4 if self.head_dim_pad >= 128 else 2,
-            )
+            merge_segments(self.out, workspace, count, tokens)
 
     def longer_queries(self, skip_decodes: bool) -> None:
         """Tiles of several query tokens of one sequence each, unsplit."""
@@ -221,9 +215,23 @@ class _AttentionLaunch:
             QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows, BLOCK_N=tiling.keys,
             BLOCK_SIZE=step.block_size, NUM_SEGMENTS=grid[2],
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
-            DOT_DTYPE=_TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
+            DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
             num_warps=tiling.warps, num_stages=tiling.stages,
         )
+
+
+def merge_segments(out: torch.Tensor, workspace: DecodeWorkspace, count: int, tokens: torch.Tensor | None) -> None:
+    """Merge the key segments a split decode left in `workspace` into out [T, H, D], for `count` tokens:
+    the first `count`, or those listed in `tokens`."""
+    num_heads, head_dim, segments = out.shape[1], out.shape[2], workspace.partial_max.shape[2]
+    head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
+    _merge_segments_kernel[(count, num_heads)](
+        out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, out.stride(0), out.stride(1),
+        tokens if tokens is not None else out,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=segments,
+        TOKEN_LIST=tokens is not None,
+        num_warps=4 if head_dim_pad >= 128 else 2,
+    )
 
 
 @triton.jit
@@ -233,7 +241,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE: tl.constexpr):
+def sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE: tl.constexpr):
     """The last sequence b whose first tile, query_start_loc[b] // QUERIES_PER_TILE + b, is <= tile."""
     low = tl.full([], 0, tl.int32)
     high = tl.full([], 0, tl.int32) + num_seqs
@@ -281,7 +289,7 @@ def _attention_tile_kernel(
         seq = tl.load(token_seq_ptr + first_token)
         tile_queries = 1
     else:
-        seq = _sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE)
+        seq = sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_PER_TILE)
         seq_first_token = tl.load(query_start_loc_ptr + seq)
         query_len = tl.load(query_start_loc_ptr + seq + 1) - seq_first_token
         first_query = (tile - seq_first_token // QUERIES_PER_TILE - seq) * QUERIES_PER_TILE
