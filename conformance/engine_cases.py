@@ -6,9 +6,11 @@ identical whether a request runs alone or among others arriving at random steps,
 prefill on and off, on prefix-cache hits and misses, and after forced preemption by recompute
 and by swap; n > 1 samples under a fixed seed must reproduce. Every case ends with all blocks free.
 
-The cases named "moe-..." run the first four checks again on a tiny Qwen3-MoE checkpoint, where a
-step's tokens go to different experts and every expert runs on whichever of them chose it; a
-backend without the MoE ops reports them "not supported".
+The cases named "moe-..." run the first five checks again on a tiny DeepSeek-V3 checkpoint: a step's
+tokens go to different experts (routed by groups, with a shared expert) and every expert runs on
+whichever of them chose it, and the KV cache is a latent cache, whose blocks the prefix cache shares and
+preemption recomputes or swaps out and back. A backend without the MoE or latent attention ops reports
+them "not supported".
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.ops import OpNotSupported
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 2, 4, 2, 16, 128
-# The MoE checkpoint's layers: 4 experts (2 a rank at TP=2), 2 a token, of this many intermediate features.
+# The MoE checkpoint's sparse layer: 4 experts (2 a rank at TP=2) in 2 groups, 2 a token from the best group,
+# of this many intermediate features, and a shared expert; its latent attention's widths.
 EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 4, 2, 64
+Q_RANK, LATENT_RANK, NOPE_DIM, ROPE_DIM, VALUE_DIM = 24, 32, 16, 8, 16
 BLOCK_SIZE, MAX_TOKENS = 16, 12
 
 
@@ -34,7 +38,7 @@ BLOCK_SIZE, MAX_TOKENS = 16, 12
 class EngineCase:
     check: str  # what runs (`_run_case`)
     description: str
-    moe: bool = False  # on the Qwen3-MoE checkpoint rather than the Qwen2 one
+    moe: bool = False  # on the DeepSeek-V3 checkpoint rather than the Qwen2 one
 
     @property
     def name(self) -> str:
@@ -53,6 +57,7 @@ ENGINE_CASES = [
     EngineCase("chunked-prefill", "MoE: prefill in chunks of 5 tokens vs whole", moe=True),
     EngineCase("prefix-cache", "MoE: a prompt sharing a cached prefix vs no cache", moe=True),
     EngineCase("preempt-recompute", "MoE: a KV cache too small for all, preempting by recompute", moe=True),
+    EngineCase("preempt-swap", "MoE: latent cache blocks swapped to host and back", moe=True),
 ]
 
 # How far a prompt token's logprob may move between a batched, chunked step and the prompt alone:
@@ -74,8 +79,9 @@ class EngineResult:
 
 
 def write_tiny_checkpoint(folder: Path, seed: int, moe: bool = False) -> None:
-    """A random Qwen2ForCausalLM (GQA, qkv biases), or with `moe` a Qwen3MoeForCausalLM (GQA, q/k
-    norms, EXPERTS experts in every layer), and a word-level tokenizer ("w0" .. "w159")."""
+    """A random Qwen2ForCausalLM (GQA, qkv biases), or with `moe` a DeepseekV3ForCausalLM (latent
+    attention, a dense first layer, then EXPERTS routed experts and a shared one), and a word-level
+    tokenizer ("w0" .. "w159")."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -86,17 +92,19 @@ def write_tiny_checkpoint(folder: Path, seed: int, moe: bool = False) -> None:
     tensors = {"model.embed_tokens.weight": weight(VOCAB, HIDDEN, scale=1.0), "model.norm.weight": 1 + weight(HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}"
-        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-            tensors[f"{p}.self_attn.{name}_proj.weight"] = weight(rows * HEAD_DIM, HIDDEN)
-            if not moe:
-                tensors[f"{p}.self_attn.{name}_proj.bias"] = weight(rows * HEAD_DIM)
-        tensors[f"{p}.self_attn.o_proj.weight"] = weight(HIDDEN, HEADS * HEAD_DIM)
         if moe:
-            tensors[f"{p}.self_attn.q_norm.weight"] = 1 + weight(HEAD_DIM)
-            tensors[f"{p}.self_attn.k_norm.weight"] = 1 + weight(HEAD_DIM)
+            tensors |= _latent_attention(f"{p}.self_attn", weight)
+        else:
+            for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                tensors[f"{p}.self_attn.{name}_proj.weight"] = weight(rows * HEAD_DIM, HIDDEN)
+                tensors[f"{p}.self_attn.{name}_proj.bias"] = weight(rows * HEAD_DIM)
+            tensors[f"{p}.self_attn.o_proj.weight"] = weight(HIDDEN, HEADS * HEAD_DIM)
+        if moe and i > 0:
             tensors[f"{p}.mlp.gate.weight"] = weight(EXPERTS, HIDDEN, scale=0.5)
+            tensors[f"{p}.mlp.gate.e_score_correction_bias"] = weight(EXPERTS, scale=0.1)
             for e in range(EXPERTS):
                 tensors |= _gated_mlp(f"{p}.mlp.experts.{e}", EXPERT_INTERMEDIATE, weight)
+            tensors |= _gated_mlp(f"{p}.mlp.shared_experts", EXPERT_INTERMEDIATE, weight)
         else:
             tensors |= _gated_mlp(f"{p}.mlp", INTERMEDIATE, weight)
         tensors[f"{p}.input_layernorm.weight"] = 1 + weight(HIDDEN)
@@ -106,17 +114,33 @@ def write_tiny_checkpoint(folder: Path, seed: int, moe: bool = False) -> None:
     config = {
         # No model_type: transformers would pick Qwen's tokenizer class from it and replace the
         # word-level splitting with Qwen's.
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"], "vocab_size": VOCAB,
+        "architectures": ["DeepseekV3ForCausalLM" if moe else "Qwen2ForCausalLM"], "vocab_size": VOCAB,
         "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
         "eos_token_id": 1,
     }
     if moe:
-        config |= {"head_dim": HEAD_DIM, "num_experts": EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
-                   "moe_intermediate_size": EXPERT_INTERMEDIATE, "norm_topk_prob": True}
+        config |= {"num_key_value_heads": HEADS, "n_routed_experts": EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                   "moe_intermediate_size": EXPERT_INTERMEDIATE, "n_shared_experts": 1, "n_group": 2,
+                   "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                   "first_k_dense_replace": 1, "q_lora_rank": Q_RANK, "kv_lora_rank": LATENT_RANK,
+                   "qk_nope_head_dim": NOPE_DIM, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": VALUE_DIM}
     (folder / "config.json").write_text(json.dumps(config))
     write_word_tokenizer(folder, VOCAB)
+
+
+def _latent_attention(prefix: str, weight) -> dict[str, np.ndarray]:
+    """DeepSeek's latent attention projections and norms under `prefix`, with a query bottleneck."""
+    return {
+        f"{prefix}.q_a_proj.weight": weight(Q_RANK, HIDDEN),
+        f"{prefix}.q_a_layernorm.weight": 1 + weight(Q_RANK),
+        f"{prefix}.q_b_proj.weight": weight(HEADS * (NOPE_DIM + ROPE_DIM), Q_RANK),
+        f"{prefix}.kv_a_proj_with_mqa.weight": weight(LATENT_RANK + ROPE_DIM, HIDDEN),
+        f"{prefix}.kv_a_layernorm.weight": 1 + weight(LATENT_RANK),
+        f"{prefix}.kv_b_proj.weight": weight(HEADS * (NOPE_DIM + VALUE_DIM), LATENT_RANK),
+        f"{prefix}.o_proj.weight": weight(HIDDEN, HEADS * VALUE_DIM),
+    }
 
 
 def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
