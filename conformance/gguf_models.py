@@ -1,8 +1,9 @@
 """Tiny random models of every architecture, written as GGUF the way llama.cpp's converter
 writes them: gguf's own Hugging Face -> GGUF tensor names, the converter's q/k permutation
 (llama, and Mixtral, which GGUF files call llama) and norm shift (Gemma), a MoE layer's experts
-stacked into one 3-D tensor per projection, its metadata keys, 2-D weights and experts in a
-chosen GGML type (a router stays float32, as llama.cpp's quantizer leaves it).
+stacked into one 3-D tensor per projection, DeepSeek's kv_b_proj whole or split in two as its
+converters of each period wrote it, its metadata keys, 2-D weights and experts in a chosen GGML
+type (a router stays float32, as llama.cpp's quantizer leaves it).
 
 The GGUF loader's tests and the GGUF model conformance cases both build on this.
 """
@@ -93,6 +94,11 @@ LLAMA3_SCALING = {
 PHI3_LONGROPE = {"rope_type": "longrope", "long_factor": [1.0, 1.5, 2.0, 4.0], "short_factor": [1.0, 1.1, 1.2, 1.3]}
 
 
+DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "moe_intermediate_size": 32, "first_k_dense_replace": 1, "tie_word_embeddings": False, **RMS}
+
+
 # GGUF architecture -> transformers config for a tiny random model of it.
 
 
@@ -117,19 +123,35 @@ CASES = {
                 "tie_word_embeddings": False, "rope_theta": 1e6, **RMS},
     "qwen3moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 64, "norm_topk_prob": True, "tie_word_embeddings": True, **RMS},
+    # DeepSeek-V2-Lite's shape (no query bottleneck, yarn with its mscale) and V3's (a query bottleneck,
+    # sigmoid scores with a correction bias, 2 of 4 groups, renormalized): 8 experts, 2 a token, one
+    # shared expert, a dense first layer; every width a multiple of 32, so Q8_0 and Q4_0 blocks fit.
+    "deepseek-v2": {"model_type": "deepseek_v2", **DEEPSEEK, "q_lora_rank": None, "routed_scaling_factor": 1.5,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "mscale": 0.707, "mscale_all_dim": 0.707}},
+    "deepseek-v3": {"model_type": "deepseek_v3", **DEEPSEEK, "q_lora_rank": 32, "n_group": 4, "topk_group": 2,
+                    "norm_topk_prob": True, "routed_scaling_factor": 2.5},
 }
 
 # The standard deviation of a tiny model's random weights: 0.3, but 0.15 for the MoE cases (as the
 # models level's own MoE cases draw them). At 0.3 bfloat16's rounding flipped near-ties between two
 # experts often enough to fail the models level in bfloat16 (logits NMSE up to 1.8e-2 over 6 seeds on
 # the torch backend); at 0.15 the worst was 6.1e-4.
-WEIGHT_SCALE = {"mixtral": 0.15, "qwen3moe": 0.15}
+WEIGHT_SCALE = {"mixtral": 0.15, "qwen3moe": 0.15, "deepseek-v2": 0.15, "deepseek-v3": 0.15}
 
-# The GGUF architecture of a case named otherwise: llama.cpp calls Mixtral llama.
-GGUF_ARCHITECTURE = {"mixtral": "llama"}
+# The GGUF architecture of a case named otherwise: llama.cpp calls Mixtral llama, DeepSeek V2 and V3 deepseek2.
+GGUF_ARCHITECTURE = {"mixtral": "llama", "deepseek-v2": "deepseek2", "deepseek-v3": "deepseek2"}
 # Where the Hub's checkpoints keep a MoE family's experts, one tensor each: (block, gate, up, down).
 HUB_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-               "qwen3moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+               "qwen3moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+               "deepseek-v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+               "deepseek-v3": ("mlp", "gate_proj", "up_proj", "down_proj")}
+# The DeepSeek cases written as llama.cpp's converters have since April 2025: kv_b_proj split into
+# attn_k_b and attn_v_b, the latent's widths as key_length and value_length and a head's as
+# key_length_mla and value_length_mla, one KV head, the gating function and expert groups. The
+# others as converters wrote them before: kv_b_proj whole, a head's widths as key_length and
+# value_length, and (as before DeepSeek-V3) no gating function, which means V2's softmax.
+SPLIT_KV_B = {"deepseek-v3"}
 
 
 HF_CLASSES = {
@@ -137,12 +159,14 @@ HF_CLASSES = {
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
     "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
 }  # fmt: skip
 
 
 def tiny_model(arch, seed: int = 0):
     """A random transformers model for `arch` in float32, every parameter (norms too) random and
-    a bfloat16 value, as real checkpoints' are (so Gemma's norm + 1 - 1 is exact)."""
+    a bfloat16 value, as real checkpoints' are (so Gemma's norm + 1 - 1 is exact); DeepSeek-V3's
+    correction bias random too (transformers makes it zeros)."""
     import torch
     import transformers
 
@@ -153,6 +177,9 @@ def tiny_model(arch, seed: int = 0):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(torch.randn_like(parameter).mul(WEIGHT_SCALE.get(arch, 0.3)).bfloat16().float())
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.1, 0.1)
     return model
 
 
@@ -213,6 +240,26 @@ def transformers_state_dict(tensors, arch):
     return state
 
 
+def split_kv_b(weights, arch):
+    """DeepseekV2Model.modify_tensors in llama.cpp's convert_hf_to_gguf.py: kv_b_proj, [heads * (nope +
+    v_head), kv_lora_rank], as attn_k_b, each head's key rows transposed, [heads, kv_lora_rank, nope],
+    and attn_v_b, each head's value rows, [heads, v_head, kv_lora_rank]."""
+    s = settings_of(arch)
+    per_head = weights.reshape(s["num_key_value_heads"], s["qk_nope_head_dim"] + s["v_head_dim"], -1)
+    key, value = np.split(per_head, [s["qk_nope_head_dim"]], axis=1)
+    return np.ascontiguousarray(key.transpose(0, 2, 1)), np.ascontiguousarray(value)
+
+
+def stored_parameter(name, array, ggml_type, arch):
+    """What a reader should return for the transformers parameter `name` of an `arch` model written as
+    `ggml_type`: the parameter through the quantizer, or for a split kv_b_proj its two halves each
+    through it, put back together."""
+    if arch not in SPLIT_KV_B or not name.endswith("kv_b_proj.weight"):
+        return round_tripped(array, ggml_type)
+    key, value = (round_tripped(half, ggml_type) for half in split_kv_b(array, arch))
+    return np.concatenate([key.transpose(0, 2, 1), value], axis=1).reshape(array.shape)
+
+
 def quantized_by_converter(name, ndim):
     """Whether llama.cpp stores the Hugging Face parameter `name` in a file's chosen type: every 2-D
     weight and 3-D experts, but not a MoE router, which its quantizer leaves float32."""
@@ -220,8 +267,10 @@ def quantized_by_converter(name, ndim):
 
 
 def head_dim_of(arch):
+    """A head's width as config.json says it: DeepSeek's rotary part's, as transformers sets it."""
     settings = settings_of(arch)
-    return settings.get("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
+    default = settings["hidden_size"] // settings["num_attention_heads"]
+    return settings.get("head_dim", settings.get("qk_rope_head_dim", default))
 
 
 def gguf_metadata(arch):
@@ -248,7 +297,7 @@ def gguf_metadata(arch):
     if a in ("llama", "phi3", "phi2", "stablelm", "glm4"):
         metadata[f"{a}.rope.dimension_count"] = int(head_dim_of(arch) * s.get("partial_rotary_factor", 1.0))
     if arch in HUB_EXPERTS:
-        metadata[f"{a}.expert_count"] = s.get("num_local_experts") or s["num_experts"]
+        metadata[f"{a}.expert_count"] = s.get("num_local_experts") or s.get("num_experts") or s["n_routed_experts"]
         metadata[f"{a}.expert_used_count"] = s["num_experts_per_tok"]
     if "moe_intermediate_size" in s:
         metadata[f"{a}.expert_feed_forward_length"] = s["moe_intermediate_size"]
@@ -261,6 +310,48 @@ def gguf_metadata(arch):
         metadata[f"{a}.rope.scaling.original_context_length"] = s["original_max_position_embeddings"]
     if arch == "stablelm":
         metadata[f"{a}.use_parallel_residual"] = s["use_parallel_residual"]
+    if a == "deepseek2":
+        metadata.update(deepseek_metadata(arch))
+    return metadata
+
+
+def deepseek_metadata(arch):
+    """DeepseekV2Model.set_gguf_parameters in llama.cpp's convert_hf_to_gguf.py, of the period `arch`
+    is written as (see SPLIT_KV_B)."""
+    s, a = settings_of(arch), gguf_architecture(arch)
+    rank, rope, nope = s["kv_lora_rank"], s["qk_rope_head_dim"], s["qk_nope_head_dim"]
+    metadata = {
+        f"{a}.leading_dense_block_count": s["first_k_dense_replace"],
+        f"{a}.attention.kv_lora_rank": rank,
+        f"{a}.rope.dimension_count": rope,
+        f"{a}.expert_shared_count": s["n_shared_experts"],
+        f"{a}.expert_weights_scale": s["routed_scaling_factor"],
+    }
+    if s["q_lora_rank"]:
+        metadata[f"{a}.attention.q_lora_rank"] = s["q_lora_rank"]
+    if arch in SPLIT_KV_B:
+        metadata.update({
+            f"{a}.attention.head_count_kv": 1,
+            f"{a}.attention.key_length": rank + rope,
+            f"{a}.attention.value_length": rank,
+            f"{a}.attention.key_length_mla": nope + rope,
+            f"{a}.attention.value_length_mla": s["v_head_dim"],
+            f"{a}.expert_gating_func": 2 if s["model_type"] == "deepseek_v3" else 1,  # sigmoid, softmax
+            f"{a}.expert_group_count": s.get("n_group") or 1,
+            f"{a}.expert_group_used_count": s.get("topk_group") or 1,
+        })
+        if s.get("norm_topk_prob"):
+            metadata[f"{a}.expert_weights_norm"] = True
+    else:
+        metadata.update({f"{a}.attention.key_length": nope + rope, f"{a}.attention.value_length": s["v_head_dim"],
+                         f"{a}.expert_weights_norm": bool(s.get("norm_topk_prob"))})
+    if scaling := s.get("rope_scaling"):
+        metadata.update({
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": scaling["factor"],
+            f"{a}.rope.scaling.original_context_length": scaling["original_max_position_embeddings"],
+            f"{a}.rope.scaling.yarn_log_multiplier": 0.1 * scaling["mscale_all_dim"],
+        })
     return metadata
 
 
@@ -294,9 +385,10 @@ def llama3_rope_factors(arch):
 def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata=None):
     """`model` written as llama.cpp's converter writes it: tensors named by gguf's own table,
     q/k rows permuted (llama and Mixtral), norms + 1 (Gemma), StableLM's per-head norms stacked,
-    experts as 3-D [experts, rows, columns] gate, up and down tensors; 2-D weights and experts
-    stored as `ggml_type`, routers float32; with `fuse_qkv`, q/k/v fused into attn_qkv. `metadata`
-    adds to (or overrides) the hyperparameters, e.g. a tokenizer's keys."""
+    experts as 3-D [experts, rows, columns] gate, up and down tensors, DeepSeek's kv_b_proj split
+    where SPLIT_KV_B says; 2-D and 3-D weights stored as `ggml_type`, routers float32; with
+    `fuse_qkv`, q/k/v fused into attn_qkv. `metadata` adds to (or overrides) the hyperparameters,
+    e.g. a tokenizer's keys."""
     s, gguf_arch = settings_of(arch), gguf_architecture(arch)
     arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch]
     name_map = gguf.get_tensor_name_map(arch_enum, s["num_hidden_layers"])
@@ -305,6 +397,8 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata
         if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
+        if hf_name.endswith("e_score_correction_bias"):  # the converter renames it so
+            hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
         module, suffix = hf_name.rsplit(".", 1)
         if ".norms." in module:
             stacked, head = module.rsplit(".norms.", 1)
@@ -320,6 +414,10 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata
             data = permute_like_llama_cpp(data, s["num_key_value_heads"])
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1
+        if arch in SPLIT_KV_B and module.endswith("kv_b_proj"):
+            for half, part in zip(("k_b_proj", "v_b_proj"), split_kv_b(data, arch)):
+                tensors[f"{name_map.get_name(module.replace('kv_b_proj', half))}.{suffix}"] = part
+            continue
         gguf_name = name_map.get_name(module)
         assert gguf_name is not None, f"gguf has no GGUF name for {module}"
         tensors[f"{gguf_name}.{suffix}"] = data

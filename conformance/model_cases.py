@@ -105,11 +105,14 @@ MODEL_CASES = [
 
 # GGUF architectures and tensor types for the quantized cases (K-quants cannot be made in Python;
 # the default model's Q4_K and Q6_K tensors cover them). The MoE families' experts are in a float type,
-# an int8 one and an int4 one.
+# an int8 one and an int4 one; DeepSeek's (its two cases between them writing kv_b_proj whole and split)
+# in a float type and an int8 one.
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 GGUF_MOE_ARCHITECTURES = ("mixtral", "qwen3moe")
 GGUF_MOE_TYPES = ("F16", "Q8_0", "Q4_0")
+GGUF_DEEPSEEK_ARCHITECTURES = ("deepseek-v2", "deepseek-v3")
+GGUF_DEEPSEEK_TYPES = ("F16", "Q8_0")
 
 
 @dataclass(frozen=True)
@@ -126,11 +129,12 @@ class GGUFModelCase:
 
     @property
     def routes_experts(self) -> bool:
-        return self.arch in GGUF_MOE_ARCHITECTURES
+        return self.arch in GGUF_MOE_ARCHITECTURES + GGUF_DEEPSEEK_ARCHITECTURES
 
 
 GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES] + [
-    GGUFModelCase(arch, kind) for arch in GGUF_MOE_ARCHITECTURES for kind in GGUF_MOE_TYPES]
+    GGUFModelCase(arch, kind) for arch in GGUF_MOE_ARCHITECTURES for kind in GGUF_MOE_TYPES] + [
+    GGUFModelCase(arch, kind) for arch in GGUF_DEEPSEEK_ARCHITECTURES for kind in GGUF_DEEPSEEK_TYPES]
 
 
 @dataclass
@@ -276,7 +280,7 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
     import torch
     from gguf import GGMLQuantizationType
 
-    from candelabra.conformance.gguf_models import convert_to_gguf, quantized_by_converter, round_tripped, tiny_model
+    from candelabra.conformance.gguf_models import convert_to_gguf, quantized_by_converter, stored_parameter, tiny_model
 
     kind = GGMLQuantizationType[case.ggml_type]
     model = tiny_model(case.arch, seed)
@@ -285,7 +289,7 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
     with torch.no_grad():  # what the file stores: every 2-D weight and the experts through the quantizer
         for name, parameter in model.named_parameters():
             if quantized_by_converter(name, parameter.ndim):
-                parameter.copy_(torch.from_numpy(round_tripped(parameter.numpy(), kind)))
+                parameter.copy_(torch.from_numpy(stored_parameter(name, parameter.numpy(), kind, case.arch)))
     return model, path
 
 

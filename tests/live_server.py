@@ -49,10 +49,10 @@ GGUF_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
 
 
 def write_moe_checkpoints(folder: Path, arch: str) -> tuple[Path, Path]:
-    """conformance's tiny random `arch` model (a gguf_models case: mixtral or qwen3moe) saved by
-    transformers with a word-level tokenizer ("<unk>", "<eos>", "w2" ...) and a chat template, and
-    converted to GGUF with Q4_0 weights and experts and a byte-pair tokenizer of its own ("<s>",
-    "</s>", letters and pairs of them). Returns the folder and the .gguf file."""
+    """conformance's tiny random `arch` model (a MoE case of gguf_models: mixtral, qwen3moe, deepseek-v2
+    or deepseek-v3) saved by transformers with a word-level tokenizer ("<unk>", "<eos>", "w2" ...) and a
+    chat template, and converted to GGUF with Q4_0 weights and experts and a byte-pair tokenizer of its
+    own ("<s>", "</s>", letters and pairs of them). Returns the folder and the .gguf file."""
     from gguf import GGMLQuantizationType
 
     from candelabra.conformance.gguf_models import convert_to_gguf, settings_of, tiny_model

@@ -34,10 +34,13 @@ from candelabra.conformance.gguf_models import (
     head_dim_of,
     hub_state_dict,
     round_tripped,
+    settings_of,
+    stored_parameter,
     tiny_model,
     transformers_state_dict,
     write_gguf,
 )
+from candelabra.core.models.config import ModelConfig
 from candelabra.core.weights import CheckpointError, default_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from candelabra.core.weights.gguf_config import ARCHITECTURES
@@ -317,6 +320,99 @@ def test_expert_metadata_that_does_not_fit_is_a_one_line_error(converted, tmp_pa
     with pytest.raises(CheckpointError, match=match) as error:
         GGUFCheckpoint(path)
     assert "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V2 and V3 (llama.cpp's deepseek2): the V2 case is written as converters wrote files before
+# April 2025 (kv_b_proj whole, no gating function), the V3 case as they write them since (kv_b_proj
+# split into attn_k_b and attn_v_b, the latent's widths as key_length and value_length)
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_a_deepseek_file_means_to_candelabra_what_the_model_s_own_config_json_does(converted, arch):
+    model, path, _ = converted(arch)
+    with GGUFCheckpoint(path) as checkpoint:
+        from_gguf = ModelConfig.from_hf(checkpoint.config)
+    from_hub = ModelConfig.from_hf(model.config.to_dict() | {"architectures": [HF_CLASSES[arch]]})
+    assert from_gguf.architecture == HF_CLASSES[arch]
+    assert from_gguf.mla == from_hub.mla and from_gguf.moe == from_hub.moe
+    assert (from_gguf.head_dim, from_gguf.num_kv_heads, from_gguf.rotary_dim) == (8, 4, 8)
+    assert from_gguf.rope.scaling.kind == from_hub.rope.scaling.kind
+    assert from_gguf.attention_scale == pytest.approx(from_hub.attention_scale, rel=1e-6)
+    assert from_gguf.moe.num_groups == settings_of(arch).get("n_group", 1)
+
+
+def test_deepseek_yarn_gets_its_mscale_back_from_the_log_multiplier(converted):
+    _, path, _ = converted("deepseek-v2")
+    with GGUFCheckpoint(path) as checkpoint:
+        scaling = checkpoint.config["rope_scaling"]
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 4
+    assert scaling["original_max_position_embeddings"] == 64
+    assert scaling["mscale"] == scaling["mscale_all_dim"] == pytest.approx(0.707)
+
+
+def test_newer_files_split_kv_b_as_llama_cpp_does_and_it_comes_back_whole(converted):
+    """attn_k_b is ne = [qk_nope, kv_lora_rank, heads]: each head's key rows transposed."""
+    model, path, _ = converted("deepseek-v3")
+    shapes = {t.name: [int(n) for n in t.shape] for t in gguf.GGUFReader(path).tensors}
+    assert shapes["blk.1.attn_k_b.weight"] == [32, 64, 4] and shapes["blk.1.attn_v_b.weight"] == [64, 16, 4]
+    assert "blk.1.attn_kv_b.weight" not in shapes
+    assert "blk.1.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(converted("deepseek-v2")[1]).tensors}
+    kv_b = model.state_dict()["model.layers.1.self_attn.kv_b_proj.weight"].numpy()
+    with GGUFCheckpoint(path) as checkpoint:
+        np.testing.assert_array_equal(checkpoint.load("model.layers.1.self_attn.kv_b_proj.weight"), kv_b)
+        assert checkpoint.gguf_name("model.layers.1.self_attn.kv_b_proj.weight") == "blk.1.attn_k_b.weight"
+
+
+def test_a_quantized_split_kv_b_is_joined_dequantized(tmp_path):
+    model = tiny_model("deepseek-v3")
+    path = tmp_path / "q8.gguf"
+    convert_to_gguf(model, "deepseek-v3", path, Q.Q8_0)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    expected = stored_parameter(name, model.state_dict()[name].numpy(), Q.Q8_0, "deepseek-v3")
+    with GGUFCheckpoint(path) as checkpoint:
+        assert checkpoint.gguf_type(name) == "Q8_0" and checkpoint.quantized_format(name) is None
+        np.testing.assert_array_equal(checkpoint.load(name), expected)
+
+
+def test_a_file_with_kv_b_whole_and_split_reads_the_whole_one(converted, tmp_path):
+    model, _, written = converted("deepseek-v3")
+    kv_b = model.state_dict()["model.layers.1.self_attn.kv_b_proj.weight"].numpy()
+    tensors = {**written, "blk.1.attn_k_b.weight": np.zeros_like(written["blk.1.attn_k_b.weight"]),
+               "blk.1.attn_kv_b.weight": kv_b}
+    path = write_gguf(tmp_path / "both.gguf", "deepseek2", gguf_metadata("deepseek-v3"), tensors)
+    with GGUFCheckpoint(path) as checkpoint:
+        np.testing.assert_array_equal(checkpoint.load("model.layers.1.self_attn.kv_b_proj.weight"), kv_b)
+        assert checkpoint.gguf_name("model.layers.1.self_attn.kv_b_proj.weight") == "blk.1.attn_kv_b.weight"
+
+
+def test_a_file_without_a_gating_function_is_a_v3_only_if_it_holds_the_correction_bias(converted, tmp_path):
+    _, _, written = converted("deepseek-v3")
+    metadata = {key: value for key, value in gguf_metadata("deepseek-v3").items() if "gating" not in key}
+    with GGUFCheckpoint(write_gguf(tmp_path / "v3.gguf", "deepseek2", metadata, written)) as checkpoint:
+        assert checkpoint.config["architectures"] == ["DeepseekV3ForCausalLM"]
+    _, path, _ = converted("deepseek-v2")
+    with GGUFCheckpoint(path) as checkpoint:
+        assert checkpoint.config["architectures"] == ["DeepseekV2ForCausalLM"]
+        assert "deepseek2.expert_gating_func" not in checkpoint.metadata
+
+
+@pytest.mark.parametrize("changes, dropped, match", [
+    ({"deepseek2.expert_gating_func": 3}, None, r"gating function 3; candelabra reads 1 \(softmax\), 2 \(sigmoid\)"),
+    ({"deepseek2.expert_group_used_count": 5}, None, "routes to 5 of 4 groups of its 8 experts"),
+    ({"deepseek2.attention.kv_lora_rank": None}, None, "lacks the metadata key 'deepseek2.attention.kv_lora_rank'"),
+    ({"deepseek2.attention.q_lora_rank": None}, None, "holds attn_q_a tensors but no attention.q_lora_rank"),
+    ({"deepseek2.attention.key_length_mla": 8}, None, "query heads 8 wide, which leaves nothing beside their 8"),
+    ({"deepseek2.attention.key_length_mla": 48}, None, r"'blk\.0\.attn_k_b\.weight' is \[4, 64, 32\], expected "
+                                                       r"\[4, 64, 40\]"),
+    ({}, "blk.1.attn_v_b.weight", r"holds 'blk\.1\.attn_k_b\.weight' but not 'blk\.1\.attn_v_b\.weight'"),
+])
+def test_deepseek_metadata_or_tensors_that_do_not_fit_are_a_one_line_error(converted, tmp_path, changes, dropped,
+                                                                          match):
+    _, _, written = converted("deepseek-v3")
+    metadata = {key: value for key, value in (gguf_metadata("deepseek-v3") | changes).items() if value is not None}
+    tensors = {name: tensor for name, tensor in written.items() if name != dropped}
+    one_line_error(write_gguf(tmp_path / "bad.gguf", "deepseek2", metadata, tensors), match)
 
 
 def test_every_layout_uses_names_gguf_knows_for_its_architecture():

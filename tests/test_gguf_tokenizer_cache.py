@@ -50,6 +50,19 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def test_a_gguf_of_an_architecture_transformers_cannot_load_still_gets_its_tokenizer(tmp_path, cache):
+    from transformers import AutoTokenizer
+
+    metadata = gguf_metadata("deepseek-v2") | TOKENIZER
+    embedding = {"token_embd.weight": np.ones((len(TOKENS), 64), np.float32)}
+    path = write_gguf(tmp_path / "deepseek.gguf", "deepseek2", metadata, embedding)
+    with pytest.raises(ValueError, match="deepseek2 is not supported"):
+        AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tokenizer = tokenizer_of(path)
+    assert tokenizer.encode("abc ab", add_special_tokens=False) == [4, 7, 3]
+    assert tokenizer.eos_token_ids == {6} and tokenizer.render_chat([{"role": "user", "content": "ab"}]) == "ab</s>"
+
+
 def test_the_digest_covers_the_tokenizer_metadata_only_and_not_its_order(tmp_path):
     digest = tokenizer_digest(tiny_gguf(tmp_path / "model.gguf"))
     reordered = dict(reversed(TOKENIZER.items()))

@@ -1,7 +1,9 @@
 """`candelabra serve` serves a tiny Mixtral and a tiny Qwen3-MoE from safetensors (on the numpy reference
-backend) and from GGUF with Q4_0 experts (on the torch backend, which keeps them quantized), and the real
-`openai` client gets a chat completion and a streamed completion from each. The four servers start at
-once and serve the module."""
+backend) and from GGUF with Q4_0 experts (on the torch backend, which keeps them quantized), a tiny
+DeepSeek-V2 from safetensors and a tiny DeepSeek-V3 from GGUF (kv_b_proj split as newer llama.cpp
+converters write it), both named by candle-vllm's model-type word `deep-seek`, and the real `openai`
+client gets a chat completion and a streamed completion from each. The six servers start at once and
+serve the module."""
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +14,10 @@ import pytest
 from candelabra.conformance.gguf_models import HF_CLASSES
 from live_server import LiveServer, write_moe_checkpoints
 
-SERVED = [(arch, form) for arch in ("mixtral", "qwen3moe") for form in ("safetensors", "gguf")]
+SERVED = [(arch, form) for arch in ("mixtral", "qwen3moe") for form in ("safetensors", "gguf")] + [
+    ("deepseek-v2", "safetensors"), ("deepseek-v3", "gguf")]
 BACKENDS = {"safetensors": "cpu", "gguf": "torch"}
+MODEL_TYPE_WORDS = {"deepseek-v2": ("deep-seek",), "deepseek-v3": ("deep-seek",)}
 # Both tokenizers keep ids 0 and 1 for special tokens, which would leave no text.
 NO_SPECIALS = {"logit_bias": {"0": -100, "1": -100}, "extra_body": {"ignore_eos": True}}
 GREEDY = {"temperature": 0, "max_tokens": 6, **NO_SPECIALS}
@@ -26,12 +30,12 @@ PROMPTS = {"safetensors": "w5 w30 w31 w6", "gguf": "one more time"}
 def servers(tmp_path_factory):
     """(arch, checkpoint format) -> its LiveServer."""
     root = tmp_path_factory.mktemp("moe-served")
-    servers = {}
-    for arch in ("mixtral", "qwen3moe"):
-        checkpoints = dict(zip(("safetensors", "gguf"), write_moe_checkpoints(root, arch)))
-        for form, path in checkpoints.items():
-            servers[arch, form] = LiveServer("--weight-path", str(path), "--backend", BACKENDS[form],
-                                             "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0")
+    checkpoints = {arch: dict(zip(("safetensors", "gguf"), write_moe_checkpoints(root, arch)))
+                   for arch in dict.fromkeys(arch for arch, _ in SERVED)}
+    servers = {
+        (arch, form): LiveServer("--weight-path", str(checkpoints[arch][form]), "--backend", BACKENDS[form],
+                                 "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0", *MODEL_TYPE_WORDS.get(arch, ()))
+        for arch, form in SERVED}
     with contextlib.ExitStack() as stack:
         for server in servers.values():
             stack.push(server.__exit__)

@@ -18,6 +18,21 @@ class ChatTemplateError(ValueError):
     pass
 
 
+def _gguf_tokenizer(files: dict):
+    """transformers' tokenizer of a GGUF file. AutoTokenizer picks the tokenizer's class by the model
+    transformers would load from the file, and refuses a file of an architecture whose models it does
+    not load from GGUF (deepseek2, glm4, phi2, gemma); the tokenizer itself is made from the file's
+    `tokenizer.*` metadata alone, so such a file gets transformers' generic fast tokenizer class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(**files)
+    except ValueError as exc:
+        if "not supported" not in str(exc):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(**files)
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._hf = hf_tokenizer
@@ -45,7 +60,7 @@ class Tokenizer:
                 if "gguf_file" not in files:
                     return cls(AutoTokenizer.from_pretrained(**files), eos_token_ids)
                 gguf = Path(files["pretrained_model_name_or_path"]) / files["gguf_file"]
-                build = partial(AutoTokenizer.from_pretrained, **files)
+                build = partial(_gguf_tokenizer, files)
                 return cls(cached_gguf_tokenizer(gguf, build, AutoTokenizer.from_pretrained), eos_token_ids)
         except (OSError, ValueError, KeyError) as exc:
             problem = " ".join(str(exc).split())

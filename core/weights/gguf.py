@@ -2,8 +2,8 @@
 
 The header is read and checked when the file is opened (gguf_file); the configuration is
 synthesized from its metadata (gguf_config) and tensor names are mapped to Hugging Face's
-(gguf_tensors). Tensor data stays memory-mapped: `load` dequantizes one tensor per call, and
-`load_quantized` copies a quantized 2-D tensor's blocks as stored.
+(gguf_tensors). Tensor data stays memory-mapped: `load` dequantizes one tensor per call (or the two
+it is joined from), and `load_quantized` copies a quantized 2-D tensor's blocks as stored.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from candelabra.core.contract.weights import QuantizedTensor
 from candelabra.core.weights import Checkpoint
 from candelabra.core.weights.gguf_config import synthesize_config
-from candelabra.core.weights.gguf_file import DENSE_TYPES, GGUFFile
+from candelabra.core.weights.gguf_file import DENSE_TYPES, GGUFFile, TensorInfo
 from candelabra.core.weights.gguf_tensors import TensorRecipe, tensor_recipes
 
 
@@ -58,8 +58,10 @@ class GGUFCheckpoint(Checkpoint):
     def load(self, name: str) -> np.ndarray:
         recipe = self._recipe(name)
         info = self._file.tensors[recipe.source]
+        if recipe.joined is not None:
+            return recipe.join(self._whole(info), self._whole(self._file.tensors[recipe.joined]))
         if recipe.rows is None:
-            weights = self._file.read_rows(info).reshape(info.shape)
+            weights = self._whole(info)
         elif len(info.shape) == 1:
             start, stop = recipe.rows
             weights = self._file.read_rows(info)[0, start:stop].copy()
@@ -73,7 +75,7 @@ class GGUFCheckpoint(Checkpoint):
     def quantized_format(self, name: str) -> str | None:
         recipe = self._recipe(name)
         ggml_type = self._file.tensors[recipe.source].ggml_type
-        if ggml_type in DENSE_TYPES or len(recipe.shape) != 2 or recipe.fix is not None:
+        if ggml_type in DENSE_TYPES or len(recipe.shape) != 2 or recipe.fix is not None or recipe.joined:
             return None
         return ggml_type.name
 
@@ -87,6 +89,9 @@ class GGUFCheckpoint(Checkpoint):
         if recipe.reorder_rows is not None:
             blocks = recipe.reorder_rows(blocks)
         return QuantizedTensor(format, blocks, recipe.shape)
+
+    def _whole(self, info: TensorInfo) -> np.ndarray:
+        return self._file.read_rows(info).reshape(info.shape)
 
     def _recipe(self, name: str) -> TensorRecipe:
         if name not in self._recipes:

@@ -2,13 +2,15 @@
 
 GGUF keeps hyperparameters under keys named for its architecture ("qwen2.block_count"); each
 supported architecture maps to one Hugging Face class here, or to a second one when the file holds
-experts (llama: Mixtral). What GGUF does not store is filled in the way llama.cpp itself fills it in
-when it runs the file (Gemma's query scaling, Gemma 3's local/global layer pattern and local rope
-base, Qwen3-MoE's renormalized expert weights).
+experts (llama: Mixtral) or scores them with a sigmoid (deepseek2: DeepSeek-V3). What GGUF does not
+store is filled in the way llama.cpp itself fills it in when it runs the file (Gemma's query scaling,
+Gemma 3's local/global layer pattern and local rope base, Qwen3-MoE's renormalized expert weights,
+DeepSeek's yarn mscale).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -273,6 +275,107 @@ def qwen3moe_extras(meta: Metadata, config: dict) -> dict:
     }
 
 
+class ExpertGating(enum.IntEnum):
+    """`{arch}.expert_gating_func`'s values (gguf.ExpertGatingFuncType)."""
+
+    SOFTMAX = 1
+    SIGMOID = 2
+
+
+def deepseek2_extras(meta: Metadata, config: dict) -> dict:
+    """DeepSeek V2 or V3 (llama.cpp calls both deepseek2) with the config.json keys of the Hub's
+    checkpoints: latent attention's ranks and a head's widths, the routed and shared experts, the
+    dense first layers, grouped routing, and yarn with DeepSeek's mscale."""
+    v3 = scores_with_sigmoid(meta)
+    extras = {**latent_attention_extras(meta, config), **deepseek_expert_extras(meta, v3),
+              **deepseek_yarn_extras(meta, config)}
+    if v3:
+        extras.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    return extras
+
+
+def scores_with_sigmoid(meta: Metadata) -> bool:
+    """Whether the router scores with a sigmoid, as DeepSeek-V3's does. Converters before V3 wrote no
+    gating function (llama.cpp then runs V2's softmax); a file that lacks it but holds V3's correction
+    bias (exp_probs_b) is taken for a V3."""
+    if not meta.has("expert_gating_func"):
+        return any(name.endswith(".exp_probs_b.bias") for name in meta.file.tensors)
+    value = meta.integer("expert_gating_func")
+    if value not in set(ExpertGating):
+        supported = ", ".join(f"{gating.value} ({gating.name.lower()})" for gating in ExpertGating)
+        raise CheckpointError(meta.file.path, f"scores its experts with gating function {value}; "
+                                              f"candelabra reads {supported}")
+    return value == ExpertGating.SIGMOID
+
+
+def latent_attention_extras(meta: Metadata, config: dict) -> dict:
+    """Latent attention's sizes. Converters since April 2025 write the latent's widths as key_length
+    (kv_lora_rank + rope) and value_length (kv_lora_rank), one KV head, and a head's own widths as
+    key_length_mla and value_length_mla; older ones wrote a head's widths as key_length and
+    value_length."""
+    rope = meta.positive("rope.dimension_count")
+    suffix = "_mla" if meta.has("attention.key_length_mla") else ""
+    query_width = meta.positive(f"attention.key_length{suffix}")
+    if query_width <= rope:
+        raise CheckpointError(meta.file.path, f"has query heads {query_width} wide, which leaves nothing beside "
+                                              f"their {rope} rotary features")
+    q_lora_rank = meta.positive("attention.q_lora_rank") if meta.has("attention.q_lora_rank") else None
+    if (q_lora_rank is None) == has_tensor(meta, "blk.0.attn_q_a.weight"):
+        problem = ("holds attn_q_a tensors but no attention.q_lora_rank" if q_lora_rank is None else
+                   f"says attention.q_lora_rank is {q_lora_rank} but holds no attn_q_a tensors")
+        raise CheckpointError(meta.file.path, problem)
+    heads = config["num_attention_heads"]
+    return {
+        "num_key_value_heads": heads,  # the file says 1: the latent, which every head reads
+        "head_dim": rope,  # what transformers and candelabra build the rotary table for
+        "partial_rotary_factor": 1.0,
+        "kv_lora_rank": meta.positive("attention.kv_lora_rank"),
+        "q_lora_rank": q_lora_rank,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": query_width - rope,
+        "v_head_dim": meta.positive(f"attention.value_length{suffix}"),
+    }
+
+
+def deepseek_expert_extras(meta: Metadata, v3: bool) -> dict:
+    """The experts' settings, with llama.cpp's defaults where a key is absent: no dense first layers,
+    no shared experts, one group, weights neither renormalized nor scaled. Groups are scored as the
+    Hub's configs say: by their best two experts for V3 (noaux_tc), by their best one for V2
+    (group_limited_greedy)."""
+    routed = expert_extras(meta, {})
+    experts = routed["num_local_experts"]
+    # llama.cpp reads 0 (or no key) as no groups
+    groups = meta.integer("expert_group_count", 0) or 1
+    used_groups = meta.integer("expert_group_used_count", 0) or groups
+    if experts % groups or used_groups > groups:
+        raise CheckpointError(meta.file.path, f"routes to {used_groups} of {groups} groups of its {experts} experts")
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": routed["num_experts_per_tok"],
+        "moe_intermediate_size": meta.positive("expert_feed_forward_length"),
+        "n_shared_experts": meta.integer("expert_shared_count", 0),
+        "first_k_dense_replace": meta.integer("leading_dense_block_count", 0),
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": meta.number("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.raw(f"{meta.arch}.expert_weights_norm", False)),
+        "n_group": groups,
+        "topk_group": used_groups,
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+    }
+
+
+def deepseek_yarn_extras(meta: Metadata, config: dict) -> dict:
+    """llama.cpp runs DeepSeek's yarn with its attention scaled by (1 + m ln factor)^2 and cos and sin
+    left unscaled, m being `rope.scaling.yarn_log_multiplier` (the converter writes 0.1 * mscale_all_dim):
+    DeepSeek's yarn with mscale = mscale_all_dim = m / 0.1, as the Hub's configs have them."""
+    scaling = config.get("rope_scaling")
+    if scaling is None or scaling["rope_type"] != "yarn" or not meta.has("rope.scaling.yarn_log_multiplier"):
+        return {}
+    mscale = meta.number("rope.scaling.yarn_log_multiplier") / 0.1
+    return {"rope_scaling": {**scaling, "mscale": mscale, "mscale_all_dim": mscale}}
+
+
 def gemma_extras(meta: Metadata, config: dict) -> dict:
     return {"hidden_activation": "gelu_pytorch_tanh"}
 
@@ -360,4 +463,5 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi2": Architecture("PhiForCausalLM", "phi", "gelu_new", layer_norm=True, extras=phi2_extras),
     "stablelm": Architecture("StableLmForCausalLM", "stablelm", "silu", layer_norm=True, extras=stablelm_extras),
     "glm4": Architecture("Glm4ForCausalLM", "glm4", "silu", extras=attention_bias_extras),
+    "deepseek2": Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "silu", extras=deepseek2_extras),
 }

@@ -14,7 +14,9 @@ GGUF loader, which reverses them too):
 Where GGUF fuses what Hugging Face keeps apart (phi2's and glm4's attn_qkv, StableLM's
 per-head q/k norms stacked into one tensor, a MoE layer's experts stacked into one 3-D tensor per
 projection), one GGUF tensor yields several recipes, each a range of its rows. Experts come back
-one tensor per expert and projection, as the Hub's checkpoints store them.
+one tensor per expert and projection, as the Hub's checkpoints store them. Where GGUF splits what
+Hugging Face keeps whole (DeepSeek's kv_b_proj, stored by newer converters as attn_k_b and
+attn_v_b), one recipe joins two GGUF tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class TensorRecipe:
     # too, so it applies as well to the stored blocks, one row of blocks per row.
     reorder_rows: Callable[[np.ndarray], np.ndarray] | None = None
     fix: Callable[[np.ndarray], np.ndarray] | None = None  # undoes a change the converter made to values
+    # Where the converter split one Hugging Face tensor in two: the other GGUF tensor, and how the
+    # two, each read whole and dequantized (`source` first), make this one.
+    joined: str | None = None
+    join: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class Layout:
     per_head_qk_norm: bool = False  # StableLM: one LayerNorm per head, stacked in GGUF
     permuted_qk: bool = False  # llama: rope rows permuted by the converter
     shifted_norms: bool = False  # gemma family: 1 added to every norm weight by the converter
+    split_kv_b: bool = False  # DeepSeek: kv_b_proj stored whole (attn_kv_b) or split (attn_k_b, attn_v_b)
+    # GGUF tensors whose ".weight" or ".bias" was "_weight" or "_bias" in the Hugging Face name,
+    # renamed so by the converter (DeepSeek-V3's e_score_correction_bias became exp_probs_b.bias).
+    underscored_suffix: frozenset[T] = field(default_factory=frozenset)
     config_only: frozenset[T] = field(default_factory=frozenset)  # GGUF tensors read into the config instead
 
 
@@ -94,6 +104,26 @@ LLAMA_LAYER = PRE_NORMS | ATTENTION | GATED_MLP
 # Mixtral's GGUF files are llama's, with experts: its Hub checkpoints' names for them.
 MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", {T.FFN_GATE_EXP: "w1", T.FFN_UP_EXP: "w3", T.FFN_DOWN_EXP: "w2"})
 QWEN_EXPERTS = ExpertLayout("mlp", {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj", T.FFN_DOWN_EXP: "down_proj"})
+DEEPSEEK_EXPERTS = QWEN_EXPERTS  # the same names
+# Latent attention: the query (q_proj, or q_a_proj, its norm and q_b_proj) and the latent's projection
+# and norm, then kv_b_proj, which expands the latent into each head's key and value.
+LATENT_ATTENTION = {
+    T.ATTN_Q: "self_attn.q_proj",
+    T.ATTN_Q_A: "self_attn.q_a_proj",
+    T.ATTN_Q_A_NORM: "self_attn.q_a_layernorm",
+    T.ATTN_Q_B: "self_attn.q_b_proj",
+    T.ATTN_KV_A_MQA: "self_attn.kv_a_proj_with_mqa",
+    T.ATTN_KV_A_NORM: "self_attn.kv_a_layernorm",
+    T.ATTN_KV_B: "self_attn.kv_b_proj",
+    T.ATTN_OUT: "self_attn.o_proj",
+}
+DEEPSEEK_MOE = {
+    T.FFN_GATE_INP: "mlp.gate",
+    T.FFN_EXP_PROBS_B: "mlp.gate.e_score_correction",
+    T.FFN_GATE_SHEXP: "mlp.shared_experts.gate_proj",
+    T.FFN_UP_SHEXP: "mlp.shared_experts.up_proj",
+    T.FFN_DOWN_SHEXP: "mlp.shared_experts.down_proj",
+}
 
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout(LLAMA_LAYER | {T.FFN_GATE_INP: "block_sparse_moe.gate"}, experts=MIXTRAL_EXPERTS,
@@ -142,10 +172,14 @@ LAYOUTS: dict[str, Layout] = {
         split_qkv=True,
         config_only=frozenset({T.ROPE_FREQS}),
     ),
+    # Dense first layers keep gate/up/down_proj; the others route to experts beside a shared one.
+    "deepseek2": Layout(PRE_NORMS | LATENT_ATTENTION | GATED_MLP | DEEPSEEK_MOE, experts=DEEPSEEK_EXPERTS,
+                        split_kv_b=True, underscored_suffix=frozenset({T.FFN_EXP_PROBS_B})),
 }
 
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 QKV = gguf_block_name(T.ATTN_QKV)
+KV_B, K_B, V_B = (gguf_block_name(tensor) for tensor in (T.ATTN_KV_B, T.ATTN_K_B, T.ATTN_V_B))
 Q_NORM, K_NORM = gguf_block_name(T.ATTN_Q_NORM), gguf_block_name(T.ATTN_K_NORM)
 
 
@@ -168,6 +202,7 @@ class _RecipeBuilder:
             TENSOR_NAMES[T.OUTPUT_NORM]: layout.final_norm,
             TENSOR_NAMES[T.OUTPUT]: "lm_head",
         }
+        self.underscored = {gguf_block_name(tensor) for tensor in layout.underscored_suffix}
         self.config_only = {TENSOR_NAMES[tensor] for tensor in layout.config_only}
         self.config_only |= {gguf_block_name(tensor) for tensor in layout.config_only}
         self.recipes: dict[str, TensorRecipe] = {}
@@ -201,8 +236,11 @@ class _RecipeBuilder:
             self._split_heads(info, prefix + module, suffix)
         elif part in self.expert_names:
             self._split_experts(info, prefix, self.expert_names[part], suffix)
+        elif self.layout.split_kv_b and part in (K_B, V_B):
+            self._join_kv_b(info, layer, part, prefix, suffix)
         elif part in self.layer_names:
-            name = hf_name(prefix + self.layer_names[part], suffix)
+            module = prefix + self.layer_names[part]
+            name = f"{module}_{suffix}" if part in self.underscored else hf_name(module, suffix)
             recipe = TensorRecipe(info.name, info.shape, reorder_rows=self._reorder_rows(part), fix=self._fix(info))
             self._put(name, recipe)
         else:
@@ -257,8 +295,30 @@ class _RecipeBuilder:
             self._put(hf_name(f"{module}.norms.{head}", suffix), recipe)
 
 
+    def _join_kv_b(self, info: TensorInfo, layer: int, part: str, prefix: str, suffix: str) -> None:
+        """kv_b_proj from the attn_k_b and attn_v_b llama.cpp's converters write since April 2025 (the
+        recipe made at attn_k_b), or from attn_kv_b where the file holds that too."""
+        key, value, whole = (f"blk.{layer}.{name}.{suffix}" for name in (K_B, V_B, KV_B))
+        if whole in self.file.tensors:
+            return
+        missing = next((name for name in (key, value) if name not in self.file.tensors), None)
+        if missing is not None:
+            raise CheckpointError(self.file.path, f"holds {info.name!r} but not {missing!r}, its other half")
+        if part == V_B:
+            return
+        c = self.config
+        heads, rank, nope, width = (c["num_attention_heads"], c["kv_lora_rank"], c["qk_nope_head_dim"],
+                                    c["v_head_dim"])
+        for name, shape in ((key, (heads, rank, nope)), (value, (heads, width, rank))):
+            if self.file.tensors[name].shape != shape:
+                problem = f"tensor {name!r} is {list(self.file.tensors[name].shape)}, expected {list(shape)}"
+                raise CheckpointError(self.file.path, f"{problem} (heads, rows, columns)")
+        recipe = TensorRecipe(key, (heads * (nope + width), rank), joined=value, join=joined_kv_b)
+        self._put(hf_name(f"{prefix}{self.layer_names[KV_B]}", suffix), recipe)
+
     def _split_experts(self, info: TensorInfo, prefix: str, module: str, suffix: str) -> None:
-        experts = self.config.get("num_local_experts") or self.config.get("num_experts")
+        c = self.config
+        experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
         if not experts:
             raise self._unknown(info)
         if len(info.shape) != 3 or info.shape[0] != experts:
@@ -283,6 +343,14 @@ def hf_name(module: str, suffix: str) -> str:
 def subtract_one(weights: np.ndarray) -> np.ndarray:
     weights -= 1.0
     return weights
+
+
+def joined_kv_b(key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """DeepSeek's kv_b_proj, [heads * (qk_nope + v_head), kv_lora_rank], each head's key rows then its
+    value rows, from llama.cpp's attn_k_b, [heads, kv_lora_rank, qk_nope] (each head's key rows
+    transposed), and attn_v_b, [heads, v_head, kv_lora_rank]."""
+    heads, rank, _ = key.shape
+    return np.concatenate([key.transpose(0, 2, 1), value], axis=1).reshape(-1, rank)
 
 
 def unpermute_rope_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
