@@ -111,15 +111,21 @@ def start_llama_server(binary: str, model: Path, port: int, threads: int) -> sub
 def serve_vs_peer():
     spec = importlib.util.spec_from_file_location("serve_vs_peer", BENCH / "serve_vs_peer.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
 def cpu_name() -> str:
+    """lscpu's model name, with the family and model numbers and whether it has AMX."""
+    fields = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return platform.processor() or "unknown CPU"
+    amx = "AMX" if "amx_tile" in fields.get("flags", "").split() else "no AMX"
+    return f"{fields['model name']} (family {fields.get('cpu family')}, model {fields.get('model')}; {amx})"
 
 
 def main(argv: list[str] | None = None) -> int:
