@@ -14,6 +14,7 @@ from candelabra.backends.cuda.availability import (
     multiprocessor_count,
 )
 from candelabra.backends.cuda.kernels.paged_attention import (
+    choose_tiling,
     decode_segments,
     decode_workspace,
     paged_attention,
@@ -123,6 +124,15 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(group, dtype):
     case = Case(3, [1, 37, 6, 1, 3], [9, 37, 40, 1, 3], num_heads=2 * group, num_kv_heads=2,
                 block_size=32, dtype=dtype)
     case.run(scale=0.125)
+
+
+def test_prefill_tiles_of_one_query_follow_their_sequences():
+    """float32 with 32 query heads a KV head leaves room for one query a tile: the tiles of a prefill
+    still go by sequence, none of them past the step's last token (a tile once stood for the token of
+    its own number, and the last tiles read and wrote rows past the end)."""
+    assert choose_tiling(5, 32, 64, float32_dot=True).queries == 1
+    Case(5, [1, 4, 3], [6, 4, 9], num_heads=32, num_kv_heads=1, dtype=torch.float32).run(scale=0.125)
+    Case(6, [4, 3], [4, 9], num_heads=32, num_kv_heads=1, dtype=torch.float32).run(scale=0.125)
 
 
 @pytest.mark.parametrize("window", [1, 7])

@@ -180,7 +180,7 @@ class _AttentionLaunch:
             partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
         else:
             partials = (self.out, self.out, self.out)  # never touched when there is a single segment
-        self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False)
+        self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False, token_tiles=True)
         if segments > 1:
             merge_segments(self.out, workspace, count, tokens)
 
@@ -190,9 +190,10 @@ class _AttentionLaunch:
         tiling = choose_tiling(step.max_query_len, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
         # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
         tiles = self.q.shape[0] // tiling.queries + step.num_seqs
-        self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 3, None, skip_decodes)
+        self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 3, None, skip_decodes,
+                    token_tiles=False)
 
-    def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool) -> None:
+    def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool, token_tiles: bool) -> None:
         q, out, key_cache, value_cache, step = self.q, self.out, self.key_cache, self.value_cache, self.step
         if self.logit_softcap is None:
             score_scale, capped_scale = self.scale * LOG2_E, 0.0
@@ -216,7 +217,7 @@ class _AttentionLaunch:
             BLOCK_SIZE=step.block_size, NUM_SEGMENTS=grid[2],
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
             DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
-            num_warps=tiling.warps, num_stages=tiling.stages,
+            TOKEN_TILES=token_tiles, num_warps=tiling.warps, num_stages=tiling.stages,
         )
 
 
@@ -272,17 +273,18 @@ def _attention_tile_kernel(
     QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr,
+    TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr,
 ):
-    """A tile of query rows against its sequence's keys (or one segment of them). With
-    QUERIES_PER_TILE 1 tile t is one token: token t, or with TOKEN_LIST the t-th of tile_tokens.
-    Otherwise tiles follow the sequences' queries in order, and with SKIP_DECODES those of one-token
+    """A tile of query rows against its sequence's keys (or one segment of them). With TOKEN_TILES (the
+    decodes' launch, one query a tile) tile t is one token: token t, or with TOKEN_LIST the t-th of
+    tile_tokens. Otherwise tiles follow the sequences' queries in order, QUERIES_PER_TILE a tile (one
+    too, where a group of query heads fills the tile), and with SKIP_DECODES those of one-token
     sequences (tiled by another launch) do nothing."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
-    if QUERIES_PER_TILE == 1:
+    if TOKEN_TILES:
         first_token = tile
         if TOKEN_LIST:
             first_token = tl.load(tile_tokens_ptr + tile)
