@@ -111,8 +111,9 @@ Work down the list: after each step its check passes, and `pytest` still does.
 
 5. **The rest, one at a time** (`ops.py`): `rms_norm`, `add_rms_norm`, `layer_norm`, `rotary`,
    `silu_and_mul`, `gelu_and_mul`, `gelu`, `softcap`, `softmax`, `gather_rows`, `sample`,
-   `token_logprobs`, and for mixture-of-experts models `route_experts` and `moe_experts`, each checked
-   with `--op NAME`. Once none calls `on_host`, delete it.
+   `token_logprobs`, for mixture-of-experts models `route_experts` and `moe_experts`, and for
+   DeepSeek's latent attention `per_head_linear` and `paged_latent_attention`, each checked with
+   `--op NAME`. Once none calls `on_host`, delete it.
 
 6. **Finding the device** (`backend.py`): `probe` imports your runtime and says why the backend
    cannot run when the runtime or a device is missing (priority 100 for an accelerator),
@@ -405,6 +406,12 @@ class $ops_class_name(Ops):
 
     def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
         return self.on_host("moe_experts", x, weights, expert_ids, gate_up, down, first_expert)
+
+    def per_head_linear(self, x, weight):
+        return self.on_host("per_head_linear", x, weight)
+
+    def paged_latent_attention(self, q_latent, q_rope, cache, step, scale):
+        return self.on_host("paged_latent_attention", q_latent, q_rope, cache, step.gathered, scale)
 
     # The way to the reference on the host: delete it once no op calls it.
 
