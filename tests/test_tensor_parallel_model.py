@@ -38,6 +38,9 @@ from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 from support import LoadOnlyCommunicator
 
 ALL_CASES = [case for case in MODEL_CASES if case.tensor_parallel] + GGUF_MODEL_CASES
+# In bfloat16: every dense GGUF case, and of the MoE families' the quantized ones in one type each (their
+# experts' blocks slice whole by expert, which the float32 run above already checks in every type).
+BFLOAT16_CASES = [case for case in GGUF_MODEL_CASES if not case.routes_experts or case.ggml_type == "Q8_0"]
 # The LM head's layout and how the MLP splits are independent: the MoE cases run in the default layout only.
 CASES_BY_LAYOUT = {VOCAB_PARALLEL: ALL_CASES,
                    REPLICATED: [case for case in ALL_CASES if not getattr(case, "routes_experts", False)]}
@@ -277,10 +280,10 @@ def test_every_case_at_tp2_matches_tp1(tensor_parallel_results, layout, case):
 
 @pytest.fixture(scope="module")
 def bfloat16_results():
-    return {r.case: r for r in run_parallel_cases("torch", 2, GGUF_MODEL_CASES, seed=11, dtype="bfloat16")}
+    return {r.case: r for r in run_parallel_cases("torch", 2, BFLOAT16_CASES, seed=11, dtype="bfloat16")}
 
 
-@pytest.mark.parametrize("case", [case.name for case in GGUF_MODEL_CASES])
+@pytest.mark.parametrize("case", [case.name for case in BFLOAT16_CASES])
 def test_quantized_cases_at_tp2_match_tp1_in_bfloat16(bfloat16_results, case):
     """Through the torch backend's int4 and int8 kernels on sliced GGUF blocks: logits within the bfloat16
     model threshold, greedy tokens the same up to a tie."""
