@@ -221,13 +221,9 @@ ATTENTION_BATCHES = {
 }
 
 
-def check_paged_attention(
-    h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
-    sliding_window: int | None = None, logit_softcap: float | None = None, kv_dtype: str | None = None,
-) -> None:
-    """kv_dtype: the cache's, when not the compute dtype."""
-    kv_dtype = kv_dtype or h.dtype
-    q_heads, kv_heads = heads
+def _paged_step(h: Harness, batch: str, block_size: int):
+    """A step of ATTENTION_BATCHES[batch] over shuffled blocks, the padding entries of its block tables
+    real block ids that must not be read: (its metadata, the cache's block count, each sequence's slots)."""
     query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 5
@@ -235,13 +231,26 @@ def check_paged_attention(
     starts = np.cumsum([0, *needed])
     tables = [shuffled[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
     meta = StepMetadata.build(query_lens, seq_lens, tables, block_size)
-    for b, count in enumerate(needed):  # padding entries: real block ids that must not be read
+    for b, count in enumerate(needed):
         meta.block_tables[b, count:] = h.rng.integers(0, num_blocks, meta.block_tables.shape[1] - count)
+    seq_slots = [np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
+                 for b, seq_len in enumerate(seq_lens)]
+    return meta, num_blocks, seq_slots
+
+
+def check_paged_attention(
+    h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
+    sliding_window: int | None = None, logit_softcap: float | None = None, kv_dtype: str | None = None,
+) -> None:
+    """kv_dtype: the cache's, when not the compute dtype."""
+    kv_dtype = kv_dtype or h.dtype
+    q_heads, kv_heads = heads
+    meta, num_blocks, seq_slots = _paged_step(h, batch, block_size)
 
     shape = (num_blocks, block_size, kv_heads, head_dim)
     key_cache, value_cache = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    for b, seq_len in enumerate(seq_lens):
-        slots = np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
+    for slots in seq_slots:
+        seq_len = len(slots)
         key_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
         value_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
     q = h.rand(meta.num_tokens, q_heads, head_dim, scale=3.0 if logit_softcap else 1.0)
@@ -269,19 +278,11 @@ def check_paged_latent_attention(h: Harness, heads: int, rank: int, rope_dim: in
                                  batch: str) -> None:
     """A latent cache (one KV head: rotary keys as the key cache, latents as the value cache), with NaN
     in every slot the step does not own."""
-    query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 5
-    shuffled = h.rng.permutation(num_blocks)
-    starts = np.cumsum([0, *needed])
-    tables = [shuffled[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
-    meta = StepMetadata.build(query_lens, seq_lens, tables, block_size)
-    for b, count in enumerate(needed):
-        meta.block_tables[b, count:] = h.rng.integers(0, num_blocks, meta.block_tables.shape[1] - count)
+    meta, num_blocks, seq_slots = _paged_step(h, batch, block_size)
     key_cache = np.full((num_blocks, block_size, 1, rope_dim), np.nan, np.float32)
     value_cache = np.full((num_blocks, block_size, 1, rank), np.nan, np.float32)
-    for b, seq_len in enumerate(seq_lens):
-        slots = np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
+    for slots in seq_slots:
+        seq_len = len(slots)
         key_cache.reshape(-1, 1, rope_dim)[slots] = round_to(h.rand(seq_len, 1, rope_dim), h.dtype)
         value_cache.reshape(-1, 1, rank)[slots] = round_to(h.rand(seq_len, 1, rank), h.dtype)
     q_latent, q_rope = h.rand(meta.num_tokens, heads, rank), h.rand(meta.num_tokens, heads, rope_dim)
