@@ -32,7 +32,7 @@ import numpy as np
 
 from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.device import Device
-from candelabra.core.contract.dtypes import DType, check_dtype
+from candelabra.core.contract.dtypes import DType, KVDType, check_dtype, check_kv_dtype
 from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
@@ -128,18 +128,19 @@ class Backend(ABC):
         return dtype  # type: ignore[return-value]
 
     @classmethod
-    def kv_cache_dtypes(cls, compute_dtype: DType) -> tuple[DType, ...]:
+    def kv_cache_dtypes(cls, compute_dtype: DType) -> tuple[KVDType, ...]:
         """The dtypes `write_kv` and `paged_attention` take a cache in while computing in
-        `compute_dtype` (the cache is in the compute dtype unless asked otherwise). Unless a backend
-        says more: the compute dtype alone."""
+        `compute_dtype` (the cache is in the compute dtype unless asked otherwise): float dtypes, or
+        the quantized "int8" and "fp8" (kv_cache.py has their layout). Unless a backend says more: the
+        compute dtype alone."""
         return (compute_dtype,)
 
     @classmethod
-    def check_kv_cache_dtype(cls, kv_dtype: str, compute_dtype: DType) -> DType:
+    def check_kv_cache_dtype(cls, kv_dtype: str, compute_dtype: DType) -> KVDType:
         """`kv_dtype` if this backend keeps a KV cache in it beside `compute_dtype`, else a ValueError
         naming the ones it does."""
         offered = cls.kv_cache_dtypes(compute_dtype)
-        if check_dtype(kv_dtype) not in offered:
+        if check_kv_dtype(kv_dtype) not in offered:
             raise ValueError(f"backend {cls.name!r} computing in {compute_dtype} keeps its KV cache in "
                              f"{', '.join(offered)}, not {kv_dtype}")
         return kv_dtype  # type: ignore[return-value]
