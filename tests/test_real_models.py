@@ -56,17 +56,33 @@ def qwen():
 
 
 @pytest.fixture(scope="session")
-def qwen_reference(qwen):
-    """transformers' greedy tokens for each prompt, on the same GGUF, dequantized to float32."""
+def qwen_transformers(qwen):
+    """The default model as transformers loads it from the same GGUF (its own dequantization), float32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    checkpoint, tokenizer = qwen
-    files = checkpoint.tokenizer_files()
+    files = qwen[0].tokenizer_files()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(files["pretrained_model_name_or_path"],
-                                                     gguf_file=files["gguf_file"], dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(files["pretrained_model_name_or_path"],
+                                                    gguf_file=files["gguf_file"], dtype=torch.float32)
+
+
+def test_default_model_tensors_equal_transformers_gguf_loader(qwen, qwen_transformers):
+    checkpoint = qwen[0]
+    theirs = qwen_transformers.state_dict()
+    assert sorted(checkpoint.tensor_names()) == sorted(theirs)
+    for name in checkpoint.tensor_names():
+        np.testing.assert_allclose(checkpoint.load(name), theirs[name].numpy(), rtol=1e-6, atol=0, err_msg=name)
+    assert {checkpoint.gguf_type(name) for name in checkpoint.tensor_names()} == {"F32", "Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+
+
+@pytest.fixture(scope="session")
+def qwen_reference(qwen, qwen_transformers):
+    """transformers' greedy tokens for each prompt, on the same GGUF, dequantized to float32."""
+    import torch
+
+    model, tokenizer = qwen_transformers, qwen[1]
     references = {}
     for prompt in QWEN_PROMPTS:
         ids = tokenizer.chat_token_ids([{"role": "user", "content": prompt}])
