@@ -86,8 +86,8 @@ def test_stacked_experts_dequantize_to_the_stacked_weights_and_unstack_to_them()
 
 
 @pytest.mark.parametrize("format, blocks, shape, message", [
-    ("F16", np.zeros((2, 64), np.uint8), (2, 32), "'F16' is not a quantized GGUF format; candelabra reads Q8_0"),
-    ("Q9_9", np.zeros((2, 64), np.uint8), (2, 32), "'Q9_9' is not a quantized GGUF format"),
+    ("F16", np.zeros((2, 64), np.uint8), (2, 32), "'F16' is not a quantized format; candelabra reads Q8_0"),
+    ("Q9_9", np.zeros((2, 64), np.uint8), (2, 32), "'Q9_9' is not a quantized format"),
     ("Q4_K", np.zeros((2, 144), np.uint8), (2, 100), "Q4_K packs 256 values per block; 100 columns"),
     ("Q4_0", np.zeros((2, 36), np.uint8), (2, 32), r"uint8 \[2, 18\], got uint8 \[2, 36\]"),
     ("Q4_0", np.zeros((2, 18), np.int8), (2, 32), r"got int8 \[2, 18\]"),
