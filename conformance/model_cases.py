@@ -28,6 +28,7 @@ import numpy as np
 
 from candelabra.conformance.compare import MODEL_NMSE_THRESHOLDS, MOE_MODEL_NMSE_THRESHOLDS, nmse, round_to
 from candelabra.conformance.harness import NOT_SUPPORTED
+from candelabra.conformance.quantized_checkpoints import Int4Layout, write_int4_checkpoint
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.ops import OpNotSupported
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -137,6 +138,36 @@ GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for
     GGUFModelCase(arch, kind) for arch in GGUF_DEEPSEEK_ARCHITECTURES for kind in GGUF_DEEPSEEK_TYPES]
 
 
+# Hidden and intermediate sizes that 4-bit groups of 128 divide; two layers, for CI's time.
+_INT4_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+
+
+@dataclass(frozen=True)
+class Int4ModelCase:
+    """A tiny model whose linear weights are random 4-bit codes packed as a GPTQ or AWQ checkpoint
+    packs them (see quantized_checkpoints), checked against transformers running the dequantized
+    weights."""
+
+    name: str
+    config_class: str
+    layout: Int4Layout
+    settings: dict = field(default_factory=lambda: dict(_INT4_SHAPES))
+    prompt_tokens: int = PROMPT_TOKENS
+    tensor_parallel: bool = False
+    routes_experts: bool = False
+
+
+INT4_MODEL_CASES = [
+    Int4ModelCase("gptq-llama-v2-sym-g128", "LlamaConfig", Int4Layout("gptq", 128, sym=True)),
+    # act-order: q, k and v share one shuffled g_idx, gate and up another; AutoGPTQ's quantize_config.json
+    Int4ModelCase("gptq-qwen2-v1-act-order-g32", "Qwen2Config",
+                  Int4Layout("gptq", 32, desc_act=True, v1=True, config_file=True)),
+    # one group a row: groups of 128 and 256 repeating its scale and zero
+    Int4ModelCase("gptq-llama-v1-sym-per-row", "LlamaConfig", Int4Layout("gptq", -1, sym=True, v1=True)),
+    Int4ModelCase("awq-qwen2-g64", "Qwen2Config", Int4Layout("awq", 64)),
+]
+
+
 @dataclass
 class ModelResult:
     case: str
@@ -161,7 +192,7 @@ def config_json(case: ModelCase) -> dict:
     return record
 
 
-def make_reference(case: ModelCase, seed: int):
+def make_reference(case: ModelCase | Int4ModelCase, seed: int):
     """A transformers model of `case`'s family with fresh random weights, in float32, attending in plain
     eager math: a fused attention may leave out what the family defines (transformers 5.17 gave Gemma-2
     its SDPA path, which drops the attention logits' soft-cap)."""
@@ -239,7 +270,8 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
-def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int, dtype: str = "float32") -> ModelResult:
+def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4ModelCase, seed: int,
+                   dtype: str = "float32") -> ModelResult:
     from candelabra.core.loading.model import load_model
     from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
@@ -249,6 +281,10 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase, seed: int,
             reference, path = _gguf_reference(case, seed, folder)
             checkpoint = GGUFCheckpoint(path)
             prompt_tokens, vocab = PROMPT_TOKENS, reference.config.vocab_size
+        elif isinstance(case, Int4ModelCase):
+            reference = make_reference(case, seed)
+            checkpoint = SafetensorsCheckpoint(write_int4_checkpoint(reference, case.layout, folder, seed))
+            prompt_tokens, vocab = case.prompt_tokens, VOCAB
         else:
             reference = make_reference(case, seed)
             reference.save_pretrained(folder)

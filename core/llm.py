@@ -12,6 +12,7 @@ from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
+from candelabra.core.loading.quant_flag import check_quant
 from candelabra.core.models.offloaded_experts import ExpertOffload
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
@@ -41,6 +42,10 @@ class LLM:
     as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `eager_steps` runs
     every step op by op, where the backend would capture it (CUDA graphs) or compile it.
 
+    `quant` is candle-vllm's --quant: "gptq", "awq" or "marlin" (either) for a GPTQ or AWQ
+    checkpoint, "gguf" for a .gguf one; a checkpoint quantized otherwise is refused, naming both.
+    Without it the checkpoint's own quantization is used.
+
     `num_experts_offload_per_rank` N keeps N of each MoE layer's experts (on each rank) in host
     memory, with `expert_cache_slots` device slots a layer for those recently routed to (default: a
     quarter of N, rounded up); see `candelabra.core.models.offloaded_experts`.
@@ -55,11 +60,12 @@ class LLM:
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
                  eager_steps: bool = False, topology: Topology | None = None, num_experts_offload_per_rank: int = 0,
-                 expert_cache_slots: int | None = None, **engine_options) -> None:
+                 expert_cache_slots: int | None = None, quant: str | None = None, **engine_options) -> None:
         if isinstance(model, Checkpoint):
             checkpoint = model
+            check_quant(quant, checkpoint)
         else:
-            checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
+            checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization, quant)
         self.checkpoint = checkpoint
         offload = (ExpertOffload(num_experts_offload_per_rank, expert_cache_slots)
                    if num_experts_offload_per_rank or expert_cache_slots is not None else None)

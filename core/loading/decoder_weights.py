@@ -17,6 +17,8 @@ read (the rules are in `candelabra.core.models.sharding`).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from tqdm import tqdm
 
@@ -43,6 +45,8 @@ from candelabra.core.models.sharding import (
     vocab_rows,
 )
 from candelabra.core.weights import Checkpoint
+
+log = logging.getLogger("candelabra")
 
 
 def load_decoder_weights(family: type[DecoderModel], config: ModelConfig, backend: Backend, checkpoint: Checkpoint,
@@ -232,7 +236,7 @@ class _Loader:
             tensor = parts[0] if len(parts) == 1 else np.concatenate(parts)
         else:
             quantized = [self._checkpoint.load_quantized(name) for name in names]
-            tensor = quantized[0] if len(quantized) == 1 else QuantizedTensor.concatenate(quantized)
+            tensor = quantized[0] if len(quantized) == 1 else _joined(names, quantized)
         self._progress.update(len(names))
         return tensor
 
@@ -339,6 +343,18 @@ def _check_shape(name: str, weight: HostWeight, expected: tuple[int, ...],
     if weight.shape != expected:
         raise ConfigError(f"{name}: {what} {list(weight.shape)}, but config.json's counts and sizes make it "
                           f"{list(expected)}")
+
+
+def _joined(names: list[str], parts: list[QuantizedTensor]) -> HostWeight:
+    """The parts' rows one after another: quantized where they share a column order, as fused act-order
+    GPTQ projections do (q, k and v, or gate and up, read the same inputs), else dequantized."""
+    orders = [part.column_order for part in parts]
+    if all(order is None for order in orders) or (
+            all(order is not None for order in orders) and all(np.array_equal(orders[0], o) for o in orders)):
+        return QuantizedTensor.concatenate(parts)
+    log.info("%s: dequantized to float32 at load to be fused, since their act-order column orders differ",
+             " and ".join(names))
+    return np.concatenate([part.dequantize() for part in parts])
 
 
 def _shifted(indices: range, offset: int) -> range:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from candelabra.core.loading.quant_flag import check_quant
 from candelabra.core.weights import Checkpoint, CheckpointError
 from candelabra.core.weights.default_model import default_model_path
 from candelabra.core.weights.hf_cache import resolve_snapshot
@@ -101,9 +102,21 @@ def open_file(path: Path) -> Checkpoint:
 
 def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
                revision: str | None = None, load_format: str = "auto",
-               dummy_quantization: str | None = None) -> Checkpoint:
+               dummy_quantization: str | None = None, quant: str | None = None) -> Checkpoint:
     """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named.
-    `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint)."""
+    `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint).
+    `quant` (--quant) must name the checkpoint's own quantization where given (see `quant_flag`)."""
+    checkpoint = _open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
+    try:
+        check_quant(quant, checkpoint)
+    except BaseException:
+        checkpoint.close()
+        raise
+    return checkpoint
+
+
+def _open_model(model: str | Path | None, model_id: str | None, weight_file: str | None, revision: str | None,
+                load_format: str, dummy_quantization: str | None) -> Checkpoint:
     check_load_format(load_format, dummy_quantization)
     formats = {"load_format": load_format, "dummy_quantization": dummy_quantization}
     if model is None and model_id is None and weight_file is None:

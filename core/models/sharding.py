@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from candelabra.core.contract.weights import QuantizedTensor
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor
 
 HostWeight = np.ndarray | QuantizedTensor
 
@@ -127,16 +127,18 @@ def vocab_rows(vocab_size: int, rank: int, world_size: int) -> tuple[range, int]
 
 
 def quantization_block(format: str | None) -> int:
-    """How many consecutive values of a row one block of GGUF `format` holds; 1 for None (dense)."""
+    """How many consecutive values of a row one block of quantized `format` holds; 1 for None (dense)."""
+    if format in INT4_GROUP_FORMATS:
+        return INT4_GROUP_FORMATS[format]
     return 1 if format is None else GGML_QUANT_SIZES[GGMLQuantizationType[format]][0]
 
 
 def take_rows(weight: HostWeight, ranges: Sequence[range]) -> HostWeight:
     """The rows of `weight` (2-D, or a 1-D bias) in `ranges`, one range after another; exact for
-    quantized weights, whose rows are independent."""
+    quantized weights, whose rows are independent (and share their column order)."""
     if isinstance(weight, QuantizedTensor):
         blocks = _rows(weight.blocks, ranges)
-        return QuantizedTensor(weight.format, blocks, (blocks.shape[0], weight.shape[1]))
+        return QuantizedTensor(weight.format, blocks, (blocks.shape[0], weight.shape[1]), weight.column_order)
     return _rows(weight, ranges)
 
 
@@ -144,15 +146,19 @@ def take_experts(stacked: HostWeight, experts: range) -> HostWeight:
     """The experts `experts` of a MoE layer's stacked projection [E, out, in], dense or quantized."""
     if isinstance(stacked, QuantizedTensor):
         blocks = stacked.blocks[experts.start : experts.stop]
-        return QuantizedTensor(stacked.format, blocks, (len(experts), *stacked.shape[1:]))
+        return QuantizedTensor(stacked.format, blocks, (len(experts), *stacked.shape[1:]), stacked.column_order)
     return stacked[experts.start : experts.stop]
 
 
 def take_columns(weight: HostWeight, columns: range) -> HostWeight:
     """The columns (input features) of 2-D `weight` in `columns`. A quantized weight stays quantized
     where both ends of `columns` lie on its block boundaries; otherwise the blocks covering them are
-    dequantized and the result is a float32 array of exactly those columns' values."""
+    dequantized and the result is a float32 array of exactly those columns' values. So is a weight
+    whose columns are stored permuted (act-order GPTQ): the columns of a range are spread over all
+    its blocks."""
     start, stop = columns.start, columns.stop
+    if isinstance(weight, QuantizedTensor) and weight.column_order is not None:
+        weight = weight.dequantize()
     if not isinstance(weight, QuantizedTensor):
         return np.ascontiguousarray(weight[:, start:stop])
     values, size = weight.values_per_block, weight.bytes_per_block
@@ -167,13 +173,14 @@ def take_columns(weight: HostWeight, columns: range) -> HostWeight:
 
 def pad_rows(weight: HostWeight, rows: int) -> HostWeight:
     """`weight` (2-D, or a 1-D bias) with zero rows appended up to `rows` rows. A quantized weight
-    gains rows of zero bytes, which every GGUF format decodes to zeros (their scales are zero)."""
+    gains rows of zero bytes, which every quantized format decodes to zeros (their scales are zero)."""
     missing = rows - weight.shape[0]
     if missing <= 0:
         return weight
     if isinstance(weight, QuantizedTensor):
         zeros = np.zeros((missing, weight.blocks.shape[1]), dtype=np.uint8)
-        return QuantizedTensor(weight.format, np.concatenate([weight.blocks, zeros]), (rows, weight.shape[1]))
+        return QuantizedTensor(weight.format, np.concatenate([weight.blocks, zeros]), (rows, weight.shape[1]),
+                               weight.column_order)
     return np.concatenate([weight, np.zeros((missing, *weight.shape[1:]), dtype=weight.dtype)])
 
 

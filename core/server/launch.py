@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_ALIASES),
                        help="dtype of the KV cache, where the backend offers one beside the compute dtype (see "
                             "`candelabra backends`; default: the compute dtype)")
-    where.add_argument("--quant", help="weight format; only gguf (a .gguf checkpoint, dequantized at load) so far")
+    where.add_argument("--quant", metavar="{gptq,awq,marlin,gguf}",
+                       help="the checkpoint's quantization, checked against it: gptq or awq (4-bit safetensors), "
+                            "marlin (either, through the fastest int4 kernel the backend has), gguf (default: the "
+                            "checkpoint's own)")
     where.add_argument("--load-format", metavar="{auto,dummy}", default="auto",
                        help="auto: the checkpoint's weights; dummy: random weights in the shapes of the config.json "
                             "that --weight-path or --model-id names, for benchmarks without a checkpoint (the "
@@ -170,12 +173,11 @@ def run(args: argparse.Namespace) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, in one line naming the flag, values that cannot serve a request."""
     from candelabra.core.loading.open import check_load_format
+    from candelabra.core.loading.quant_flag import parse_quant
     from candelabra.core.requests.sampling_params import SamplingParams
     from candelabra.core.worker.kv_cache_size import check_kv_fraction
 
-    if args.quant and args.quant.lower() != "gguf":
-        raise ValueError(f"--quant {args.quant} is not supported yet; pass a .gguf checkpoint (Q4_0 ... Q8_0, "
-                         "K-quants, F16), which is dequantized at load")
+    parse_quant(args.quant)
     check_load_format(args.load_format, args.dummy_quantization)
     topology_of(args)
     if not 0 <= args.port <= 65535:
@@ -278,7 +280,7 @@ def _backend_and_checkpoint(args: argparse.Namespace):
         compute = DTYPE_ALIASES[args.dtype] if args.dtype else backend.dtypes[0]
         backend.check_kv_cache_dtype(DTYPE_ALIASES[args.kv_cache_dtype], compute)
     checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision, args.load_format,
-                            args.dummy_quantization)
+                            args.dummy_quantization, args.quant)
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
         config.check_model_type(args.model_type)
@@ -327,7 +329,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                           kvcache_mem_cpu=args.kvcache_mem_cpu, model_type=args.model_type,
                           eager_steps=args.disable_cuda_graph,
                           num_experts_offload_per_rank=args.num_experts_offload_per_rank,
-                          expert_cache_slots=args.expert_cache_slots, **engine_options))
+                          expert_cache_slots=args.expert_cache_slots, quant=args.quant, **engine_options))
         return loaded[0].engine
 
     engine = AsyncEngine(load_model)  # loaded on the thread that will step it

@@ -3,8 +3,8 @@
 Every format presents the same view: a Hugging Face `config.json`-style dict, and tensors named,
 shaped and laid out as Hugging Face transformers names them ("model.layers.0.self_attn.q_proj.weight",
 [out_features, in_features]), dequantized to float32 numpy arrays. Model graphs therefore know
-one naming scheme only. A checkpoint that stores a 2-D tensor quantized (GGUF) can also hand it
-over as stored (`quantized_format`, `load_quantized`), for backends that keep that format.
+one naming scheme only. A checkpoint that stores a 2-D tensor quantized (GGUF, GPTQ, AWQ) can also
+hand it over quantized (`quantized_format`, `load_quantized`), for backends that keep that format.
 """
 
 from __future__ import annotations
@@ -48,8 +48,13 @@ class Checkpoint(abc.ABC):
         """The tensor as float32 numpy, dequantized and in Hugging Face layout. Raises KeyError
         naming the tensor and the file when it is absent."""
 
+    @property
+    def quant_method(self) -> str | None:
+        """How the checkpoint itself is quantized: "gguf", "gptq", "awq", or None for a dense one."""
+        return None
+
     def quantized_format(self, name: str) -> str | None:
-        """The GGUF format ("Q4_K") `load_quantized(name)` hands the tensor over in, or None
+        """The quantized format ("Q4_K", "INT4_G128") `load_quantized(name)` hands the tensor over in, or None
         when it can only be loaded dense."""
         return None
 

@@ -37,6 +37,10 @@ class GGUFCheckpoint(Checkpoint):
         return self._config
 
     @property
+    def quant_method(self) -> str:
+        return "gguf"
+
+    @property
     def metadata(self) -> dict[str, object]:
         """The file's own metadata, by GGUF key (tokenizer string arrays are not decoded)."""
         return self._file.metadata

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.core.contract.weights import QuantizedTensor
 from candelabra.core.weights import Checkpoint, CheckpointError
+from candelabra.core.weights.int4_config import read_int4_scheme
+from candelabra.core.weights.int4_linears import Int4Linears
 from candelabra.core.weights.mapped_file import MappedFile
 
 SINGLE_FILE = "model.safetensors"
@@ -67,6 +70,11 @@ class SafetensorsFile:
         self._mapped: MappedFile | None = None
 
     def load(self, name: str) -> np.ndarray:
+        return self.load_stored(name, float32=True)
+
+    def load_stored(self, name: str, float32: bool = False) -> np.ndarray:
+        """A copy of the tensor: float32 with `float32`, else in its stored dtype (integers as they are;
+        BF16, which numpy lacks, as float32)."""
         entry = self.entries[name]
         raw_dtype = DTYPES[entry.dtype]
         if raw_dtype is None:
@@ -77,7 +85,9 @@ class SafetensorsFile:
             raise CheckpointError(self.path, f"tensor {name!r} ends past the end of the file (truncated since opened?)")
         count = (entry.end - entry.begin) // raw_dtype.itemsize
         raw = np.frombuffer(mapped.map, dtype=raw_dtype, count=count, offset=self.data_start + entry.begin)
-        return to_float32(raw, entry.dtype).reshape(entry.shape)
+        if float32 or entry.dtype == "BF16":
+            return to_float32(raw, entry.dtype).reshape(entry.shape)
+        return raw.astype(raw_dtype.newbyteorder("="), copy=True).reshape(entry.shape)
 
     def _mapped_file(self) -> MappedFile:
         if self._mapped is None:
@@ -200,7 +210,9 @@ def read_json_object(path: Path, expected: str) -> dict:
 
 class SafetensorsCheckpoint(Checkpoint):
     """A Hugging Face model folder in safetensors form, or one .safetensors file whose folder holds
-    config.json. Tensors keep their Hugging Face names and layout; `load` returns float32."""
+    config.json. Tensors keep their Hugging Face names and layout; `load` returns float32. A GPTQ or
+    AWQ checkpoint's quantized linears are presented as their weights (see `int4_linears`), handed
+    over in grouped int4 formats by `load_quantized`."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -223,9 +235,33 @@ class SafetensorsCheckpoint(Checkpoint):
                 self._add_whole_file(folder / SINGLE_FILE)
             else:
                 raise CheckpointError(folder, no_weights_problem(folder))
+            self._int4 = self._int4_linears()
         except BaseException:
             self.close()
             raise
+        self._names = self._presented_names()
+
+    def _int4_linears(self) -> Int4Linears | None:
+        """The GPTQ or AWQ linears, where config.json (or quantize_config.json) says the checkpoint has them."""
+        scheme = read_int4_scheme(self._config, self.folder)
+        packed = next((name for name in self._where if name.endswith(".qweight")), None)
+        if scheme is None:
+            if packed is not None:
+                raise CheckpointError(self.folder, f"holds {packed}, a GPTQ or AWQ tensor, but no quantization_config "
+                                                   "in config.json nor a quantize_config.json saying how it is packed")
+            return None
+        try:
+            return Int4Linears(scheme, self._where, self._stored_shape, self._load_stored)
+        except ValueError as error:
+            raise CheckpointError(self.folder, str(error)) from None
+
+    def _presented_names(self) -> list[str]:
+        """The stored tensors' names, each quantized linear's parts presented as its one weight."""
+        if self._int4 is None:
+            return list(self._where)
+        names = [f"{name.removesuffix('.qweight')}.weight" if name.endswith(".qweight") else name
+                 for name in self._where]
+        return [name for name in names if name not in self._int4.parts]
 
     def _add_whole_file(self, path: Path) -> None:
         file = SafetensorsFile(path)
@@ -252,14 +288,36 @@ class SafetensorsCheckpoint(Checkpoint):
     def config(self) -> dict:
         return self._config
 
+    @property
+    def quant_method(self) -> str | None:
+        return None if self._int4 is None else self._int4.scheme.method
+
     def tensor_names(self) -> list[str]:
-        return list(self._where)
+        return list(self._names)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return self._file_of(name).entries[name].shape
+        if self._int4 is not None and name in self._int4:
+            return self._int4.shape(name)
+        return self._stored_shape(name)
 
     def load(self, name: str) -> np.ndarray:
+        if self._int4 is not None and name in self._int4:
+            weight = self._int4.load(name)
+            return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
         return self._file_of(name).load(name)
+
+    def quantized_format(self, name: str) -> str | None:
+        return self._int4.format(name) if self._int4 is not None and name in self._int4 else None
+
+    def load_quantized(self, name: str) -> QuantizedTensor:
+        weight = self._int4.load(name) if self.quantized_format(name) is not None else None
+        return weight if isinstance(weight, QuantizedTensor) else super().load_quantized(name)
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        return self._file_of(name).entries[name].shape
+
+    def _load_stored(self, name: str) -> np.ndarray:
+        return self._file_of(name).load_stored(name)
 
     def _file_of(self, name: str) -> SafetensorsFile:
         if name not in self._where:
