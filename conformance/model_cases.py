@@ -4,9 +4,10 @@ For each family a tiny checkpoint with fresh random weights is made with transfo
 layers, hidden size 64, grouped-query attention where the family uses it, a sliding window
 shorter than the prompt), saved as safetensors and loaded by candelabra. GGUF cases write such
 models as llama.cpp would, in several tensor types, and compare with transformers running the
-same quantized-then-dequantized weights. The backend's logits
-for every prompt position must match transformers' within the float32 NMSE threshold, and 16
-greedy tokens decoded through the paged cache must be transformers' tokens.
+same quantized-then-dequantized weights; GPTQ and AWQ cases pack random 4-bit codes in each
+layout by hand (quantized_checkpoints) and compare with transformers on the dequantized weights.
+The backend's logits for every prompt position must match transformers' within the float32 NMSE
+threshold, and 16 greedy tokens decoded through the paged cache must be transformers' tokens.
 
 In float16 or bfloat16 (`--dtype`) transformers still runs in float32, on the weights rounded to
 that dtype, so what is measured is the backend's arithmetic: logits within a per-dtype threshold,

@@ -14,6 +14,7 @@ its dtype, shape and [begin, end) byte offsets into the data that follows, then 
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from candelabra.core.weights import Checkpoint, CheckpointError
 from candelabra.core.weights.int4_config import read_int4_scheme
 from candelabra.core.weights.int4_linears import Int4Linears
 from candelabra.core.weights.mapped_file import MappedFile
+
+log = logging.getLogger("candelabra")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -251,9 +254,11 @@ class SafetensorsCheckpoint(Checkpoint):
                                                    "in config.json nor a quantize_config.json saying how it is packed")
             return None
         try:
-            return Int4Linears(scheme, self._where, self._stored_shape, self._load_stored)
+            linears = Int4Linears(scheme, self._where, self._stored_shape, self._load_stored)
         except ValueError as error:
             raise CheckpointError(self.folder, str(error)) from None
+        log.info("%s: %d linear weights in %s", self.folder, len(linears.weight_names()), scheme.describe())
+        return linears
 
     def _presented_names(self) -> list[str]:
         """The stored tensors' names, each quantized linear's parts presented as its one weight."""
