@@ -57,7 +57,7 @@ class Int4Weight:
     def dequantized(self) -> np.ndarray:
         """float32 [N, K]."""
         values = (self.codes - self.zeros[self.g_idx].astype(np.float32)) * self.scales[self.g_idx].astype(np.float32)
-        return values.T.astype(np.float32)
+        return np.ascontiguousarray(values.T, dtype=np.float32)
 
 
 def random_int4_weight(rng: np.random.Generator, layout: Int4Layout, rows: int, columns: int,
@@ -113,37 +113,67 @@ def pack_columns(values: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -
     return words.view(np.int32)
 
 
+def quantize_linears(tensors: dict[str, np.ndarray], layout: Int4Layout,
+                     seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(`tensors` with each linear layer's weight (not the LM head's) replaced by random 4-bit codes
+    packed as `layout` says, the same tensors holding those weights dequantized instead)."""
+    rng = np.random.default_rng(seed)
+    packed, dense = dict(tensors), dict(tensors)
+    shared: dict[tuple[str, str], np.ndarray] = {}
+    for name, value in tensors.items():
+        prefix = name.removesuffix(".weight")
+        kind = prefix.rsplit(".", 1)[-1]
+        if kind not in LINEARS or not name.endswith(".weight"):
+            continue
+        rows, columns = value.shape
+        key = (prefix.rsplit(".", 2)[0], SHARED_INPUT.get(kind, kind))
+        g_idx = shared.setdefault(key, random_g_idx(rng, layout, columns))
+        weight = random_int4_weight(rng, layout, rows, columns, g_idx)
+        dense[name] = weight.dequantized()
+        del packed[name]
+        packed.update(packed_tensors(layout, weight, prefix))
+    return packed, dense
+
+
 def write_int4_checkpoint(model, layout: Int4Layout, folder: str | Path, seed: int) -> Path:
     """Quantize `model`'s linear layers (not its LM head) to random 4-bit weights packed as `layout`
     says, write the checkpoint to `folder`, and leave the dequantized weights in `model`."""
     import torch
-    from safetensors.numpy import save_file
 
-    rng = np.random.default_rng(seed)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: value.detach().numpy().copy() for name, value in model.state_dict().items()}
-    shared: dict[tuple[str, str], np.ndarray] = {}
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        kind = name.rsplit(".", 1)[-1]
-        if kind not in LINEARS:
-            continue
-        rows, columns = module.weight.shape
-        key = (name.rsplit(".", 2)[0], SHARED_INPUT.get(kind, kind))
-        g_idx = shared.setdefault(key, random_g_idx(rng, layout, columns))
-        weight = random_int4_weight(rng, layout, rows, columns, g_idx)
-        with torch.no_grad():
-            module.weight.copy_(torch.from_numpy(weight.dequantized()))
-        del tensors[f"{name}.weight"]
-        tensors.update(packed_tensors(layout, weight, name))
-    save_file(tensors, str(folder / "model.safetensors"))
+    packed, dense = quantize_linears(tensors, layout, seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(torch.from_numpy(dense[name]))
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
+    return _write(Path(folder), packed, config, layout)
+
+
+def write_int4_copy(folder: str | Path, target: str | Path, layout: Int4Layout, seed: int) -> Path:
+    """The safetensors checkpoint in `folder` (one model.safetensors) written to `target` with its linear
+    layers quantized as `write_int4_checkpoint` does, its other files copied; `folder`'s own linears
+    then hold the dequantized weights, so that the two are one model."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, target = Path(folder), Path(target)
+    shutil.copytree(folder, target)
+    packed, dense = quantize_linears(load_file(str(folder / "model.safetensors")), layout, seed)
+    save_file(dense, str(folder / "model.safetensors"))
+    return _write(target, packed, json.loads((folder / "config.json").read_text()), layout)
+
+
+def _write(folder: Path, tensors: dict[str, np.ndarray], config: dict, layout: Int4Layout) -> Path:
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
     if layout.config_file:
         (folder / "quantize_config.json").write_text(json.dumps(
             {key: value for key, value in layout.quantization_config().items() if key != "quant_method"}))
     else:
-        config["quantization_config"] = layout.quantization_config()
+        config = {**config, "quantization_config": layout.quantization_config()}
     (folder / "config.json").write_text(json.dumps(config))
     return folder

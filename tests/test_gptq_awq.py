@@ -228,3 +228,29 @@ def test_projections_fused_from_different_act_orders_are_dequantized(tmp_path, a
     expected = np.concatenate([reference.model.layers[0].self_attn.get_submodule(f"{p}_proj").weight.detach().numpy()
                                for p in "qkv"])
     np.testing.assert_array_equal(qkv, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_an_engine_over_gptq_and_awq_checkpoints_generates_what_their_dequantized_weights_do(
+        tmp_path, tiny_llm, backend):
+    """The engine's tiny model (word-level tokenizer) with its linears packed as act-order GPTQ v1
+    and as AWQ, each against the same model holding the dequantized weights."""
+    from candelabra.conformance.engine_cases import write_tiny_checkpoint
+    from candelabra.conformance.quantized_checkpoints import Int4Layout, write_int4_copy
+    from candelabra.core.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 23, 42, 7, 11], list(range(7, 40))]
+    for quant, layout in (("gptq", Int4Layout("gptq", 32, desc_act=True, v1=True)), ("awq", Int4Layout("awq", 64))):
+        dense, packed = tmp_path / f"{quant}-dense", tmp_path / quant
+        dense.mkdir()
+        write_tiny_checkpoint(dense, seed=14)
+        write_int4_copy(dense, packed, layout, seed=14)
+        outputs = [tiny_llm(folder=folder, backend=backend, **options).generate(prompts, params, progress=False)
+                   for folder, options in ((dense, {}), (packed, {"quant": "marlin" if quant == "awq" else quant}))]
+        expected, actual = ([o.outputs[0].token_ids for o in output] for output in outputs)
+        assert actual == expected, quant
