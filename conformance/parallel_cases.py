@@ -51,10 +51,12 @@ from candelabra.conformance.model_cases import (
     MODEL_CASES,
     PROMPT_TOKENS,
     GGUFModelCase,
+    Int4ModelCase,
     ModelCase,
     _gguf_reference,
     make_reference,
 )
+from candelabra.conformance.quantized_checkpoints import write_int4_checkpoint
 from candelabra.core.contract.step_metadata import StepMetadata
 
 MASTER_ADDR = "127.0.0.1"
@@ -101,7 +103,8 @@ def run_communicator_checks(backend: str, world_size: int, seed: int = 0,
                       deadline_s=10 * timeout_s)
 
 
-def run_parallel_cases(backend: str, world_size: int, cases: list[ModelCase | GGUFModelCase] | None = None,
+def run_parallel_cases(backend: str, world_size: int,
+                       cases: list[ModelCase | GGUFModelCase | Int4ModelCase] | None = None,
                        seed: int = 0, dtype: str = "float32", lm_head_layout: str | None = None,
                        timeout_s: float = 120.0) -> list[ParallelResult]:
     """Every case of `cases` (default: those of the models level that shard) on `backend` (a registered
@@ -277,6 +280,8 @@ def _written_checkpoint(case, seed: int, folder: str) -> tuple[str | None, str |
         os.makedirs(folder)
         if isinstance(case, GGUFModelCase):
             return _gguf_reference(case, seed, folder)[1], None
+        if isinstance(case, Int4ModelCase):
+            return str(write_int4_checkpoint(make_reference(case, seed), case.layout, folder, seed)), None
         make_reference(case, seed).save_pretrained(folder)
         return folder, None
     except Exception as exc:  # noqa: BLE001 - the case fails with the reason, on every rank

@@ -1,6 +1,6 @@
 """Test backends around quantized weights: the numpy backend recording what `upload_weight`
-receives, one that keeps every GGUF format candelabra reads, one that also rounds activations as
-fast kernels do, and one with a quantized kernel bug.
+receives, one that keeps every GGUF format candelabra reads (and one the grouped int4 formats as
+well), one that also rounds activations as fast kernels do, and one with a quantized kernel bug.
 
 `QuantizedCpuBackend.linear` (and `moe_experts`, whose experts it keeps quantized too) multiplies
 by a `QuantizedTensor`'s dequantized values on every call: slow, but an honest kernel for the
@@ -11,7 +11,13 @@ import numpy as np
 
 from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.cpu.ops import NumpyOps
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import (
+    GGUF_QUANTIZED_FORMATS,
+    QUANTIZABLE_ROLES,
+    QUANTIZED_FORMATS,
+    QuantizedTensor,
+    WeightRole,
+)
 
 
 class RecordingCpuBackend(CpuBackend):
@@ -50,6 +56,14 @@ class QuantizedCpuBackend(RecordingCpuBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ops = self.ops_class()
+
+
+class Int4CpuBackend(QuantizedCpuBackend):
+    """Keeps the grouped int4 formats of GPTQ and AWQ checkpoints too (act-order weights with their
+    column order), multiplying by their dequantized values."""
+
+    name = "cpu-int4"
+    quantized_formats = frozenset(QUANTIZED_FORMATS)
 
 
 class _RoundsActivations(_DequantizingOps):

@@ -14,23 +14,16 @@ from safetensors.numpy import save_file
 
 from candelabra.conformance.model_cases import INT4_MODEL_CASES, make_reference, run_model_case
 from candelabra.conformance.quantized_checkpoints import AWQ_ORDER, write_int4_checkpoint
-from candelabra.core.contract.weights import QUANTIZED_FORMATS, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
 from candelabra.core.loading.quant_flag import check_quant, parse_quant
 from candelabra.core.models.sharding import pad_rows, take_columns, take_rows
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from quantized_backends import QuantizedCpuBackend
+from quantized_backends import Int4CpuBackend
 from support import one_line_checkpoint_error
 
 NAME = "model.layers.0.mlp.down_proj"
-
-
-class Int4CpuBackend(QuantizedCpuBackend):
-    """Keeps every quantized format, the grouped int4 ones included, and multiplies by their values."""
-
-    name = "cpu-int4"
-    quantized_formats = frozenset(QUANTIZED_FORMATS)
 
 
 def element(tensors: dict, config: dict, n: int, k: int) -> float:
@@ -211,6 +204,27 @@ def test_an_act_order_model_kept_quantized_matches_transformers(act_order_case):
     qkv = backend.uploads["model.layers.0.self_attn.qkv_proj.weight", WeightRole.LINEAR]
     down = backend.uploads["model.layers.1.mlp.down_proj.weight", WeightRole.LINEAR]
     assert qkv.format == "INT4_G32" and qkv.column_order is not None and down.column_order is not None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_shard_keeps_act_order_rows_quantized_and_dequantizes_its_columns(
+        tmp_path, act_order_case, rank):
+    from support import LoadOnlyCommunicator
+
+    write_int4_checkpoint(make_reference(act_order_case, seed=15), act_order_case.layout, tmp_path, seed=15)
+    backend = Int4CpuBackend()
+    with SafetensorsCheckpoint(tmp_path) as checkpoint:
+        load_model(checkpoint, backend, communicator=LoadOnlyCommunicator(rank, 2))
+        whole = {name: checkpoint.load(name) for name in checkpoint.tensor_names()}
+    layer = "model.layers.1"
+    gate_up = backend.uploads[f"{layer}.mlp.gate_up_proj.weight", WeightRole.LINEAR]
+    down = backend.uploads[f"{layer}.mlp.down_proj.weight", WeightRole.LINEAR]
+    features = slice(rank * 128, (rank + 1) * 128)
+    assert isinstance(gate_up, QuantizedTensor) and gate_up.column_order is not None
+    np.testing.assert_array_equal(gate_up.dequantize(), np.concatenate(
+        [whole[f"{layer}.mlp.{part}_proj.weight"][features] for part in ("gate", "up")]))
+    assert isinstance(down, np.ndarray)  # its act-order columns are spread over every group
+    np.testing.assert_array_equal(down, whole[f"{layer}.mlp.down_proj.weight"][:, features])
 
 
 def test_projections_fused_from_different_act_orders_are_dequantized(tmp_path, act_order_case, monkeypatch):
