@@ -15,7 +15,7 @@ from candelabra.backends.torch.kernel_choice import choose
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, WeightRole
+from candelabra.core.contract.weights import QUANTIZED_FORMATS, WeightRole
 from candelabra.plugins import backend_class
 from support import needs_smaps, probe_without, run_candelabra
 
@@ -27,7 +27,7 @@ def test_torch_is_installed_available_and_implements_every_op():
     backend = TorchBackend()
     assert set(backend.dtypes) == {"float32", "float16", "bfloat16"}
     assert all(backend.ops.supports(op) for op in OP_NAMES)
-    assert backend.quantized_formats == frozenset(GGUF_QUANTIZED_FORMATS)
+    assert backend.quantized_formats == frozenset(QUANTIZED_FORMATS)
 
 
 CACHE_RESIDENCY = """
@@ -67,7 +67,7 @@ def test_torch_passes_every_op_case_at_every_dtype(tmp_path):
     document = json.loads(results.read_text())
     assert {case["status"] for case in document["cases"]} == {"passed"}
     formats = {case["weight_format"] for case in document["cases"] if case["weight_format"]}
-    assert formats == set(GGUF_QUANTIZED_FORMATS)
+    assert formats == set(QUANTIZED_FORMATS)
     assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16", "bfloat16"}
 
 

@@ -1,4 +1,4 @@
-"""GGUF quantized weights kept by the torch backend: int4 groups and int8 rows, and the matmuls on them."""
+"""Quantized weights kept by the torch backend: int4 groups and int8 rows, and the matmuls on them."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from candelabra.backends.torch.quantized import (
     INT4_FORMATS,
     INT8_FORMATS,
     candidates,
+    int4_group_size,
     int4_groupwise,
     int8_rowwise,
     keep_quantized,
 )
 from candelabra.backends.torch.weight_forms import DenseWeight, Int4Weight, Int8Weight
 from candelabra.conformance.quantized_weights import random_quantized
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor
+from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, INT4_GROUP_FORMATS, QuantizedTensor
 
 MATMUL_NMSE = 1e-4
 
@@ -41,10 +42,12 @@ def oracle(x: torch.Tensor, weight: np.ndarray) -> np.ndarray:
 def test_int4_groups_rebuild_the_dequantized_weight(format):
     weight = random_quantized(np.random.default_rng(1), format, 48, 512)
     nibbles, scales, zeros = int4_groupwise(weight)
+    group = int4_group_size(weight)
+    assert group == (32 if format.startswith("Q") else int(format.removeprefix("INT4_G")))
     assert nibbles.dtype == np.uint8 and nibbles.shape == (48, 512) and nibbles.max() <= 15
-    assert scales.dtype == zeros.dtype == np.float32 and scales.shape == zeros.shape == (48, 16)
+    assert scales.dtype == zeros.dtype == np.float32 and scales.shape == zeros.shape == (48, 512 // group)
     assert len(np.unique(nibbles)) == 16
-    rebuilt = (nibbles.astype(np.float64) - 8) * np.repeat(scales, 32, axis=1) + np.repeat(zeros, 32, axis=1)
+    rebuilt = (nibbles.astype(np.float64) - 8) * np.repeat(scales, group, axis=1) + np.repeat(zeros, group, axis=1)
     reference = weight.dequantize().astype(np.float64)
     np.testing.assert_allclose(rebuilt, reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
 
@@ -176,12 +179,58 @@ def test_sizes_count_what_is_kept():
     assert int8.nbytes == 32 * 256 + 32 * 2
 
 
+# Grouped int4 weights (GPTQ, AWQ): groups of their own size, columns possibly stored permuted
+
+
+def act_ordered(rng: np.random.Generator, format: str, rows: int, columns: int) -> QuantizedTensor:
+    """A random weight of `format` whose columns are stored in a random order, as act-order GPTQ's are."""
+    weight = random_quantized(rng, format, rows, columns)
+    return QuantizedTensor(format, weight.blocks, weight.shape, rng.permutation(columns))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("format", sorted(INT4_GROUP_FORMATS))
+def test_a_grouped_int4_weight_keeps_its_group_size_and_every_kernel_multiplies_its_values(format, dtype):
+    rng = np.random.default_rng(22)
+    weight = random_quantized(rng, format, 40, 512)
+    kept = keep_quantized(weight, dtype)
+    assert isinstance(kept, Int4Weight) and kept.group_size == INT4_GROUP_FORMATS[format]
+    assert kept.scales_and_zeros.shape == (512 // kept.group_size, 48, 2)  # 40 rows padded to whole tiles
+    values = weight.dequantize()
+    np.testing.assert_allclose(kept.dense(dtype=torch.float32).numpy(), values, rtol=1e-2 if dtype != torch.float32
+                               else 1e-6, atol=1e-2 * np.abs(values).max())
+    x = torch.from_numpy(rng.standard_normal((3, 512))).to(dtype)
+    for name, kernel in kept.kernels().items():
+        assert nmse(kernel(x), oracle(x, kept.dense().double().numpy())) < MATMUL_NMSE, name
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_an_act_ordered_weight_multiplies_x_in_its_own_column_order(rows):
+    rng = np.random.default_rng(23)
+    weight = act_ordered(rng, "INT4_G64", 40, 512)
+    kept = keep_quantized(weight, torch.float32)
+    np.testing.assert_allclose(kept.dense().numpy(), weight.dequantize(), rtol=1e-6, atol=1e-6)
+    x = torch.from_numpy(rng.standard_normal((rows, 512))).float()
+    reference = oracle(x, weight.dequantize())
+    for name, kernel in kept.kernels().items():
+        assert nmse(kernel(x), reference) < 1e-10, name
+    ids = torch.tensor([3, 39, 3])
+    assert torch.equal(kept.rows(ids), kept.dense()[ids])
+
+
+def test_a_grouped_int4_weights_scales_take_less_memory_in_larger_groups():
+    rng = np.random.default_rng(24)
+    sizes = [keep_quantized(random_quantized(rng, format, 32, 512), torch.bfloat16).nbytes
+             for format in ("INT4_G32", "INT4_G128")]
+    assert sizes == [2 * 32 * 256 + 16 * 32 * 4, 2 * 32 * 256 + 4 * 32 * 4]
+
+
 def test_int8_refuses_widths_its_kernel_cannot_read():
     with pytest.raises(ValueError, match="16"):
         Int8Weight(torch.ones(4, 24, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("format", GGUF_QUANTIZED_FORMATS)
+@pytest.mark.parametrize("format", [*GGUF_QUANTIZED_FORMATS, *INT4_GROUP_FORMATS])
 def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
     weight = random_quantized(np.random.default_rng(8), format, 16, 256)
     kept = keep_quantized(weight, torch.bfloat16)
@@ -190,10 +239,11 @@ def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "INT4_G128"])
 def test_outside_bfloat16_only_exact_forms_are_candidates(format, dtype):
     forms = [c.form for c in candidates(random_quantized(np.random.default_rng(9), format, 16, 256), dtype)]
-    assert forms == (["int4", "blocks", "dense"] if format in INT4_FORMATS else ["blocks", "dense"])
+    expected = {"Q4_0": ["int4", "blocks", "dense"], "Q4_K": ["int4", "blocks", "dense"], "INT4_G128": ["int4", "dense"]}
+    assert forms == expected.get(format, ["blocks", "dense"])
 
 
 def test_an_embedding_table_is_never_packed_since_its_rows_are_read_back():
@@ -242,7 +292,7 @@ def quantized_experts(rng, format, experts, rows, columns):
     return QuantizedTensor.stack([random_quantized(rng, format, rows, columns) for _ in range(experts)])
 
 
-@pytest.mark.parametrize("format", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q6_K", "INT4_G128"])
 def test_quantized_experts_are_kept_one_form_per_expert_and_multiply_as_their_values(format):
     from candelabra.backends.torch.backend import TorchBackend
     from candelabra.backends.torch.expert_weights import ExpertWeights

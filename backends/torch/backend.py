@@ -23,7 +23,7 @@ from candelabra.core.contract.executor import StepExecutor, StepInputs
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QUANTIZED_FORMATS, QuantizedTensor, WeightRole
 
 try:
     import torch
@@ -46,9 +46,9 @@ class TorchBackend(Backend):
     name = "torch"
     device_type: ClassVar[str] = "cpu"
     dtypes = CPU_DTYPES
-    # Every GGUF format reaches `upload_weight` still quantized; it keeps what its kernels take and
-    # dequantizes the rest itself, so the choice can depend on the compute dtype.
-    quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
+    # Every GGUF format and grouped int4 format (GPTQ, AWQ) reaches `upload_weight` still quantized; it
+    # keeps what its kernels take and dequantizes the rest itself, so the choice can depend on the compute dtype.
+    quantized_formats = frozenset(QUANTIZED_FORMATS)
     # On a CPU the embedding table stays quantized too, shared with a tied LM head: the default
     # model's table is 136 MB as int8 rows against 272 as bfloat16, on top of its LM head's 136. A MoE
     # layer's experts are kept one by one as linear weights are (`upload_quantized_experts`).
@@ -181,7 +181,7 @@ class TorchBackend(Backend):
         return self.kernel_chooser(dtype).keep(weight.format, weight.shape, [Candidate(kept.form, lambda: kept)])
 
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
-        """A weight still in a GGUF format: on a CPU, kept in the form and multiplied by the kernels
+        """A weight still in a GGUF or grouped int4 format: on a CPU, kept in the form and multiplied by the kernels
         measured fastest here for its format and shape (kernel_choice.py), else dequantized. An
         embedding table stays in a form whose rows can be read back, and a tied LM head shares it."""
         kept = self.placement.keep_quantized(weight, dtype, role, self.kernel_chooser)
@@ -190,7 +190,7 @@ class TorchBackend(Backend):
         return kept
 
     def upload_quantized_experts(self, name: str, experts: QuantizedTensor, dtype: str):
-        """A MoE layer's stacked experts still in a GGUF format: each expert kept as a linear weight of its
+        """A MoE layer's stacked experts still in a quantized format: each expert kept as a linear weight of its
         format and shape is (`upload_quantized`), for `moe_experts` to multiply by the same kernels; one
         3-D tensor where every expert came back dense."""
         from candelabra.backends.torch.expert_weights import ExpertWeights

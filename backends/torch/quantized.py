@@ -1,11 +1,14 @@
-"""GGUF quantized weights on a torch CPU: what forms each can be kept in, and the host-side conversions.
+"""Quantized weights on a torch CPU: what forms each can be kept in, and the host-side conversions.
 
-Q4_0, Q4_1 and Q4_K map exactly onto torch's int4 groupwise-32 CPU kernel with a zero point: in
-every 32-value group, w = (q - 8) * scale + zero, q a 4-bit unsigned value. In bfloat16, formats
-whose values survive a symmetric per-row int8 rounding (NMSE against the dequantized weight of about
-1e-4 at most, measured by bench/quantized_weight_error.py) may be kept as int8 rows, plain or packed
-for oneDNN. Every weight may also be kept dense. Which of its candidate forms a weight is kept in,
-and which kernel multiplies it at each number of rows, kernel_choice.py decides by timing them.
+Q4_0, Q4_1 and Q4_K map exactly onto torch's int4 groupwise CPU kernel with a zero point, in groups
+of 32: in every group, w = (q - 8) * scale + zero, q a 4-bit unsigned value. The grouped int4 formats
+of GPTQ and AWQ checkpoints (INT4_G32 to INT4_G256, w = (q - z) * s) map onto the same kernel in
+their own group size, with zero = (8 - z) * s, and their columns in the order they are stored (an
+act-order weight's form permutes x instead). In bfloat16, formats whose values survive a symmetric
+per-row int8 rounding (NMSE against the dequantized weight of about 1e-4 at most, measured by
+bench/quantized_weight_error.py) may be kept as int8 rows, plain or packed for oneDNN. Every weight
+may also be kept dense. Which of its candidate forms a weight is kept in, and which kernel
+multiplies it at each number of rows, kernel_choice.py decides by timing them.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from candelabra.backends.torch.weight_forms import (
     Int8Weight,
     KeptWeight,
 )
-from candelabra.core.contract.weights import QuantizedTensor
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, INT4_GROUP_HEADER_BYTES, QuantizedTensor
 
-INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# GGUF formats that are int4 groups of 32, and the grouped int4 formats in their own group size.
+GGUF_INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+INT4_FORMATS = GGUF_INT4_FORMATS | frozenset(INT4_GROUP_FORMATS)
 # Per-row int8 NMSE against the dequantized weight, random 896 x 4864 weights (bench/quantized_weight_error.py):
 # Q5_0, Q8_0, Q5_1 4e-5; Q2_K, Q3_K 9e-5; Q5_K, Q6_K 1e-4. On real weights the error follows the tensor's
 # outliers, not its format: 6e-5 to 7.5e-4 in Qwen2.5-0.5B, 6e-5 to 1.6e-4 in Gemma 3 270M.
@@ -44,16 +49,22 @@ INT8_COMPUTE_DTYPES = frozenset({torch.bfloat16})
 
 
 def int4_groupwise(weight: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`weight` as int4 groups of 32: nibbles uint8 [N, K] (0..15), scales and zeros float32 [N, K / 32],
-    with (nibbles - 8) * scale + zero equal to `weight.dequantize()` up to float32 rounding of scale and zero."""
-    decode = _INT4_DECODERS.get(weight.format)
+    """`weight` as int4 groups of `int4_group_size(weight)` values, its columns in their stored order
+    (`weight.column_order`): nibbles uint8 [N, K] (0..15), scales and zeros float32 [N, K / group], with
+    (nibbles - 8) * scale + zero equal to the stored values up to float32 rounding of scale and zero."""
+    decode = _INT4_DECODERS.get(weight.format) or (_int4_group if weight.format in INT4_GROUP_FORMATS else None)
     if decode is None:
         raise ValueError(f"{weight.format} does not map onto int4 groups; int4 formats are {sorted(INT4_FORMATS)}")
     rows, columns = weight.shape
     blocks = weight.blocks.reshape(rows, columns // weight.values_per_block, weight.bytes_per_block)
     nibbles, scales, zeros = decode(blocks)
-    groups = columns // INT4_GROUP_SIZE
+    groups = columns // int4_group_size(weight)
     return nibbles.reshape(rows, columns), _float32(scales).reshape(rows, groups), _float32(zeros).reshape(rows, groups)
+
+
+def int4_group_size(weight: QuantizedTensor) -> int:
+    """Values per group of `weight`'s int4 groups: 32 for the GGUF formats, a grouped format's own."""
+    return INT4_GROUP_FORMATS.get(weight.format, INT4_GROUP_SIZE)
 
 
 def int8_rowwise(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,6 +111,15 @@ def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.float64), mins.astype(np.float64)
 
 
+def _int4_group(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # float16 s, float16 z, then value 2i in the low nibble of byte i, 2i + 1 in its high nibble;
+    # w = (q - z) * s = (q - 8) * s + (8 - z) * s
+    scale, zero_point = _float16_field(blocks, 0), _float16_field(blocks, 2)
+    packed = blocks[..., INT4_GROUP_HEADER_BYTES:]
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return nibbles, scale, (8 - zero_point) * scale
+
+
 def _low_then_high_nibbles(packed: np.ndarray) -> np.ndarray:
     """Bytes [..., n] to values [..., 2n]: the low nibbles of all n bytes, then their high nibbles."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
@@ -139,7 +159,8 @@ def _candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool) -> 
     blocks = _blocks_candidate(weight, dtype)
     dense = Candidate("dense", lambda: DenseWeight(torch.from_numpy(weight.dequantize()).to(dtype)))
     if weight.format in INT4_FORMATS:
-        return [Candidate("int4", lambda: Int4Weight.from_groups(*int4_groupwise(weight), dtype)), *blocks, dense]
+        return [Candidate("int4", lambda: Int4Weight.from_groups(*int4_groupwise(weight), dtype, weight.column_order)),
+                *blocks, dense]
     if weight.format not in INT8_FORMATS or dtype not in INT8_COMPUTE_DTYPES or weight.shape[1] % INT8_COLUMN_STEP:
         return [*blocks, dense]
     dequantized = weight.dequantize()

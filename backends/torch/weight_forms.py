@@ -1,7 +1,7 @@
 """The forms a weight is kept in on a torch CPU, and the kernels that multiply each form.
 
-A form holds a [N, K] weight for x @ W.T: `Int4Weight` (int4 groups of 32 with a scale and a zero
-each), `Int8Weight` (int8 values with one scale per output row), `PackedInt8Weight` (packed_int8.py)
+A form holds a [N, K] weight for x @ W.T: `Int4Weight` (int4 groups of 32 to 256 along K with a
+scale and a zero each, its columns possibly permuted), `Int8Weight` (int8 values with one scale per output row), `PackedInt8Weight` (packed_int8.py)
 and `DenseWeight`. Each names its kernels (`kernels()`: name to a function of a contiguous [M, K]
 x), gives its values back densely (`dense()`), and multiplies through the kernel its `choice` names
 for the number of rows (kernel_choice.py measures them and sets it). A form made without a
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from candelabra.backends.torch.kernel_choice import Choice, band_index
 
+# Values per int4 group of the GGUF 4-bit formats; the grouped int4 formats' groups are 32 to 256.
 INT4_GROUP_SIZE = 32
 # torch packs int4 weights in tiles of 16 output rows; other row counts are padded up to it.
 INT4_ROW_TILE = 16
@@ -94,24 +95,33 @@ class KeptWeight(ABC):
 
 
 class Int4Weight(KeptWeight):
-    """A [N, K] weight as int4 groups of 32 with a scale and a zero each, for x @ W.T on a CPU.
+    """A [N, K] weight as int4 groups of `group_size` values along K (32 to 256) with a scale and a
+    zero each, w = (q - 8) * scale + zero, for x @ W.T on a CPU.
 
-    Besides torch's packed layout it keeps the nibbles two to a byte in row order, from which rows
-    are read back (an embedding) and a dense copy is rebuilt for a batch.
+    The groups hold the weight's columns in the order they are stored: with a `column_order` (an
+    act-order GPTQ weight), stored column j is weight column column_order[j], and every kernel
+    multiplies x with its columns taken in that order (one index_select). `dense` and `rows` give the
+    weight in its own column order. Besides torch's packed layout it keeps the nibbles two to a byte in
+    row order, from which rows are read back (an embedding) and a dense copy is rebuilt for a batch.
     """
 
     form = "int4"
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, shape: tuple[int, int],
-                 nibble_pairs: torch.Tensor) -> None:
+                 nibble_pairs: torch.Tensor, column_order: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [N', K / 2] in torch's own int4 CPU layout, N' = N padded to whole tiles
-        self.scales_and_zeros = scales_and_zeros  # compute dtype [K / 32, N', 2]
+        self.scales_and_zeros = scales_and_zeros  # compute dtype [K / group_size, N', 2]
         self.shape = shape
-        self.nibble_pairs = nibble_pairs  # uint8 [N, K / 2]: column 2j in the low nibble, 2j + 1 in the high
+        self.nibble_pairs = nibble_pairs  # uint8 [N, K / 2]: stored column 2j in the low nibble, 2j + 1 in the high
+        self.group_size = shape[1] // scales_and_zeros.shape[0]
+        self.column_order = column_order  # int64 [K]: the weight column of each stored column; None: the same
+        self.stored_column = None if column_order is None else torch.argsort(column_order)  # the inverse
 
     @classmethod
-    def from_groups(cls, nibbles: np.ndarray, scales: np.ndarray, zeros: np.ndarray, dtype: torch.dtype) -> Int4Weight:
-        """From `int4_groupwise`'s arrays, with scales and zeros rounded to `dtype`, the compute dtype."""
+    def from_groups(cls, nibbles: np.ndarray, scales: np.ndarray, zeros: np.ndarray, dtype: torch.dtype,
+                    column_order: np.ndarray | None = None) -> Int4Weight:
+        """From `int4_groupwise`'s arrays (groups of K / scales.shape[1] values, columns in `column_order`),
+        with scales and zeros rounded to `dtype`, the compute dtype."""
         rows = nibbles.shape[0]
         padding = -rows % INT4_ROW_TILE
         # padded rows are (8 - 8) * 0 + 0: zero, and cut off the output
@@ -120,7 +130,8 @@ class Int4Weight(KeptWeight):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(nibbles.astype(np.int32)), 1)
         scales_and_zeros = torch.from_numpy(np.stack([scales.T, zeros.T], axis=-1)).to(dtype).contiguous()
         pairs = nibbles[:rows, 0::2] | (nibbles[:rows, 1::2] << 4)
-        return cls(packed, scales_and_zeros, (rows, nibbles.shape[1]), torch.from_numpy(pairs))
+        order = None if column_order is None else torch.from_numpy(np.asarray(column_order, dtype=np.int64))
+        return cls(packed, scales_and_zeros, (rows, nibbles.shape[1]), torch.from_numpy(pairs), order)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,26 +139,35 @@ class Int4Weight(KeptWeight):
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros) + _nbytes(self.nibble_pairs)
+        order = 0 if self.column_order is None else _nbytes(self.column_order) + _nbytes(self.stored_column)
+        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros) + _nbytes(self.nibble_pairs) + order
 
     def kernels(self):
-        rebuild = lambda start, stop, _out: self.dense(start, stop)  # noqa: E731
+        rebuild = lambda start, stop, _out: self._stored(start, stop)  # noqa: E731
         found = {
             "int4_mm": self._int4_mm,
             "rebuild": lambda x: dense_matmul(x, self.shape, rebuild, INT4_SLICE_ELEMENTS),
         }
         if self.dtype != torch.float32:
             found["rebuild_f32"] = lambda x: dense_matmul(
-                x.float(), self.shape, lambda start, stop, _out: self.dense(start, stop, torch.float32),
+                x.float(), self.shape, lambda start, stop, _out: self._stored(start, stop, torch.float32),
                 INT4_SLICE_ELEMENTS).to(self.dtype)
-        return found
+        if self.column_order is None:
+            return found
+        return {name: _in_stored_order(kernel, self.column_order) for name, kernel in found.items()}
 
     def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         return out if out.shape[-1] == self.shape[0] else out[:, : self.shape[0]].contiguous()
 
     def dense(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows start:stop of the weight's values [stop - start, K] in the compute dtype (or `dtype`)."""
+        """Rows start:stop of the weight's values [stop - start, K] in the compute dtype (or `dtype`), in
+        the weight's own column order."""
+        stored = self._stored(start, stop, dtype)
+        return stored if self.stored_column is None else stored.index_select(1, self.stored_column)
+
+    def _stored(self, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows start:stop of the weight's values with their columns in the stored order."""
         pairs = self.nibble_pairs[start:stop]
         return self._values(pairs, self.scales_and_zeros[:, start:start + pairs.shape[0]], dtype or self.dtype)
 
@@ -156,15 +176,22 @@ class Int4Weight(KeptWeight):
         flat = ids.reshape(-1)
         values = self._values(self.nibble_pairs.index_select(0, flat), self.scales_and_zeros.index_select(1, flat),
                               self.dtype)
+        if self.stored_column is not None:
+            values = values.index_select(1, self.stored_column)
         return values.reshape(*ids.shape, self.shape[1])
 
     def _values(self, pairs: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, columns = pairs.shape[0], self.shape[1]
-        nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(rows, -1, INT4_GROUP_SIZE)
+        nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(rows, -1, self.group_size)
         # in float32: a zero point cancels most of (q - 8) * scale, which bfloat16 arithmetic would blur
         groups = scales_and_zeros.transpose(0, 1).float()
         values = (nibbles.float() - 8) * groups[..., 0:1] + groups[..., 1:2]
         return values.reshape(rows, columns).to(dtype)
+
+
+def _in_stored_order(kernel: Callable[[torch.Tensor], torch.Tensor], column_order: torch.Tensor):
+    """`kernel` of a weight whose columns are stored permuted, taking x in the weight's own column order."""
+    return lambda x: kernel(x.index_select(1, column_order))
 
 
 class Int8Weight(KeptWeight):
