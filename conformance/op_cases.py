@@ -25,7 +25,12 @@ from candelabra.core.contract.step_metadata import (
     pad_token_lists,
     token_mask_words,
 )
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import (
+    GGUF_QUANTIZED_FORMATS,
+    INT4_GROUP_FORMATS,
+    QuantizedTensor,
+    WeightRole,
+)
 from candelabra.core.models.rope import RopeScaling, cos_sin_table
 from candelabra.core.models.sharding import take_experts
 
@@ -60,12 +65,15 @@ def check_linear(h: Harness, tokens: int, in_features: int, out_features: int, b
 
 
 def check_quantized_linear(h: Harness, format: str, tokens: int, in_features: int, out_features: int, bias: bool,
-                           role: str = "linear") -> None:
-    """The oracle multiplies by the weight's dequantized values, which is what the op promises."""
+                           role: str = "linear", column_order: bool = False) -> None:
+    """The oracle multiplies by the weight's dequantized values, which is what the op promises. With
+    `column_order`, the weight's columns are stored in a random order (an act-order GPTQ weight)."""
     if format not in h.backend.quantized_formats:
         raise OpNotSupported(h.backend.name, "linear", f"it keeps no {format} weights (quantized_formats)")
     x = h.rand(tokens, in_features)
     weight = random_quantized(h.rng, format, out_features, in_features)
+    if column_order:
+        weight = QuantizedTensor(format, weight.blocks, weight.shape, h.rng.permutation(in_features))
     b = h.rand(out_features) if bias else None
     out = h.call(h.backend.ops.linear, h.upload(x), h.upload_weight("proj.weight", WeightRole(role), weight),
                  None if b is None else h.upload_weight("proj.bias", WeightRole.BIAS, b))
@@ -650,8 +658,8 @@ def _kv_dtype_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case
 
 # Quantized experts are multiplied by the kernels of quantized linear weights, whose cases cover every
 # format: these cover each kind of form a backend may keep them in (int8 rows, int4 groups from a legacy
-# and from a K format, K-format blocks).
-EXPERT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# and from a K format, K-format blocks, a GPTQ or AWQ checkpoint's int4 groups).
+EXPERT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "INT4_G128")
 
 
 def _quantized_grid(op: str, check, dtypes, formats=GGUF_QUANTIZED_FORMATS, **axes) -> list[Case]:
@@ -663,8 +671,8 @@ def _quantized_grid(op: str, check, dtypes, formats=GGUF_QUANTIZED_FORMATS, **ax
     ]
 
 
-def _quantized_linear_grid(dtypes, **axes) -> list[Case]:
-    return _quantized_grid("linear", check_quantized_linear, dtypes, **axes)
+def _quantized_linear_grid(dtypes, formats=GGUF_QUANTIZED_FORMATS, **axes) -> list[Case]:
+    return _quantized_grid("linear", check_quantized_linear, dtypes, formats, **axes)
 
 
 def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str, ...]] | None = None) -> list[Case]:
@@ -687,6 +695,11 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_quantized_linear_grid(dtypes, tokens=[1, 5], in_features=[512], out_features=[384], bias=[True]),
         *_quantized_linear_grid(dtypes, tokens=[3], in_features=[768], out_features=[1000], bias=[False],
                                 role=["lm_head"]),
+        # GPTQ's and AWQ's int4 groups, and once with the columns stored in act order.
+        *_quantized_linear_grid(dtypes, INT4_GROUP_FORMATS, tokens=[1, 5], in_features=[512], out_features=[384],
+                                bias=[True]),
+        *_quantized_linear_grid(dtypes, ["INT4_G128"], tokens=[3], in_features=[1024], out_features=[256],
+                                bias=[False], column_order=[True]),
         *_grid("gather_rows", check_gather_rows, dtypes, tokens=[1, 37, 300], hidden=[896], picked=[1, 8, 40]),
         *_grid("gather_rows", check_gather_rows, dtypes, tokens=[5], hidden=[151936], picked=[7]),
         *_grid("rms_norm", check_rms_norm, dtypes, shape=[(1, 896), (37, 2048), (9, 8, 128)],

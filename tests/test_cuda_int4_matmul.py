@@ -12,6 +12,7 @@ from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
 from candelabra.conformance.quantized_weights import random_quantized
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor
 from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
 pytestmark = skip_where_the_kernels_cannot_run()
@@ -45,6 +46,20 @@ def test_matmul_matches_the_dequantized_product(format, dtype, shape):
     out = kept.matmul(x)
     assert out.dtype == x.dtype and out.shape == expected.shape
     assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("format", INT4_GROUP_FORMATS)
+def test_a_grouped_int4_weight_in_act_order_multiplies_x_in_its_own_column_order(format, rows):
+    """GPTQ's and AWQ's groups of 32 to 256, each run of 32 with its group's scale and zero, and the
+    stored columns a permutation of the weight's."""
+    rng = np.random.default_rng([sum(map(ord, format)), rows])
+    plain, x, _ = _case(rng, format, "float16", rows, 40, 512)
+    weight = QuantizedTensor(format, plain.blocks, plain.shape, rng.permutation(512))
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    assert kept.scales.shape == (40, 512 // 32)
+    expected = float64_values(x) @ weight.dequantize().astype(np.float64).T
+    assert nmse(kept.matmul(x).float().cpu().numpy(), expected) <= THRESHOLDS["float16"]
 
 
 @pytest.mark.parametrize("scale_after_dot", [True, False], ids=["scale-after-dot", "dequantize-first"])
@@ -138,7 +153,7 @@ def test_nbytes_is_half_a_byte_a_weight_plus_scales_and_zeros(dtype):
 
 def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
     rng = np.random.default_rng(12)
-    with pytest.raises(ValueError, match="takes Q4_0, Q4_1, Q4_K weights, not Q8_0"):
+    with pytest.raises(ValueError, match="takes INT4_G128, .*Q4_K weights, not Q8_0"):
         Int4CudaWeight.from_quantized(random_quantized(rng, "Q8_0", 8, 64), torch.float16, DEVICE)
     with pytest.raises(ValueError, match="computes in"):
         Int4CudaWeight.from_quantized(random_quantized(rng, "Q4_0", 8, 64), torch.float64, DEVICE)

@@ -9,6 +9,8 @@ import pytest
 
 from candelabra.backends.metal import MetalBackend
 from candelabra.core.contract.ops import OP_NAMES
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor, WeightRole
+from candelabra.core.weights.random_quantized import random_quantized
 from support import probe_without, run_candelabra
 
 if not MetalBackend.probe().available:
@@ -40,8 +42,31 @@ def test_metal_passes_every_op_case_at_every_dtype(tmp_path):
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr
     document = json.loads(results.read_text())
     assert {case["status"] for case in document["cases"] if not case["weight_format"]} == {"passed"}
-    assert {case["status"] for case in document["cases"] if case["weight_format"]} == {"not supported"}
+    quantized = [case for case in document["cases"] if case["weight_format"]]
+    assert {case["status"] for case in quantized if case["weight_format"] in INT4_GROUP_FORMATS} == {"passed"}
+    assert {case["status"] for case in quantized if case["weight_format"] not in INT4_GROUP_FORMATS} == {
+        "not supported"}
     assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("format, mlx_group", [("INT4_G64", 64), ("INT4_G256", 128)])
+def test_a_grouped_int4_weight_stays_an_mlx_quantized_array_and_multiplies_x_in_its_own_column_order(
+        format, mlx_group):
+    import mlx.core as mx
+    import numpy as np
+
+    from candelabra.backends.metal.quantized import MlxInt4Weight
+
+    rng = np.random.default_rng(30)
+    plain = random_quantized(rng, format, 24, 512)
+    weight = QuantizedTensor(format, plain.blocks, plain.shape, rng.permutation(512))
+    backend = MetalBackend()
+    kept = backend.upload_weight("proj.weight", WeightRole.LINEAR, weight, "float32")
+    assert isinstance(kept, MlxInt4Weight) and kept.group_size == mlx_group and kept.packed.dtype == mx.uint32
+    np.testing.assert_array_equal(np.array(kept.dense()), weight.dequantize())
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    out = np.array(backend.ops.linear(mx.array(x), kept))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
 def test_probe_explains_a_missing_mlx():

@@ -79,7 +79,8 @@ class CudaBackend(TorchBackend):
     # weights
 
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role=None):
-        """Q4_0, Q4_1 and Q4_K stay int4 groups for the Triton GEMM; other formats are dequantized."""
+        """Q4_0, Q4_1, Q4_K and the grouped int4 formats (GPTQ, AWQ) stay int4 groups for the Triton GEMM;
+        other formats are dequantized."""
         from candelabra.backends.cuda.quantized import INT4_FORMATS, Int4CudaWeight
 
         if weight.format in INT4_FORMATS:

@@ -1,8 +1,12 @@
-"""GGUF Q4_0, Q4_1 and Q4_K weights kept on a torch device as int4 groups, multiplied by a Triton kernel.
+"""GGUF Q4_0, Q4_1 and Q4_K weights, and GPTQ's and AWQ's grouped int4 ones (INT4_G32 to INT4_G256),
+kept on a torch device as int4 groups of 32, multiplied by a Triton kernel.
 
-The host decodes the GGUF blocks into int4 groups of 32 along K with a scale and a zero each
-(`int4_groupwise`, shared with the torch backend); the device keeps the nibbles two to a byte in
-the kernel's layout and the scales and zeros in the compute dtype.
+The host decodes the blocks into int4 groups along K with a scale and a zero each (`int4_groupwise`,
+shared with the torch backend: w = (q - 8) * scale + zero, a grouped format's zero being (8 - z) * s);
+a group larger than the kernel's 32 gives each of its runs of 32 the same scale and zero. The device
+keeps the nibbles two to a byte in the kernel's layout and the scales and zeros in the compute dtype.
+An act-order weight keeps its columns in their stored order, and x's columns are taken in that order
+before the kernel (one index_select).
 """
 
 from __future__ import annotations
@@ -10,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from candelabra.backends.cuda.kernels.int4_matmul import int4_matmul, pack_nibbles
-from candelabra.backends.torch.quantized import INT4_FORMATS, int4_groupwise
+from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul, pack_nibbles
+from candelabra.backends.torch.quantized import INT4_FORMATS, int4_group_size, int4_groupwise
 from candelabra.core.contract.weights import QuantizedTensor
 
 # Rounding scales and zeros to the compute dtype rather than keeping them in float32 saves 0.125 bytes a
@@ -24,25 +28,31 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class Int4CudaWeight:
-    """A [N, K] weight as int4 groups of 32 along K, for x @ W.T: w = (q - 8) * scale + zero."""
+    """A [N, K] weight as int4 groups of 32 along K, for x @ W.T: w = (q - 8) * scale + zero, its columns
+    in the stored order `column_order` gives (None: the weight's own)."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 column_order: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [N, K / 2], the layout of `pack_nibbles`
         self.scales = scales  # compute dtype [N, K / 32]
         self.zeros = zeros  # compute dtype [N, K / 32]
+        self.column_order = column_order  # int64 [K]: stored column j is weight column column_order[j]
         self.shape = (int(packed.shape[0]), int(packed.shape[1]) * 2)
 
     @classmethod
     def from_quantized(cls, weight: QuantizedTensor, dtype: torch.dtype, device: torch.device | str) -> Int4CudaWeight:
-        """`weight`, in Q4_0, Q4_1 or Q4_K, on `device` for compute dtype `dtype`."""
+        """`weight`, in Q4_0, Q4_1, Q4_K or a grouped int4 format, on `device` for compute dtype `dtype`."""
         if weight.format not in INT4_FORMATS:
             raise ValueError(f"Int4CudaWeight takes {', '.join(sorted(INT4_FORMATS))} weights, not {weight.format}; "
                              f"dequantize other formats or keep them in a form of their own")
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Int4CudaWeight computes in {', '.join(map(str, COMPUTE_DTYPES))}, not {dtype}")
         nibbles, scales, zeros = int4_groupwise(weight)
+        runs = int4_group_size(weight) // GROUP_SIZE
+        scales, zeros = np.repeat(scales, runs, axis=1), np.repeat(zeros, runs, axis=1)
+        order = None if weight.column_order is None else _on(weight.column_order, torch.int64, device)
         return cls(_on(pack_nibbles(nibbles), torch.uint8, device),
-                   _on(scales, dtype, device), _on(zeros, dtype, device))
+                   _on(scales, dtype, device), _on(zeros, dtype, device), order)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,7 +64,8 @@ class Int4CudaWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in (self.packed, self.scales, self.zeros))
+        kept = (self.packed, self.scales, self.zeros, *([] if self.column_order is None else [self.column_order]))
+        return sum(tensor.numel() * tensor.element_size() for tensor in kept)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] in the compute dtype to x @ W.T [..., N] in the same dtype."""
@@ -64,6 +75,8 @@ class Int4CudaWeight:
         if x.shape[-1] != width:
             raise ValueError(f"x has {x.shape[-1]} features; the weight is {rows} x {width}")
         flat = x.reshape(-1, width)
+        if self.column_order is not None:
+            flat = flat.index_select(1, self.column_order)
         return int4_matmul(flat, self.packed, self.scales, self.zeros).reshape(*x.shape[:-1], rows)
 
 

@@ -12,7 +12,7 @@ from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
-from candelabra.core.contract.weights import WeightRole
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor, WeightRole
 
 try:
     import mlx.core as mx
@@ -24,6 +24,8 @@ except Exception as exc:  # noqa: BLE001 - probe() reports why MLX cannot be use
 class MetalBackend(Backend):
     name = "metal"
     dtypes = ("float32", "float16", "bfloat16")
+    # GPTQ's and AWQ's int4 groups stay MLX quantized arrays (quantized.py); GGUF formats are dequantized.
+    quantized_formats = frozenset(INT4_GROUP_FORMATS)
 
     def __init__(self, device: Device | None = None) -> None:
         if mx is None:
@@ -77,7 +79,12 @@ class MetalBackend(Backend):
         last, self._last_embedding = self._last_embedding, None
         if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
             return last[2]
-        tensor = super().upload_weight(name, role, weight, dtype)
+        if isinstance(weight, QuantizedTensor):
+            from candelabra.backends.metal.quantized import MlxInt4Weight
+
+            tensor = MlxInt4Weight.from_quantized(weight, self._dtypes[self.check_dtype(dtype)])
+        else:
+            tensor = super().upload_weight(name, role, weight, dtype)
         if role is WeightRole.EMBEDDING:
             self._last_embedding = (weight, dtype, tensor)
         return tensor

@@ -8,6 +8,7 @@ import math
 import mlx.core as mx
 
 from candelabra.backends.metal import attention, sampling
+from candelabra.backends.metal.quantized import MlxInt4Weight
 from candelabra.core.contract.ops import KVCache, Ops, check_experts_shapes, check_routing
 
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
@@ -32,6 +33,9 @@ class MlxOps(Ops):
         return x[rows]
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, MlxInt4Weight):
+            out = weight.matmul(x)
+            return out if bias is None else out + bias
         if bias is None:
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)
