@@ -242,7 +242,8 @@ def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "INT4_G128"])
 def test_outside_bfloat16_only_exact_forms_are_candidates(format, dtype):
     forms = [c.form for c in candidates(random_quantized(np.random.default_rng(9), format, 16, 256), dtype)]
-    expected = {"Q4_0": ["int4", "blocks", "dense"], "Q4_K": ["int4", "blocks", "dense"], "INT4_G128": ["int4", "dense"]}
+    expected = {"Q4_0": ["int4", "blocks", "dense"], "Q4_K": ["int4", "blocks", "dense"],
+                "INT4_G128": ["int4", "dense"]}
     assert forms == expected.get(format, ["blocks", "dense"])
 
 
