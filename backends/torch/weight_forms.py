@@ -2,10 +2,11 @@
 
 A form holds a [N, K] weight for x @ W.T: `Int4Weight` (int4 groups of 32 to 256 along K with a
 scale and a zero each, its columns possibly stored permuted), `Int8Weight` (int8 values with one
-scale per output row), `PackedInt8Weight` (packed_int8.py) and `DenseWeight`. Each names its kernels (`kernels()`: name to a function of a contiguous [M, K]
-x), gives its values back densely (`dense()`), and multiplies through the kernel its `choice` names
-for the number of rows (kernel_choice.py measures them and sets it). A form made without a
-measured choice runs `DEFAULT_CHOICES`, what an Intel CPU with AMX measured fastest.
+scale per output row), `PackedInt8Weight` (packed_int8.py) and `DenseWeight`. Each names its kernels
+(`kernels()`: name to a function of a contiguous [M, K] x), gives its values back densely
+(`dense()`), and multiplies through the kernel its `choice` names for the number of rows
+(kernel_choice.py measures them and sets it). A form made without a measured choice runs
+`DEFAULT_CHOICES`, what an Intel CPU with AMX measured fastest.
 """
 
 from __future__ import annotations
