@@ -11,13 +11,7 @@ import numpy as np
 
 from candelabra.backends.cpu import CpuBackend
 from candelabra.backends.cpu.ops import NumpyOps
-from candelabra.core.contract.weights import (
-    GGUF_QUANTIZED_FORMATS,
-    QUANTIZABLE_ROLES,
-    QUANTIZED_FORMATS,
-    QuantizedTensor,
-    WeightRole,
-)
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QUANTIZED_FORMATS, QuantizedTensor, WeightRole
 
 
 class RecordingCpuBackend(CpuBackend):
@@ -49,21 +43,13 @@ class _DequantizingOps(NumpyOps):
 
 class QuantizedCpuBackend(RecordingCpuBackend):
     name = "cpu-quantized"
-    quantized_formats = frozenset(GGUF_QUANTIZED_FORMATS)
+    quantized_formats = frozenset(QUANTIZED_FORMATS)
     quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EXPERTS}
     ops_class = _DequantizingOps
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ops = self.ops_class()
-
-
-class Int4CpuBackend(QuantizedCpuBackend):
-    """Keeps the grouped int4 formats of GPTQ and AWQ checkpoints too (act-order weights with their
-    column order), multiplying by their dequantized values."""
-
-    name = "cpu-int4"
-    quantized_formats = frozenset(QUANTIZED_FORMATS)
 
 
 class _RoundsActivations(_DequantizingOps):

@@ -20,7 +20,7 @@ from candelabra.core.loading.open import open_model
 from candelabra.core.loading.quant_flag import check_quant, parse_quant
 from candelabra.core.models.sharding import pad_rows, take_columns, take_rows
 from candelabra.core.weights.safetensors import SafetensorsCheckpoint
-from quantized_backends import Int4CpuBackend
+from quantized_backends import QuantizedCpuBackend
 from support import one_line_checkpoint_error
 
 NAME = "model.layers.0.mlp.down_proj"
@@ -198,7 +198,7 @@ def act_order_case():
 
 
 def test_an_act_order_model_kept_quantized_matches_transformers(act_order_case):
-    backend = Int4CpuBackend()
+    backend = QuantizedCpuBackend()
     result = run_model_case(backend, act_order_case, seed=12)
     assert result.status == "passed", result.message
     qkv = backend.uploads["model.layers.0.self_attn.qkv_proj.weight", WeightRole.LINEAR]
@@ -212,7 +212,7 @@ def test_a_tensor_parallel_shard_keeps_act_order_rows_quantized_and_dequantizes_
     from support import LoadOnlyCommunicator
 
     write_int4_checkpoint(make_reference(act_order_case, seed=15), act_order_case.layout, tmp_path, seed=15)
-    backend = Int4CpuBackend()
+    backend = QuantizedCpuBackend()
     with SafetensorsCheckpoint(tmp_path) as checkpoint:
         load_model(checkpoint, backend, communicator=LoadOnlyCommunicator(rank, 2))
         whole = {name: checkpoint.load(name) for name in checkpoint.tensor_names()}
@@ -233,7 +233,7 @@ def test_projections_fused_from_different_act_orders_are_dequantized(tmp_path, a
     monkeypatch.setattr(builders, "SHARED_INPUT", {})  # each projection its own g_idx, unlike a real checkpoint
     reference = make_reference(act_order_case, seed=13)
     write_int4_checkpoint(reference, act_order_case.layout, tmp_path, seed=13)
-    backend = Int4CpuBackend()
+    backend = QuantizedCpuBackend()
     with SafetensorsCheckpoint(tmp_path) as checkpoint:
         load_model(checkpoint, backend)
     qkv = backend.uploads["model.layers.0.self_attn.qkv_proj.weight", WeightRole.LINEAR]

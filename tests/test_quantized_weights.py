@@ -28,7 +28,7 @@ from candelabra.conformance.harness import FAILED, NOT_SUPPORTED, PASSED, run_ca
 from candelabra.conformance.model_cases import GGUFModelCase, run_model_case
 from candelabra.conformance.op_cases import op_cases
 from candelabra.conformance.quantized_weights import random_quantized
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QUANTIZED_FORMATS, QuantizedTensor, WeightRole
 from candelabra.core.loading.model import load_model
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from quantized_backends import (
@@ -282,9 +282,10 @@ def _quantized_cases(*ops):
 
 def test_every_format_candelabra_reads_has_quantized_linear_cases():
     cases = _quantized_cases()
-    assert {case.weight_format for case in cases} == set(GGUF_QUANTIZED_FORMATS)
+    assert {case.weight_format for case in cases} == set(QUANTIZED_FORMATS)
     assert {case.op for case in cases} == {"linear", "moe_experts"}
     assert {dict(case.params).get("role", "linear") for case in cases} == {"linear", "lm_head"}
+    assert any(dict(case.params).get("column_order") for case in cases), "an act-order weight's case"
 
 
 def test_quantized_linear_and_experts_pass_on_a_backend_that_keeps_every_format():
