@@ -5,9 +5,11 @@ layers, hidden size 64, grouped-query attention where the family uses it, a slid
 shorter than the prompt), saved as safetensors and loaded by candelabra. GGUF cases write such
 models as llama.cpp would, in several tensor types, and compare with transformers running the
 same quantized-then-dequantized weights; GPTQ and AWQ cases pack random 4-bit codes in each
-layout by hand (quantized_checkpoints) and compare with transformers on the dequantized weights.
-The backend's logits for every prompt position must match transformers' within the float32 NMSE
-threshold, and 16 greedy tokens decoded through the paged cache must be transformers' tokens.
+layout by hand (quantized_checkpoints) and compare with transformers on the dequantized weights;
+in-situ quantization cases load a dense checkpoint with `--isq` and compare with transformers running
+the weights our quantizers made. The backend's logits for every prompt position must match
+transformers' within the float32 NMSE threshold, and 16 greedy tokens decoded through the paged cache
+must be transformers' tokens.
 
 In float16 or bfloat16 (`--dtype`) transformers still runs in float32, on the weights rounded to
 that dtype, so what is measured is the backend's arithmetic: logits within a per-dtype threshold,
@@ -169,6 +171,32 @@ INT4_MODEL_CASES = [
 ]
 
 
+# In-situ quantization (--isq): a dense Qwen2 whose in_features are 256 (whole Q4_K super-blocks) but
+# for the MLP's down projection, 288, which falls back to Q8_0. One case, for CI's time: the quantizers'
+# own tests cover every format.
+ISQ_MODEL = ModelCase("qwen2-isq", "Qwen2Config", {"hidden_size": 256, "intermediate_size": 288})
+
+
+@dataclass(frozen=True)
+class ISQModelCase:
+    """A dense tiny model saved as safetensors and loaded with its linear weights quantized to `format`
+    (an --isq name) at load, checked against transformers running the weights as quantized and
+    dequantized."""
+
+    format: str
+    base: ModelCase = ISQ_MODEL
+    prompt_tokens: int = PROMPT_TOKENS
+    tensor_parallel: bool = False
+    routes_experts: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"isq-{self.base.config_class.removesuffix('Config').lower()}-{self.format}"
+
+
+ISQ_MODEL_CASES = [ISQModelCase("q4k")]
+
+
 @dataclass
 class ModelResult:
     case: str
@@ -271,7 +299,7 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
-def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4ModelCase, seed: int,
+def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4ModelCase | ISQModelCase, seed: int,
                    dtype: str = "float32") -> ModelResult:
     from candelabra.core.loading.model import load_model
     from candelabra.core.weights.gguf import GGUFCheckpoint
@@ -285,6 +313,8 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4Model
         elif isinstance(case, Int4ModelCase):
             reference = make_reference(case, seed)
             checkpoint = SafetensorsCheckpoint(write_int4_checkpoint(reference, case.layout, folder, seed))
+        elif isinstance(case, ISQModelCase):
+            reference, checkpoint = _isq_reference(case, seed, folder)
             prompt_tokens, vocab = case.prompt_tokens, VOCAB
         else:
             reference = make_reference(case, seed)
@@ -328,6 +358,24 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
             if quantized_by_converter(name, parameter.ndim):
                 parameter.copy_(torch.from_numpy(stored_parameter(name, parameter.numpy(), kind, case.arch)))
     return model, path
+
+
+def _isq_reference(case: ISQModelCase, seed: int, folder: str):
+    """A fresh tiny model saved dense, its checkpoint quantized in situ, and the model with the
+    weights that checkpoint hands over (quantized, then dequantized by gguf)."""
+    import torch
+
+    from candelabra.core.loading.in_situ import InSituQuantized
+    from candelabra.core.weights.safetensors import SafetensorsCheckpoint
+
+    model = make_reference(case.base, seed)
+    model.save_pretrained(folder)
+    checkpoint = InSituQuantized(SafetensorsCheckpoint(folder), case.format)
+    with torch.no_grad():
+        for name in checkpoint.tensor_names():
+            if checkpoint.quantized_format(name) is not None:
+                model.get_parameter(name).copy_(torch.from_numpy(checkpoint.load(name)))
+    return model, checkpoint
 
 
 def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int,

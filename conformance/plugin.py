@@ -15,7 +15,7 @@ import pytest
 from candelabra.conformance import report as reporting
 from candelabra.conformance.engine_cases import ENGINE_CASES
 from candelabra.conformance.harness import case_seed
-from candelabra.conformance.model_cases import GGUF_MODEL_CASES, INT4_MODEL_CASES, MODEL_CASES
+from candelabra.conformance.model_cases import GGUF_MODEL_CASES, INT4_MODEL_CASES, ISQ_MODEL_CASES, MODEL_CASES
 from candelabra.conformance.op_cases import op_cases
 from candelabra.conformance.parallel_engine import PARALLEL_ENGINE_CASES
 from candelabra.plugins import RegistryError, backend_class
@@ -69,7 +69,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "op_case" in metafunc.fixturenames:
         cases = _run(metafunc.config).cases()
         metafunc.parametrize("op_case", cases, ids=[c.id for c in cases])
-    model_cases = MODEL_CASES + GGUF_MODEL_CASES + INT4_MODEL_CASES
+    model_cases = MODEL_CASES + GGUF_MODEL_CASES + INT4_MODEL_CASES + ISQ_MODEL_CASES
     sharded_cases = [case for case in model_cases if getattr(case, "tensor_parallel", True)]
     # fixture -> (cases, whether they compare with transformers); the parallel level reuses the models
     # level's list and most of the engine level's

@@ -10,9 +10,10 @@ from tqdm import tqdm
 from candelabra.core.contract.device import Device
 from candelabra.core.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from candelabra.core.engine.tokenizer import Tokenizer
+from candelabra.core.loading.in_situ import InSituQuantized
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
-from candelabra.core.loading.quant_flag import check_quant
+from candelabra.core.loading.quant_flag import check_quant, parse_quant
 from candelabra.core.models.offloaded_experts import ExpertOffload
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.weights import Checkpoint
@@ -39,12 +40,14 @@ class LLM:
 
     `load_format` "dummy" loads no weights: random ones in the shapes `model`'s config.json gives
     (a folder holding it, or the file), still quantized in `dummy_quantization` (a GGUF format such
-    as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `eager_steps` runs
-    every step op by op, where the backend would capture it (CUDA graphs) or compile it.
+    as "Q4_K") where given; "auto" (the default) loads the checkpoint's own. `isq` (a GGML format:
+    "q4k" or "Q4_K", "q8_0", ...) quantizes a dense checkpoint's linear weights into it as they load
+    (see `candelabra.core.loading.in_situ`). `eager_steps` runs every step op by op, where the backend
+    would capture it (CUDA graphs) or compile it.
 
     `quant` is candle-vllm's --quant: "gptq", "awq" or "marlin" (either) for a GPTQ or AWQ
     checkpoint, "gguf" for a .gguf one; a checkpoint quantized otherwise is refused, naming both.
-    Without it the checkpoint's own quantization is used.
+    Without it the checkpoint's own quantization is used. A GGML format there ("q4k") means `isq`.
 
     `num_experts_offload_per_rank` N keeps N of each MoE layer's experts (on each rank) in host
     memory, with `expert_cache_slots` device slots a layer for those recently routed to (default: a
@@ -60,12 +63,15 @@ class LLM:
                  model_id: str | None = None, weight_file: str | None = None, revision: str | None = None,
                  model_type: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
                  eager_steps: bool = False, topology: Topology | None = None, num_experts_offload_per_rank: int = 0,
-                 expert_cache_slots: int | None = None, quant: str | None = None, **engine_options) -> None:
+                 expert_cache_slots: int | None = None, quant: str | None = None, isq: str | None = None,
+                 **engine_options) -> None:
+        quant, isq = parse_quant(quant, isq)
         if isinstance(model, Checkpoint):
-            checkpoint = model
-            check_quant(quant, checkpoint)
+            check_quant(quant, model)
+            checkpoint = model if isq is None else InSituQuantized(model, isq)
         else:
-            checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization, quant)
+            checkpoint = open_model(model, model_id, weight_file, revision, load_format, dummy_quantization, quant,
+                                    isq)
         self.checkpoint = checkpoint
         offload = (ExpertOffload(num_experts_offload_per_rank, expert_cache_slots)
                    if num_experts_offload_per_rank or expert_cache_slots is not None else None)
@@ -99,9 +105,10 @@ class LLM:
         if topology.node_rank != 0:
             raise ValueError(f"the engine runs on node 0; node {topology.node_rank} only runs ranks "
                              "(candelabra serve --node-rank N)")
+        isq = checkpoint.format if isinstance(checkpoint, InSituQuantized) else None
         source = dict(backend=backend_name, model=str(checkpoint.path), model_id=None, weight_file=None,
                       revision=None, load_format=load_format, dummy_quantization=dummy_quantization, dtype=dtype,
-                      model_type=model_type, topology=topology,
+                      model_type=model_type, topology=topology, isq=isq,
                       num_experts_offload_per_rank=offload.num_offloaded if offload else 0,
                       expert_cache_slots=offload.cache_slots if offload else None)
         self.workers = WorkerProcesses([WorkerSpec(**source, local=local)

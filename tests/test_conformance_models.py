@@ -9,6 +9,7 @@ from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.model_cases import (
     GGUF_MODEL_CASES,
     INT4_MODEL_CASES,
+    ISQ_MODEL_CASES,
     MODEL_CASES,
     make_reference,
     run_model_case,
@@ -27,7 +28,8 @@ def test_every_architecture_matches_transformers(tmp_path, backend):
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
     assert "model case" in run.stdout and "greedy tokens" in run.stdout  # the table
     models = json.loads(results.read_text())["models"]
-    assert [m["case"] for m in models] == [c.name for c in MODEL_CASES + GGUF_MODEL_CASES + INT4_MODEL_CASES]
+    assert [m["case"] for m in models] == [
+        c.name for c in MODEL_CASES + GGUF_MODEL_CASES + INT4_MODEL_CASES + ISQ_MODEL_CASES]
     # all 16 greedy tokens match, unless transformers itself met a tie on the way; the MoE families need
     # the MoE ops, which a backend may not have yet
     has_moe_ops = backend_class(backend)().ops.supports("moe_experts")

@@ -403,8 +403,8 @@ def test_serve_on_the_metal_backend(chat_checkpoint):
 def test_serve_refuses_bad_flags_with_one_line(chat_checkpoint):
     from support import run_candelabra
 
-    result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--quant", "q3")
-    assert result.returncode == 2 and "--quant q3 is not known" in result.stderr
+    result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--quant", "q7k")
+    assert result.returncode == 2 and "--quant q7k is not known" in result.stderr
     result = run_candelabra("serve", "--weight-path", str(chat_checkpoint), "--quant", "gptq", "--backend", "cpu")
     assert result.returncode == 1 and "--quant gptq serves GPTQ checkpoints" in result.stderr
     assert "is not quantized" in result.stderr

@@ -8,6 +8,7 @@ from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.ops import OpNotSupported
 from candelabra.core.loading.decoder_weights import load_decoder_weights
+from candelabra.core.loading.in_situ import InSituQuantized
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.offloaded_experts import ExpertOffload, describe_offload
@@ -55,4 +56,6 @@ def load_model(checkpoint: Checkpoint, backend: Backend, dtype: str | None = Non
     if expert_offload is not None:
         log.info("experts: %s; each MoE layer reads its routing on the host, so steps run op by op",
                  describe_offload(weights.layers))
+    if isinstance(checkpoint, InSituQuantized):
+        log.info("%s", checkpoint.summary())
     return family(config, backend, weights, communicator)

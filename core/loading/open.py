@@ -1,12 +1,14 @@
 """Open whichever checkpoint the command line names, as candle-vllm's flags do:
 `--weight-path` a folder (safetensors, or one .gguf), `--weight-file` a file in it (or on its own),
 `--model-id` (with `--revision`) a model in the local Hugging Face cache. `--load-format dummy`
-reads only the config.json there and draws random weights in its shapes."""
+reads only the config.json there and draws random weights in its shapes. `--isq FORMAT` quantizes a
+dense checkpoint's linear weights as they load (see `in_situ`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from candelabra.core.loading.in_situ import InSituQuantized
 from candelabra.core.loading.quant_flag import check_quant
 from candelabra.core.weights import Checkpoint, CheckpointError
 from candelabra.core.weights.default_model import default_model_path
@@ -101,18 +103,20 @@ def open_file(path: Path) -> Checkpoint:
 
 
 def open_model(model: str | Path | None = None, model_id: str | None = None, weight_file: str | None = None,
-               revision: str | None = None, load_format: str = "auto",
-               dummy_quantization: str | None = None, quant: str | None = None) -> Checkpoint:
+               revision: str | None = None, load_format: str = "auto", dummy_quantization: str | None = None,
+               quant: str | None = None, isq: str | None = None) -> Checkpoint:
     """The checkpoint `model` (a folder or a file) or the flags name; the default model when none is named.
     `load_format` "dummy" draws random weights shaped by the config.json there (see DummyCheckpoint).
-    `quant` (--quant) must name the checkpoint's own quantization where given (see `quant_flag`)."""
+    `quant` (--quant gptq, awq, marlin or gguf) must name the checkpoint's own quantization where given
+    (see `quant_flag`). With `isq` (a GGML format, "q4k" or "Q4_K"), its linear weights quantized to it
+    as they load (CheckpointError for a checkpoint quantized already)."""
     checkpoint = _open_model(model, model_id, weight_file, revision, load_format, dummy_quantization)
     try:
         check_quant(quant, checkpoint)
+        return checkpoint if isq is None else InSituQuantized(checkpoint, isq)
     except BaseException:
         checkpoint.close()
         raise
-    return checkpoint
 
 
 def _open_model(model: str | Path | None, model_id: str | None, weight_file: str | None, revision: str | None,

@@ -42,10 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_ALIASES),
                        help="dtype of the KV cache, where the backend offers one beside the compute dtype (see "
                             "`candelabra backends`; default: the compute dtype)")
-    where.add_argument("--quant", metavar="{gptq,awq,marlin,gguf}",
+    where.add_argument("--quant", metavar="{gptq,awq,marlin,gguf,FORMAT}",
                        help="the checkpoint's quantization, checked against it: gptq or awq (4-bit safetensors), "
                             "marlin (either, through the fastest int4 kernel the backend has), gguf (default: the "
-                            "checkpoint's own)")
+                            "checkpoint's own); or candle-vllm's name of a format for in-situ quantization (q4_0, "
+                            "q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k, q6k), the same as --isq")
+    where.add_argument("--isq", metavar="FORMAT",
+                       help="in-situ quantization: quantize a dense checkpoint's linear weights (and LM head) at "
+                            "load into this GGML format: q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k or q6k "
+                            "(or GGML's names, Q4_K ...); weights whose in_features are not whole blocks of it "
+                            "take q8_0, or stay dense where not a multiple of 32 (default: none)")
     where.add_argument("--load-format", metavar="{auto,dummy}", default="auto",
                        help="auto: the checkpoint's weights; dummy: random weights in the shapes of the config.json "
                             "that --weight-path or --model-id names, for benchmarks without a checkpoint (the "
@@ -177,7 +183,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from candelabra.core.requests.sampling_params import SamplingParams
     from candelabra.core.worker.kv_cache_size import check_kv_fraction
 
-    parse_quant(args.quant)
+    parse_quant(args.quant, args.isq)
     check_load_format(args.load_format, args.dummy_quantization)
     topology_of(args)
     if not 0 <= args.port <= 65535:
@@ -218,6 +224,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _run_ranks(args: argparse.Namespace) -> int:
     """A node other than 0: run its ranks (the first here, the others as processes of their own)
     until node 0 tells them to stop or goes away. It serves nothing itself."""
+    from candelabra.core.loading.quant_flag import parse_quant
     from candelabra.core.worker.rank_process import WorkerSpec, run_worker
     from candelabra.core.worker.worker_processes import WorkerProcesses
 
@@ -231,7 +238,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
                   revision=args.revision, load_format=args.load_format, dummy_quantization=args.dummy_quantization,
                   dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None, model_type=args.model_type,
                   topology=topology, num_experts_offload_per_rank=args.num_experts_offload_per_rank,
-                  expert_cache_slots=args.expert_cache_slots)
+                  expert_cache_slots=args.expert_cache_slots, isq=parse_quant(args.quant, args.isq)[1])
     others = WorkerProcesses([WorkerSpec(**source, local=local) for local in range(1, len(topology.device_ids))])
     first = topology.device(0).rank
     print(f"node {topology.node_rank}: ranks {first} to {first + len(topology.device_ids) - 1} of "
@@ -271,6 +278,7 @@ def _backend_and_checkpoint(args: argparse.Namespace):
     (and match MODEL_TYPE): all that can be checked before the weights load."""
     from candelabra.core.contract.device import Device
     from candelabra.core.llm import choose_backend, open_model
+    from candelabra.core.loading.quant_flag import parse_quant
     from candelabra.core.models.config import ModelConfig
 
     backend = choose_backend(args.backend)
@@ -280,7 +288,7 @@ def _backend_and_checkpoint(args: argparse.Namespace):
         compute = DTYPE_ALIASES[args.dtype] if args.dtype else backend.dtypes[0]
         backend.check_kv_cache_dtype(DTYPE_ALIASES[args.kv_cache_dtype], compute)
     checkpoint = open_model(args.weight_path, args.model_id, args.weight_file, args.revision, args.load_format,
-                            args.dummy_quantization, args.quant)
+                            args.dummy_quantization, *parse_quant(args.quant, args.isq))
     config = ModelConfig.from_hf(checkpoint.config)
     if args.model_type:
         config.check_model_type(args.model_type)
@@ -443,12 +451,16 @@ def _experts_line(model) -> list[str]:
 
 def _weights_source(llm) -> str:
     from candelabra.core.loading.dummy import DummyCheckpoint
+    from candelabra.core.loading.in_situ import InSituQuantized
 
-    checkpoint = llm.checkpoint
+    checkpoint, quantized = llm.checkpoint, ""
+    if isinstance(checkpoint, InSituQuantized):
+        checkpoint, quantized = checkpoint.dense, f", linear weights quantized at load to {checkpoint.format} (--isq)"
     if not isinstance(checkpoint, DummyCheckpoint):
-        return str(checkpoint.path)
+        return f"{checkpoint.path}{quantized}"
     kind = f"{checkpoint.quantization} " if checkpoint.quantization else ""
-    return f"random {kind}weights (--load-format dummy, seed {checkpoint.seed}) shaped by {checkpoint.path}"
+    return (f"random {kind}weights (--load-format dummy, seed {checkpoint.seed}) shaped by {checkpoint.path}"
+            f"{quantized}")
 
 
 def _describe_defaults(defaults) -> str:

@@ -41,6 +41,7 @@ class WorkerSpec:
     local: int
     num_experts_offload_per_rank: int = 0
     expert_cache_slots: int | None = None
+    isq: str | None = None  # the GGML format a dense checkpoint's linear weights are quantized to at load
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -88,7 +89,7 @@ def run_worker(spec: WorkerSpec, while_waiting: Callable[[], None] | None = None
                                         while_waiting)
     try:
         checkpoint = open_model(spec.model, spec.model_id, spec.weight_file, spec.revision, spec.load_format,
-                                spec.dummy_quantization)
+                                spec.dummy_quantization, isq=spec.isq)
         offload = (ExpertOffload(spec.num_experts_offload_per_rank, spec.expert_cache_slots)
                    if spec.num_experts_offload_per_rank else None)
         model = load_model(checkpoint, backend, spec.dtype, spec.model_type, communicator=communicator,
