@@ -47,7 +47,7 @@ class InSituQuantized(Checkpoint):
         self.format = isq_format(format)
         self.dense, self.path = dense, dense.path
         _check_dense(dense, self.format)
-        self._plan = _plan(dense, self.format)
+        self._plan = quantization_plan(dense, self.format)
         self._last: tuple[str, QuantizedTensor] | None = None
         self.seconds = 0.0
         self.quantized: Counter[str] = Counter()
@@ -104,7 +104,9 @@ class InSituQuantized(Checkpoint):
 
 def _check_dense(checkpoint: Checkpoint, format: str) -> None:
     """CheckpointError where the checkpoint is quantized already."""
-    stored = checkpoint.config.get("quantization_config", {}).get("quant_method")
+    stored = None
+    if isinstance(quantization := checkpoint.config.get("quantization_config"), dict):
+        stored = quantization.get("quant_method", "its config.json's quantization_config")
     if stored is None:
         stored = next((found for name in checkpoint.tensor_names()
                        if (found := checkpoint.quantized_format(name)) is not None), None)
@@ -114,8 +116,9 @@ def _check_dense(checkpoint: Checkpoint, format: str) -> None:
                                                "BF16 tensors): drop --isq, or pass the dense checkpoint")
 
 
-def _plan(checkpoint: Checkpoint, format: str) -> dict[str, str | None]:
-    """Each quantizable weight's format: `format`, FALLBACK_FORMAT, or None (dense)."""
+def quantization_plan(checkpoint: Checkpoint, format: str) -> dict[str, str | None]:
+    """Each quantizable weight of `checkpoint` by name, and its format: `format`, FALLBACK_FORMAT, or
+    None (it stays dense)."""
     from candelabra.core.loading.model_tensors import model_tensors
     from candelabra.core.models.config import ModelConfig
     from candelabra.plugins import installed_plugins
@@ -129,11 +132,12 @@ def _plan(checkpoint: Checkpoint, format: str) -> dict[str, str | None]:
     plan = {}
     for name in names:
         if roles.get(name) in QUANTIZABLE_ROLES and not name.endswith(".gate.weight"):
-            plan[name] = _format_for(checkpoint.tensor_shape(name), format)
+            plan[name] = format_for(checkpoint.tensor_shape(name), format)
     return plan
 
 
-def _format_for(shape: tuple[int, ...], format: str) -> str | None:
+def format_for(shape: tuple[int, ...], format: str) -> str | None:
+    """The format a weight of `shape` takes when `format` is asked for (None: it stays dense)."""
     if len(shape) != 2:
         return None
     for candidate in (format, FALLBACK_FORMAT):

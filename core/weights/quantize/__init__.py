@@ -3,7 +3,7 @@
 `legacy` and the k-quants in `k_quants`, which give the same bytes from the same float32 input.
 
 `quantize` cuts a weight into chunks of blocks and quantizes them on a thread each core: numpy
-releases the GIL in its loops, and a chunk's arrays stay in the core's cache.
+releases the GIL in its loops.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ BLOCK_QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q6_K": k_quants.q6_k,
 }  # fmt: skip
 
-# Values quantized together by one call: small enough that a chunk's temporaries stay in a core's
-# cache, large enough that numpy's per-call cost is small beside the work.
-CHUNK_VALUES = 1 << 15
+# Values quantized together by one call: large enough that numpy's cost per call is small beside the
+# work, small enough that the temporaries stay near a core's cache. Q4_K on one core of an AMD EPYC
+# (2026-11): 3.3 M values per CPU second in chunks of 2**15, 5.6 in 2**18, 4.4 in 2**20.
+CHUNK_VALUES = 1 << 18
 
 
 def values_per_block(format: str) -> int:
