@@ -313,6 +313,7 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4Model
         elif isinstance(case, Int4ModelCase):
             reference = make_reference(case, seed)
             checkpoint = SafetensorsCheckpoint(write_int4_checkpoint(reference, case.layout, folder, seed))
+            prompt_tokens, vocab = case.prompt_tokens, VOCAB
         elif isinstance(case, ISQModelCase):
             reference, checkpoint = _isq_reference(case, seed, folder)
             prompt_tokens, vocab = case.prompt_tokens, VOCAB

@@ -11,7 +11,7 @@ import pytest
 from candelabra.core import cli
 from candelabra.core.loading.dummy import DummyCheckpoint
 from candelabra.core.loading.in_situ import InSituQuantized, isq_format
-from candelabra.core.server.launch import isq_of
+from candelabra.core.loading.quant_flag import parse_quant
 from candelabra.core.weights.default_model import default_model_path
 from candelabra.core.weights.gguf import GGUFCheckpoint
 from support import one_line_checkpoint_error
@@ -97,14 +97,16 @@ def serve_args(*argv: str):
     (["--quant", "q4_1", "--isq", "Q4_1"], "Q4_1"), ([], None),
 ])
 def test_quant_with_a_ggml_format_means_isq(flags, format):
-    assert isq_of(serve_args(*flags)) == format
+    args = serve_args(*flags)
+    assert parse_quant(args.quant, args.isq)[1] == format
 
 
 @pytest.mark.parametrize(("flags", "problem"), [
     (["--quant", "q4k", "--isq", "q5k"], "--quant q4k and --isq q5k name different formats"),
-    (["--quant", "int3"], "--quant int3 is not a format in-situ quantization makes"),
+    (["--quant", "int3"], "--quant int3 is not known; choose one of gptq, awq, marlin, gguf, or a format for in-situ"),
     (["--isq", "gguf"], "--isq gguf is not a format"),
 ])
 def test_isq_flags_that_name_nothing_or_disagree_are_refused(flags, problem):
+    args = serve_args(*flags)
     with pytest.raises(ValueError, match=problem):
-        isq_of(serve_args(*flags))
+        parse_quant(args.quant, args.isq)

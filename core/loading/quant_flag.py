@@ -22,7 +22,7 @@ def parse_quant(quant: str | None, isq: str | None = None) -> tuple[str | None, 
     """(the checkpoint quantization `--quant` asks for, the GGML format in-situ quantization makes) from
     `--quant` and `--isq`, each None where not asked for. ValueError naming the flag for an unknown
     value, or for the two flags naming different in-situ formats."""
-    isq = isq_format(isq) if isq else None
+    isq_name, isq = isq, (isq_format(isq) if isq else None)
     if quant is None or quant.lower() in CHECKPOINT_QUANTIZATIONS:
         return (quant.lower() if quant else None), isq
     try:
@@ -31,7 +31,7 @@ def parse_quant(quant: str | None, isq: str | None = None) -> tuple[str | None, 
         raise ValueError(f"--quant {quant} is not known; choose one of {', '.join(CHECKPOINT_QUANTIZATIONS)}, "
                          f"or a format for in-situ quantization as --isq takes (q4k, q8_0, ...)") from None
     if isq is not None and from_quant != isq:
-        raise ValueError(f"--quant {quant} and --isq {isq} name different formats; pass one")
+        raise ValueError(f"--quant {quant} and --isq {isq_name} name different formats; pass one")
     return None, from_quant
 
 
