@@ -337,7 +337,7 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
                           kvcache_mem_cpu=args.kvcache_mem_cpu, model_type=args.model_type,
                           eager_steps=args.disable_cuda_graph,
                           num_experts_offload_per_rank=args.num_experts_offload_per_rank,
-                          expert_cache_slots=args.expert_cache_slots, quant=args.quant, **engine_options))
+                          expert_cache_slots=args.expert_cache_slots, **engine_options))
         return loaded[0].engine
 
     engine = AsyncEngine(load_model)  # loaded on the thread that will step it
