@@ -6,6 +6,11 @@ identical whether a request runs alone or among others arriving at random steps,
 prefill on and off, on prefix-cache hits and misses, and after forced preemption by recompute
 and by swap; n > 1 samples under a fixed seed must reproduce. Every case ends with all blocks free.
 
+The cases named "...-kv-int8" run two of the checks again with every engine keeping an int8 KV cache
+(where the backend declares one): a quantized cache changes the tokens from the float cache's, but a
+request must still get the same tokens alone and among others, and after its blocks went to the host
+and back.
+
 The cases named "moe-..." run the first five checks again on a tiny DeepSeek-V3 checkpoint: a step's
 tokens go to different experts (routed by groups, with a shared expert) and every expert runs on
 whichever of them chose it, and the KV cache is a latent cache, whose blocks the prefix cache shares and
@@ -39,10 +44,14 @@ class EngineCase:
     check: str  # what runs (`_run_case`)
     description: str
     moe: bool = False  # on the DeepSeek-V3 checkpoint rather than the Qwen2 one
+    # A quantized KV cache every engine of the case keeps, where the backend declares it: tokens are
+    # compared with the same engine's alone at that cache dtype.
+    kv_cache_dtype: str | None = None
 
     @property
     def name(self) -> str:
-        return f"moe-{self.check}" if self.moe else self.check
+        name = f"moe-{self.check}" if self.moe else self.check
+        return f"{name}-kv-{self.kv_cache_dtype}" if self.kv_cache_dtype else name
 
 
 ENGINE_CASES = [
@@ -58,6 +67,9 @@ ENGINE_CASES = [
     EngineCase("prefix-cache", "MoE: a prompt sharing a cached prefix vs no cache", moe=True),
     EngineCase("preempt-recompute", "MoE: a KV cache too small for all, preempting by recompute", moe=True),
     EngineCase("preempt-swap", "MoE: latent cache blocks swapped to host and back", moe=True),
+    EngineCase("staggered-arrivals", "int8 KV cache: requests arriving at random steps, alone vs together",
+               kv_cache_dtype="int8"),
+    EngineCase("preempt-swap", "int8 KV cache: its blocks swapped to host and back", kv_cache_dtype="int8"),
 ]
 
 # How far a prompt token's logprob may move between a batched, chunked step and the prompt alone:
@@ -165,6 +177,8 @@ def _gated_mlp(prefix: str, intermediate: int, weight) -> dict[str, np.ndarray]:
 class _Harness:
     """Fresh engines over one loaded model, and requests run to completion on them."""
 
+    kv_cache_dtype: str | None = None  # the caches' dtype, when not the model's
+
     def __init__(self, backend: Backend, folder: Path, dtype: str) -> None:
         from candelabra.core.engine.tokenizer import Tokenizer
         from candelabra.core.loading.model import load_model
@@ -179,7 +193,8 @@ class _Harness:
         from candelabra.core.worker.model_runner import ModelRunner
 
         config = EngineConfig(**{"num_blocks": 64, "block_size": BLOCK_SIZE, **options})
-        return LLMEngine(ModelRunner(self.model, config.num_blocks, config.block_size), self.tokenizer, config)
+        runner = ModelRunner(self.model, config.num_blocks, config.block_size, self.kv_cache_dtype)
+        return LLMEngine(runner, self.tokenizer, config)
 
     def run(self, engine, prompts: list[list[int]], params, arrivals: list[int] | None = None) -> list:
         """Outputs per prompt; prompt i joins at step arrivals[i] (all at once by default)."""
@@ -220,11 +235,16 @@ def _tokens(outputs) -> list[list[int]]:
 def run_engine_case(backend, case: EngineCase, seed: int, dtype: str = "float32", make_harness=None) -> EngineResult:
     """`case` on `backend` (an instance); `make_harness(backend, folder, dtype)` may build the engines
     another way (the parallel level passes a backend class and a tensor-parallel harness). A MoE case
-    on a backend without the MoE ops is "not supported"."""
+    on a backend without the MoE ops, or a case over a KV cache dtype it does not declare, is "not
+    supported"."""
+    if case.kv_cache_dtype and case.kv_cache_dtype not in backend.kv_cache_dtypes(dtype):
+        return EngineResult(case.name, NOT_SUPPORTED, "", seed, f"backend {backend.name!r} keeps no "
+                            f"{case.kv_cache_dtype} KV cache in {dtype} (kv_cache_dtypes)")
     with tempfile.TemporaryDirectory() as folder:
         write_tiny_checkpoint(Path(folder), seed, case.moe)
         try:
             h = (make_harness or _Harness)(backend, Path(folder), dtype)
+            h.kv_cache_dtype = case.kv_cache_dtype  # every engine the case makes
         except OpNotSupported as exc:
             return EngineResult(case.name, NOT_SUPPORTED, "", seed, str(exc))
     try:

@@ -13,7 +13,7 @@ import numpy as np
 from candelabra.conformance.compare import LOW_PRECISION, nmse, nmse_beside_rounding_flips, op_threshold, round_to
 from candelabra.conformance.mismatch import describe_cache_slots, describe_mismatch
 from candelabra.core.contract.backend import Backend
-from candelabra.core.contract.dtypes import FLOAT_DTYPES
+from candelabra.core.contract.dtypes import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
 from candelabra.core.contract.ops import OP_NAMES, KVCache, OpNotSupported
 from candelabra.core.contract.step_metadata import NO_SLOT
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
@@ -89,6 +89,10 @@ class Harness:
         return handle
 
     def upload_cache(self, key: np.ndarray, value: np.ndarray, dtype: str | None = None) -> KVCache:
+        """A KV cache in `dtype` (default: the case's). A quantized cache's parts are given as the rows
+        it stores (`stored_kv`) and go to the backend as those bytes."""
+        if (dtype or self.dtype) in QUANTIZED_KV_DTYPES:
+            return KVCache(self.backend.to_device(key), self.backend.to_device(value))
         return KVCache(self.upload(key, dtype), self.upload(value, dtype))
 
     def call(self, op: Callable, *args, **kwargs):
@@ -115,11 +119,19 @@ class Harness:
         if any(value is weight for weight in self._weights):
             return value
         if isinstance(value, KVCache):
-            return KVCache(self._poisoned(value.key), self._poisoned(value.value))
+            return KVCache(self._poisoned_cache(value.key), self._poisoned_cache(value.value))
         dtype = self._float_dtype(value) if hasattr(value, "shape") else None
         if dtype is not None:
             return self.backend.to_device(np.full(tuple(value.shape), np.nan, dtype=np.float32), dtype)
         return value
+
+    def _poisoned_cache(self, part: Any) -> Any:
+        """A float cache part as any float tensor; a quantized one's bytes all 0xff: every row's codes -1
+        (int8) or NaN (fp8), its scale NaN."""
+        storage = self.backend.dtype_of(part)
+        if storage in ("int8", "uint8"):
+            return self.backend.to_device(np.full(tuple(part.shape), 0xFF, np.uint8).view(storage))
+        return self._poisoned(part)
 
     def _float_dtype(self, value: Any) -> str | None:
         """The dtype of a float backend tensor, else None."""

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from candelabra.conformance.compare import MODEL_NMSE_THRESHOLDS, MOE_MODEL_NMSE_THRESHOLDS, nmse, round_to
+from candelabra.conformance.compare import (
+    MODEL_NMSE_THRESHOLDS,
+    MOE_MODEL_NMSE_THRESHOLDS,
+    QUANTIZED_KV_MODEL_NMSE_THRESHOLDS,
+    nmse,
+    round_to,
+)
 from candelabra.conformance.harness import NOT_SUPPORTED
 from candelabra.conformance.quantized_checkpoints import Int4Layout, write_int4_checkpoint
 from candelabra.core.contract.backend import Backend
@@ -63,6 +69,10 @@ class ModelCase:
     prompt_tokens: int = PROMPT_TOKENS
     tensor_parallel: bool = True  # whether the parallel level runs it
     routes_experts: bool = False  # a mixture of experts, held to MOE_MODEL_NMSE_THRESHOLDS
+    # A quantized KV cache ("int8", "fp8") the case runs over, where the backend declares it: the logits then
+    # carry the cache's error too (QUANTIZED_KV_MODEL_NMSE_THRESHOLDS), and greedy tokens are reported, not
+    # required, since that error may tip a close pair of logits.
+    kv_cache_dtype: str | None = None
 
 
 MODEL_CASES = [
@@ -104,6 +114,10 @@ MODEL_CASES = [
         routes_experts=True),
     ModelCase("deepseek-v3", "DeepseekV3Config", {**_DEEPSEEK, "q_lora_rank": 24, "norm_topk_prob": True},
               routes_experts=True),
+    # The logit error an int8 KV cache adds: a cache of key and value heads, and a latent cache.
+    ModelCase("qwen2-kv-int8", "Qwen2Config", tensor_parallel=False, kv_cache_dtype="int8"),
+    ModelCase("deepseek-v3-kv-int8", "DeepseekV3Config", {**_DEEPSEEK, "q_lora_rank": 24, "norm_topk_prob": True},
+              tensor_parallel=False, routes_experts=True, kv_cache_dtype="int8"),
 ]
 
 
@@ -305,6 +319,10 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4Model
     from candelabra.core.weights.gguf import GGUFCheckpoint
     from candelabra.core.weights.safetensors import SafetensorsCheckpoint
 
+    kv_dtype = getattr(case, "kv_cache_dtype", None)
+    if kv_dtype is not None and kv_dtype not in backend.kv_cache_dtypes(dtype):
+        return ModelResult(case.name, config_json(case)["architectures"][0], NOT_SUPPORTED, None, "", seed,
+                           f"backend {backend.name!r} keeps no {kv_dtype} KV cache in {dtype} (kv_cache_dtypes)")
     with tempfile.TemporaryDirectory() as folder:
         if isinstance(case, GGUFModelCase):
             reference, path = _gguf_reference(case, seed, folder)
@@ -328,8 +346,10 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4Model
             except OpNotSupported as exc:
                 return ModelResult(case.name, type(reference).__name__, NOT_SUPPORTED, None, "", seed, str(exc))
     prompt = np.random.default_rng(seed).integers(3, vocab, prompt_tokens)
-    thresholds = MOE_MODEL_NMSE_THRESHOLDS if case.routes_experts else MODEL_NMSE_THRESHOLDS
-    return _compare(backend, case.name, _rounded(reference, dtype), model, prompt, seed, dtype, thresholds[dtype])
+    threshold = (MOE_MODEL_NMSE_THRESHOLDS if case.routes_experts else MODEL_NMSE_THRESHOLDS)[dtype]
+    if kv_dtype is not None:
+        threshold = max(threshold, QUANTIZED_KV_MODEL_NMSE_THRESHOLDS[kv_dtype])
+    return _compare(backend, case.name, _rounded(reference, dtype), model, prompt, seed, dtype, threshold, kv_dtype)
 
 
 def _rounded(reference, dtype: str):
@@ -380,11 +400,11 @@ def _isq_reference(case: ISQModelCase, seed: int, folder: str):
 
 
 def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int,
-             dtype: str, threshold: float) -> ModelResult:
+             dtype: str, threshold: float, kv_dtype: str | None = None) -> ModelResult:
     architecture = type(reference).__name__
     total = len(prompt) + GREEDY_TOKENS
     blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
-    runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE)
+    runner = ModelRunner(model, num_blocks=len(blocks), block_size=BLOCK_SIZE, kv_cache_dtype=kv_dtype)
 
     prefill = StepMetadata.build([len(prompt)], [len(prompt)], [blocks], BLOCK_SIZE,
                                  logits_rows=np.arange(len(prompt)))
@@ -392,7 +412,7 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
     error = nmse(logits, reference_logits(reference, prompt))
 
     greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype)
-    passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie")
+    passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie") or kv_dtype is not None
     passed_nmse = error <= threshold
     problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]) + (
         [] if passed_greedy else [f"greedy tokens diverged after {greedy}"])

@@ -13,10 +13,18 @@ from collections.abc import Callable
 import numpy as np
 
 from candelabra.conformance import oracle
-from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS, round_to
+from candelabra.conformance.compare import (
+    QUANTIZED_KV_CODE_SLACK,
+    QUANTIZED_KV_NMSE_THRESHOLDS,
+    QUANTIZED_KV_SCALE_RTOL,
+    QUANTIZED_NMSE_THRESHOLDS,
+    round_to,
+)
 from candelabra.conformance.harness import Case, Harness
 from candelabra.conformance.quantized_weights import random_quantized
-from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.dtypes import QUANTIZED_KV_DTYPES
+from candelabra.core.contract.kv_cache import KV_STORAGE_DTYPES, KVCacheSpec
+from candelabra.core.contract.kv_quantization import KV_CODE_MAX, quantize_kv_rows
 from candelabra.core.contract.ops import KVCache, OpNotSupported
 from candelabra.core.contract.step_metadata import (
     NO_SLOT,
@@ -168,38 +176,94 @@ def check_softmax(h: Harness, shape: tuple, magnitude: str) -> None:
 def check_write_kv(h: Harness, block_size: int, kv_heads: int, head_dim: int, tokens: int, padding: str,
                    kv_dtype: str | None = None, value_dim: int | None = None) -> None:
     """padding: how many tokens carry slot -1 ("none", "some" or "all"). kv_dtype: the cache's,
-    when not the compute dtype. value_dim: the values' width where it is not head_dim (a latent cache)."""
+    when not the compute dtype. value_dim: the values' width where it is not head_dim (a latent cache).
+    A quantized cache's written rows must each hold the right scale and the nearest codes, a row of
+    zeros among them."""
     kv_dtype, value_dim = kv_dtype or h.dtype, value_dim or head_dim
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = round_to(h.rand(*shape), kv_dtype)
-    value_cache = round_to(h.rand(*shape[:3], value_dim), kv_dtype)
+    key_cache = _stored(h.rand(*shape), kv_dtype)
+    value_cache = _stored(h.rand(*shape[:3], value_dim), kv_dtype)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
     if padding == "some":
         slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
     elif padding == "all":
         slots[:] = NO_SLOT
     key, value = h.rand(tokens, kv_heads, head_dim), h.rand(tokens, kv_heads, value_dim)
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        key[-1, 0] = 0
     cache = h.call(h.backend.ops.write_kv, h.upload_cache(key_cache, value_cache, kv_dtype), h.upload(key),
                    h.upload(value), h.upload(slots))
+    storage = KV_STORAGE_DTYPES.get(kv_dtype, kv_dtype)
+    h.require("cache dtype", h.backend.dtype_of(cache.key) == storage, h.backend.dtype_of(cache.key))
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        _check_quantized_write(h, "key cache", cache.key, key_cache, slots, key, kv_dtype)
+        _check_quantized_write(h, "value cache", cache.value, value_cache, slots, value, kv_dtype)
+        return
     ref_key, ref_value = oracle.write_kv(key_cache, value_cache, key, value, slots)
-    h.require("cache dtype", h.backend.dtype_of(cache.key) == kv_dtype, h.backend.dtype_of(cache.key))
     h.slots_equal("key cache", cache.key, round_to(ref_key, kv_dtype), slots, round_to(key, kv_dtype))
     h.slots_equal("value cache", cache.value, round_to(ref_value, kv_dtype), slots, round_to(value, kv_dtype))
 
 
+def _stored(values: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """Cache rows [..., D] as a cache in `kv_dtype` holds them: rounded to it, or quantized ([..., D + 4])."""
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        return quantize_kv_rows(values, kv_dtype)
+    return round_to(values, kv_dtype)
+
+
+def _read_back(stored: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """The values a cache part holds (float64 where it is quantized)."""
+    return oracle.dequantized_kv(stored, kv_dtype) if kv_dtype in QUANTIZED_KV_DTYPES else stored
+
+
+def _written_and_untouched(h: Harness, name: str, part, before: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """A quantized cache part's rows at the written slots, by token, after requiring every other row unchanged."""
+    got = h.host(part)
+    rows, rows_before = got.reshape(-1, *got.shape[2:]), before.reshape(-1, *before.shape[2:])
+    written = slots[slots != NO_SLOT]
+    untouched = np.setdiff1d(np.arange(len(rows_before)), written)
+    h.equal(f"{name} rows not written", rows[untouched], rows_before[untouched])
+    return rows[written]
+
+
+def _check_quantized_write(h: Harness, name: str, part, before: np.ndarray, slots: np.ndarray, values: np.ndarray,
+                           kv_dtype: str) -> None:
+    """The rows of `values` written at `slots` (the others untouched), each with scale max|row| / the largest
+    code and the codes nearest value / scale: within half a code step of the values."""
+    stored = _written_and_untouched(h, name, part, before, slots)
+    values = values[slots != NO_SLOT].astype(np.float64)
+    codes, scales = oracle.kv_rows(stored, kv_dtype)
+    expected = np.abs(values).max(axis=-1, keepdims=True) / KV_CODE_MAX[kv_dtype]
+    wrong = ~(np.abs(scales - expected) <= QUANTIZED_KV_SCALE_RTOL * expected)
+    if wrong.any():
+        first = tuple(int(i) for i in np.argwhere(wrong)[0][:-1])
+        h.require(f"{name} scales", False, f"{int(wrong.sum())} of {wrong.size} rows' scales are not max|row| / "
+                                           f"{KV_CODE_MAX[kv_dtype]:g}: row {first} has {scales[first][0]:.6g}, "
+                                           f"expected {expected[first][0]:.6g}")
+        return
+    x = np.divide(values, scales, out=np.zeros_like(values), where=scales > 0)
+    nearest = np.abs(oracle.nearest_kv_codes(x, kv_dtype) - x)
+    off = ~(np.abs(codes - x) <= nearest + QUANTIZED_KV_CODE_SLACK * np.maximum(1.0, np.abs(x)))
+    if off.any():
+        first = tuple(int(i) for i in np.argwhere(off)[0])
+        h.require(f"{name} codes", False, f"{int(off.sum())} of {off.size} codes are not the nearest to value / "
+                                          f"scale: at {first} {codes[first]:g} for {x[first]:.6g}")
+
+
 def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: int, block_size: int, style: str,
-                              padding: str, value_dim: int | None = None) -> None:
+                              padding: str, value_dim: int | None = None, kv_dtype: str | None = None) -> None:
     """The rotated keys may go to the cache without first being rounded to the compute dtype, so
-    the written keys are compared within the op's threshold; every other slot must be untouched.
-    value_dim: the values' width where it is not head_dim (a latent cache)."""
+    the written keys are compared within the op's threshold (and, in a quantized cache, the
+    quantization's); every other slot must be untouched. value_dim: the values' width where it is not
+    head_dim (a latent cache). kv_dtype: a quantized cache's, when not the compute dtype."""
     q_heads, kv_heads = heads
-    value_dim = value_dim or head_dim
+    value_dim, kv_dtype = value_dim or head_dim, kv_dtype or h.dtype
     base, hf_scaling = ROPE_SCALINGS["default"]
     table = cos_sin_table(head_dim, ROPE_MAX_POSITIONS, base, RopeScaling.from_hf(hf_scaling, ROPE_MAX_POSITIONS))
     num_blocks = tokens // block_size + 4
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache, value_cache = round_to(h.rand(*shape), h.dtype), round_to(h.rand(*shape[:3], value_dim), h.dtype)
+    key_cache, value_cache = _stored(h.rand(*shape), kv_dtype), _stored(h.rand(*shape[:3], value_dim), kv_dtype)
     slots = h.rng.choice(num_blocks * block_size, tokens, replace=False)
     if padding == "some":
         slots[h.rng.permutation(tokens)[: max(tokens // 4, 1)]] = NO_SLOT
@@ -207,11 +271,17 @@ def check_rotary_and_write_kv(h: Harness, tokens: int, heads: tuple, head_dim: i
     positions = h.rng.integers(0, ROPE_MAX_POSITIONS, tokens)
     q_out, cache = h.call(
         h.backend.ops.rotary_and_write_kv, h.upload(q), h.upload(k), h.upload(v), h.upload(positions),
-        h.backend.to_device(table, "float32"), h.upload_cache(key_cache, value_cache), h.upload(slots), style,
+        h.backend.to_device(table, "float32"), h.upload_cache(key_cache, value_cache, kv_dtype), h.upload(slots), style,
     )
     q_ref, k_ref = oracle.rotary(q, k, positions, head_dim, base, style, hf_scaling)
-    ref_key, ref_value = oracle.write_kv(key_cache, value_cache, k_ref, v, slots)
     h.close("q", q_out, q_ref)
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        keys = _written_and_untouched(h, "key cache", cache.key, key_cache, slots)
+        h.close("written keys", oracle.dequantized_kv(keys, kv_dtype), k_ref[slots != NO_SLOT],
+                threshold=max(h.threshold, QUANTIZED_KV_NMSE_THRESHOLDS[kv_dtype]))
+        _check_quantized_write(h, "value cache", cache.value, value_cache, slots, v, kv_dtype)
+        return
+    ref_key, ref_value = oracle.write_kv(key_cache, value_cache, k_ref, v, slots)
     written = slots[slots != NO_SLOT]
     untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
     keys = h.host(cache.key).reshape(num_blocks * block_size, kv_heads, head_dim)
@@ -250,7 +320,8 @@ def check_paged_attention(
     h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
     sliding_window: int | None = None, logit_softcap: float | None = None, kv_dtype: str | None = None,
 ) -> None:
-    """kv_dtype: the cache's, when not the compute dtype."""
+    """kv_dtype: the cache's, when not the compute dtype; the oracle reads a quantized cache's rows as
+    their codes times their scales."""
     kv_dtype = kv_dtype or h.dtype
     q_heads, kv_heads = heads
     meta, num_blocks, seq_slots = _paged_step(h, batch, block_size)
@@ -259,8 +330,9 @@ def check_paged_attention(
     key_cache, value_cache = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
     for slots in seq_slots:
         seq_len = len(slots)
-        key_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
-        value_cache.reshape(-1, kv_heads, head_dim)[slots] = round_to(h.rand(seq_len, kv_heads, head_dim), kv_dtype)
+        key_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
+        value_cache.reshape(-1, kv_heads, head_dim)[slots] = h.rand(seq_len, kv_heads, head_dim)
+    key_cache, value_cache = _stored(key_cache, kv_dtype), _stored(value_cache, kv_dtype)
     q = h.rand(meta.num_tokens, q_heads, head_dim, scale=3.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
 
@@ -268,8 +340,9 @@ def check_paged_attention(
     out = h.call(h.backend.ops.paged_attention, h.upload(q), h.upload_cache(key_cache, value_cache, kv_dtype), step,
                  scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
-    reference = oracle.paged_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                       meta.block_tables, scale, sliding_window, logit_softcap)
+    reference = oracle.paged_attention(q, _read_back(key_cache, kv_dtype), _read_back(value_cache, kv_dtype),
+                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, sliding_window,
+                                       logit_softcap)
     h.close("out", out, reference)
 
 
@@ -283,22 +356,25 @@ def check_per_head_linear(h: Harness, tokens: int, heads: int, in_features: int,
 
 
 def check_paged_latent_attention(h: Harness, heads: int, rank: int, rope_dim: int, block_size: int,
-                                 batch: str) -> None:
+                                 batch: str, kv_dtype: str | None = None) -> None:
     """A latent cache (one KV head: rotary keys as the key cache, latents as the value cache), with NaN
-    in every slot the step does not own."""
+    in every slot the step does not own. kv_dtype: a quantized cache's, when not the compute dtype."""
+    kv_dtype = kv_dtype or h.dtype
     meta, num_blocks, seq_slots = _paged_step(h, batch, block_size)
     key_cache = np.full((num_blocks, block_size, 1, rope_dim), np.nan, np.float32)
     value_cache = np.full((num_blocks, block_size, 1, rank), np.nan, np.float32)
     for slots in seq_slots:
         seq_len = len(slots)
-        key_cache.reshape(-1, 1, rope_dim)[slots] = round_to(h.rand(seq_len, 1, rope_dim), h.dtype)
-        value_cache.reshape(-1, 1, rank)[slots] = round_to(h.rand(seq_len, 1, rank), h.dtype)
+        key_cache.reshape(-1, 1, rope_dim)[slots] = h.rand(seq_len, 1, rope_dim)
+        value_cache.reshape(-1, 1, rank)[slots] = h.rand(seq_len, 1, rank)
+    key_cache, value_cache = _stored(key_cache, kv_dtype), _stored(value_cache, kv_dtype)
     q_latent, q_rope = h.rand(meta.num_tokens, heads, rank), h.rand(meta.num_tokens, heads, rope_dim)
     scale = (rank // 4 + rope_dim) ** -0.5
     out = h.call(h.backend.ops.paged_latent_attention, h.upload(q_latent), h.upload(q_rope),
-                 h.upload_cache(key_cache, value_cache), h.backend.prepare_step(meta), scale)
+                 h.upload_cache(key_cache, value_cache, kv_dtype), h.backend.prepare_step(meta), scale)
     h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
-    h.close("out", out, oracle.paged_latent_attention(q_latent, q_rope, key_cache, value_cache, meta.query_start_loc,
+    h.close("out", out, oracle.paged_latent_attention(q_latent, q_rope, _read_back(key_cache, kv_dtype),
+                                                      _read_back(value_cache, kv_dtype), meta.query_start_loc,
                                                       meta.seq_lens, meta.block_tables, scale))
 
 
@@ -530,25 +606,29 @@ def check_memory(h: Harness, shape: tuple) -> None:
 
 
 def check_allocate_kv_cache(h: Harness, layers: int, block_size: int, kv_heads: int, head_dim: int,
-                            value_dim: int | None = None) -> None:
-    """value_dim: the values' width where it is not head_dim (a latent cache)."""
-    spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, h.dtype, value_dim)
+                            value_dim: int | None = None, kv_dtype: str | None = None) -> None:
+    """value_dim: the values' width where it is not head_dim (a latent cache). kv_dtype: a quantized
+    cache's, when not the compute dtype: its parts are bytes, each row 4 wider for its scale."""
+    spec = KVCacheSpec(layers, 7, block_size, kv_heads, head_dim, kv_dtype or h.dtype, value_dim)
     caches = h.backend.allocate_kv_cache(spec)
     h.require("layers", len(caches) == layers, f"{len(caches)} caches for {layers} layers")
     for layer, cache in enumerate(caches):
         for name, part, shape in (("key", cache.key, spec.block_shape), ("value", cache.value, spec.value_block_shape)):
             h.require(f"layer {layer} {name} shape", tuple(part.shape) == shape, f"{tuple(part.shape)}, not {shape}")
-            h.require(f"layer {layer} dtype", h.backend.dtype_of(part) == h.dtype, h.backend.dtype_of(part))
+            h.require(f"layer {layer} dtype", h.backend.dtype_of(part) == spec.storage_dtype, h.backend.dtype_of(part))
 
 
-def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int, latent: bool = False) -> None:
-    """With `latent`, a latent cache's blocks (one head, values wider than keys)."""
+def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int, latent: bool = False,
+                      kv_dtype: str | None = None) -> None:
+    """With `latent`, a latent cache's blocks (one head, values wider than keys). kv_dtype: a quantized
+    cache's, when not the compute dtype (its blocks are bytes, copied as they are)."""
+    kv_dtype = kv_dtype or h.dtype
     shape = (2 * copies + 3, block_size, 1 if latent else 2, 64)
     value_shape = (*shape[:3], 256) if latent else shape
-    host = [(h.rand(*shape), h.rand(*value_shape)) for _ in range(layers)]
+    host = [(_stored(h.rand(*shape), kv_dtype), _stored(h.rand(*value_shape), kv_dtype)) for _ in range(layers)]
     picked = h.rng.permutation(shape[0])[: 2 * copies]
     mapping = np.stack([picked[:copies], picked[copies:]], axis=1)
-    caches = h.backend.copy_blocks([h.upload_cache(k, v) for k, v in host], mapping)
+    caches = h.backend.copy_blocks([h.upload_cache(k, v, kv_dtype) for k, v in host], mapping)
     for layer, (key, value) in enumerate(host):
         key, value = key.copy(), value.copy()
         key[mapping[:, 1]], value[mapping[:, 1]] = key[mapping[:, 0]], value[mapping[:, 0]]
@@ -556,15 +636,18 @@ def check_copy_blocks(h: Harness, layers: int, block_size: int, copies: int, lat
         h.equal(f"layer {layer} value", h.host(caches[layer].value), value)
 
 
-def _swap_setup(h: Harness, layers: int, block_size: int, blocks: int, latent: bool):
+def _swap_setup(h: Harness, layers: int, block_size: int, blocks: int, latent: bool, kv_dtype: str | None = None):
     """Device caches of random blocks, some of them (`out_ids`) to go to `host_ids` of a new swap space;
-    with `latent`, a latent cache's (one head, values wider than keys)."""
+    with `latent`, a latent cache's (one head, values wider than keys); in `kv_dtype` where given."""
+    kv_dtype = kv_dtype or h.dtype
     device_blocks, host_blocks = 2 * blocks + 2, blocks + 3
-    spec = (KVCacheSpec(layers, host_blocks, block_size, 1, 64, h.dtype, 256) if latent
-            else KVCacheSpec(layers, host_blocks, block_size, 2, 64, h.dtype))
+    spec = (KVCacheSpec(layers, host_blocks, block_size, 1, 64, kv_dtype, 256) if latent
+            else KVCacheSpec(layers, host_blocks, block_size, 2, 64, kv_dtype))
     key_shape, value_shape = (device_blocks, *spec.block_shape[1:]), (device_blocks, *spec.value_block_shape[1:])
-    host = [(h.rand(*key_shape), h.rand(*value_shape)) for _ in range(layers)]
-    caches = [h.upload_cache(k, v) for k, v in host]
+    if spec.quantized:  # rows of values, stored as bytes 4 wider
+        key_shape, value_shape = (*key_shape[:3], spec.head_dim), (*value_shape[:3], spec.value_dim)
+    host = [(_stored(h.rand(*key_shape), kv_dtype), _stored(h.rand(*value_shape), kv_dtype)) for _ in range(layers)]
+    caches = [h.upload_cache(k, v, kv_dtype) for k, v in host]
     device_ids = h.rng.permutation(device_blocks)
     out_ids, in_ids = device_ids[:blocks], device_ids[blocks: 2 * blocks]
     host_ids = h.rng.permutation(host_blocks)[:blocks]
@@ -584,19 +667,21 @@ def _swap_space_errors(h: Harness, swap, host, out_ids, host_ids) -> list[str]:
     return errors
 
 
-def check_swap_out(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False) -> None:
+def check_swap_out(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False,
+                   kv_dtype: str | None = None) -> None:
     """Device blocks to host blocks: the swap space then holds them where the mapping says."""
-    spec, host, caches, out_ids, _, host_ids = _swap_setup(h, layers, block_size, blocks, latent)
+    spec, host, caches, out_ids, _, host_ids = _swap_setup(h, layers, block_size, blocks, latent, kv_dtype)
     swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
     for where in _swap_space_errors(h, swap, host, out_ids, host_ids):
         h.require(f"swap space {where}", False, f"swap_out did not copy device blocks {_listed(out_ids)} to host "
                                                f"blocks {_listed(host_ids)}")
 
 
-def check_swap_in(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False) -> None:
+def check_swap_in(h: Harness, layers: int, block_size: int, blocks: int, latent: bool = False,
+                  kv_dtype: str | None = None) -> None:
     """Host blocks back to other device blocks, after a swap_out that filled them; only the
     mapped device blocks change."""
-    spec, host, caches, out_ids, in_ids, host_ids = _swap_setup(h, layers, block_size, blocks, latent)
+    spec, host, caches, out_ids, in_ids, host_ids = _swap_setup(h, layers, block_size, blocks, latent, kv_dtype)
     swap = h.backend.swap_out(caches, h.backend.allocate_swap_space(spec), np.stack([out_ids, host_ids], axis=1))
     if _swap_space_errors(h, swap, host, out_ids, host_ids):
         h.require("swap_in not checked", False, "swap_out did not fill the swap space it reads (the swap_out "
@@ -653,6 +738,12 @@ def _kv_dtype_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case
     """`_grid` at every KV cache dtype the backend declares beside each compute dtype, other than
     the compute dtype itself (which the plain grid covers)."""
     return [case for dtype in dtypes for kv_dtype in kv_cache_dtypes(dtype) if kv_dtype != dtype
+            for case in _grid(op, check, (dtype,), kv_dtype=[kv_dtype], **axes)]
+
+
+def _quantized_kv_grid(op: str, check, dtypes, kv_cache_dtypes, **axes) -> list[Case]:
+    """`_grid` at every quantized KV cache dtype the backend declares beside each compute dtype."""
+    return [case for dtype in dtypes for kv_dtype in kv_cache_dtypes(dtype) if kv_dtype in QUANTIZED_KV_DTYPES
             for case in _grid(op, check, (dtype,), kv_dtype=[kv_dtype], **axes)]
 
 
@@ -751,6 +842,24 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                         heads=[(16, 4)], block_size=[16], batch=["mixed", "decode"]),
         *_kv_dtype_grid("paged_attention", check_paged_attention, dtypes, kv_cache_dtypes, head_dim=[256],
                         heads=[(8, 4)], block_size=[32], batch=["mixed"], sliding_window=[40], logit_softcap=[5.0]),
+        # A quantized cache through every other call that writes, reads or moves its rows.
+        *_quantized_kv_grid("write_kv", check_write_kv, dtypes, kv_cache_dtypes, block_size=[16], kv_heads=[1],
+                            head_dim=[64], tokens=[37], padding=["some"], value_dim=[512]),
+        *_quantized_kv_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, kv_cache_dtypes, tokens=[37],
+                            heads=[(8, 2)], head_dim=[128], block_size=[16], style=["neox"], padding=["some"]),
+        *_quantized_kv_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, kv_cache_dtypes, tokens=[37],
+                            heads=[(16, 1)], head_dim=[64], block_size=[16], style=["gptj"], padding=["some"],
+                            value_dim=[512]),
+        *_quantized_kv_grid("paged_latent_attention", check_paged_latent_attention, dtypes, kv_cache_dtypes,
+                            heads=[16], rank=[512], rope_dim=[64], block_size=[16], batch=["mixed"]),
+        *_quantized_kv_grid("allocate_kv_cache", check_allocate_kv_cache, dtypes, kv_cache_dtypes, layers=[2],
+                            block_size=[16], kv_heads=[2], head_dim=[128]),
+        *_quantized_kv_grid("copy_blocks", check_copy_blocks, dtypes, kv_cache_dtypes, layers=[2], block_size=[16],
+                            copies=[3]),
+        *_quantized_kv_grid("swap_out", check_swap_out, dtypes, kv_cache_dtypes, layers=[2], block_size=[16],
+                            blocks=[3], latent=[False, True]),
+        *_quantized_kv_grid("swap_in", check_swap_in, dtypes, kv_cache_dtypes, layers=[2], block_size=[16],
+                            blocks=[3]),
         *_grid("softcap", check_softcap, dtypes, shape=[(4, 32000), (64, 256)], cap=[30.0]),
         *_grid("softmax", check_softmax, dtypes, shape=[(8, 1000), (3, 5, 311)], magnitude=["normal", "large"]),
         *_grid("sample", check_sample, dtypes, rows=[8], vocab=[1000], mode=SAMPLING_MODES, logprobs=[0, 5]),

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from candelabra.core.contract.kv_cache import KV_SCALE_BYTES
 from candelabra.core.contract.step_metadata import SamplingMetadata
 
 
@@ -194,6 +195,47 @@ def write_kv(key_cache, value_cache, key, value, slot_mapping):
         new_key[slot // block_size, slot % block_size] = key[t]
         new_value[slot // block_size, slot % block_size] = value[t]
     return new_key, new_value
+
+
+def kv_rows(stored, kv_dtype):
+    """A quantized cache's stored rows [..., D + 4] (kv_cache.py's layout) -> (their codes' values, their
+    scales [..., 1]), float64: the rows hold codes * scales."""
+    raw = np.ascontiguousarray(stored).view(np.uint8)
+    scales = raw[..., -KV_SCALE_BYTES:].copy().view("<f4").astype(np.float64)
+    codes = raw[..., :-KV_SCALE_BYTES]
+    values = codes.view(np.int8).astype(np.float64) if kv_dtype == "int8" else _E4M3FN[codes]
+    return values, scales
+
+
+def nearest_kv_codes(x, kv_dtype):
+    """The code values nearest each of `x` (value / scale): whole numbers in -127..127 (int8), or finite
+    e4m3fn values (fp8)."""
+    if kv_dtype == "int8":
+        return np.clip(np.rint(x), -127, 127)
+    grid = np.unique(_E4M3FN[np.isfinite(_E4M3FN)])
+    above = np.clip(np.searchsorted(grid, x), 1, len(grid) - 1)
+    low, high = grid[above - 1], grid[above]
+    return np.where(np.abs(high - x) < np.abs(x - low), high, low)
+
+
+def _e4m3fn(bits):
+    """float8 e4m3fn: a sign bit, 4 exponent bits biased by 7 (0: subnormal), 3 mantissa bits; 0x7f and
+    0xff are NaN and there are no infinities."""
+    sign = -1.0 if bits & 0x80 else 1.0
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * mantissa / 8 * 2.0**-6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+_E4M3FN = np.array([_e4m3fn(bits) for bits in range(256)])
+
+
+def dequantized_kv(stored, kv_dtype):
+    values, scales = kv_rows(stored, kv_dtype)
+    return values * scales
 
 
 def paged_attention(

@@ -9,6 +9,10 @@ from candelabra.conformance.compare import (
     NMSE_THRESHOLDS,
     OP_NMSE_MEASURED,
     OP_NMSE_THRESHOLDS,
+    QUANTIZED_KV_CODE_SLACK,
+    QUANTIZED_KV_MODEL_NMSE_THRESHOLDS,
+    QUANTIZED_KV_NMSE_THRESHOLDS,
+    QUANTIZED_KV_SCALE_RTOL,
     QUANTIZED_NMSE_THRESHOLDS,
     ROUNDING_FLIP_SHARE,
 )
@@ -41,6 +45,10 @@ def threshold_table() -> str:
          for op in NMSE_OPS])
     quantized = format_table(("linear on a quantized weight", "NMSE limit"),
                              [(fmt, f"{limit:.0e}") for fmt, limit in QUANTIZED_NMSE_THRESHOLDS.items()])
+    kv_cache = format_table(
+        ("quantized KV cache", "rows' NMSE limit", "models level: logits' NMSE limit"),
+        [(kv, f"{QUANTIZED_KV_NMSE_THRESHOLDS[kv]:.0e}", f"{QUANTIZED_KV_MODEL_NMSE_THRESHOLDS[kv]:.0e}")
+         for kv in QUANTIZED_KV_NMSE_THRESHOLDS])
     models = format_table(("models level: logits against transformers", "NMSE limit", "mixture of experts"),
                           [(dtype, f"{MODEL_NMSE_THRESHOLDS[dtype]:.0e}", f"{MOE_MODEL_NMSE_THRESHOLDS[dtype]:.0e}")
                            for dtype in DTYPES])
@@ -52,7 +60,14 @@ def threshold_table() -> str:
         f"Compared exactly: {', '.join(EXACT_OPS)}; and sample's token ids (a draw near a boundary may take "
         "either neighbour) and token_logprobs' ranks.",
         quantized,
+        "A quantized KV cache's rows as write_kv leaves them: each scale within a relative "
+        f"{QUANTIZED_KV_SCALE_RTOL:.0e} of max|row| / the largest code (127 for int8, 448 for fp8), each code "
+        f"the nearest to value / scale give or take {QUANTIZED_KV_CODE_SLACK:.0e} of it, every other row "
+        "unchanged. rotary_and_write_kv's keys, dequantized, within the rows' limit of the rotated keys; "
+        "attention reads the dequantized rows, within its own limits. The models level's quantized-cache cases "
+        "hold the logits to the larger of the dtype's limit and the cache's.",
+        kv_cache,
         models,
         "engine level: every request's greedy tokens equal the numpy reference backend's, and its logprobs within "
-        "the model limit of the dtype.",
+        "the model limit of the dtype (over a quantized KV cache: the tokens it gets alone at that cache dtype).",
     ])

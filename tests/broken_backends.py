@@ -8,6 +8,8 @@ import numpy as np
 from candelabra.backends.cpu import CpuBackend, attention
 from candelabra.backends.cpu.ops import NumpyOps
 from candelabra.core.contract.backend import Backend
+from candelabra.core.contract.kv_quantization import quantize_kv_rows
+from candelabra.core.contract.ops import KVCache
 
 
 class _OneBrokenOp(CpuBackend):
@@ -260,3 +262,37 @@ class FlatTopWhenNoneAsked(_OneBrokenOp):
 
     name = "broken-empty-top"
     ops_class = _FlatTopWhenNoneAsked
+
+
+class _TruncatedKVCodes(NumpyOps):
+    def write_kv(self, cache, key, value, slot_mapping):
+        written = slot_mapping >= 0
+        blocks, offsets = np.divmod(slot_mapping[written], cache.key.shape[1])
+        for target, rows in ((cache.key, key[written]), (cache.value, value[written])):
+            stored = quantize_kv_rows(rows, "int8")
+            scale = np.abs(rows).max(axis=-1, keepdims=True) / 127
+            stored[..., :-4] = np.trunc(np.divide(rows, scale, out=np.zeros_like(rows), where=scale > 0))
+            target[blocks, offsets] = stored
+        return cache
+
+
+class TruncatedKVCodes(_OneBrokenOp):
+    """Quantizes an int8 cache's rows by truncating value / scale toward zero rather than rounding it."""
+
+    name = "broken-kv-codes"
+    ops_class = _TruncatedKVCodes
+
+
+class _KVScaleDropped(NumpyOps):
+    def paged_attention(self, q, cache, step, scale, sliding_window=None, logit_softcap=None):
+        if cache.key.dtype != np.int8:
+            return super().paged_attention(q, cache, step, scale, sliding_window, logit_softcap)
+        codes = KVCache(cache.key[..., :-4].astype(np.float32) / 127, cache.value[..., :-4].astype(np.float32) / 127)
+        return attention.paged_attention(q, codes, step, scale, sliding_window, logit_softcap)
+
+
+class KVScaleDropped(_OneBrokenOp):
+    """Reads an int8 cache's codes as if every row's largest value were 1, ignoring the row's own scale."""
+
+    name = "broken-kv-scale"
+    ops_class = _KVScaleDropped

@@ -56,9 +56,11 @@ def test_conformance_catches_low_precision_arithmetic_at_exactly_the_low_precisi
     assert failing == {(op, dtype) for op in broken_ops for dtype in ("float16", "bfloat16")}
 
 
-def failures_of(backend, op, dtype="float32", seed=7):
-    """The messages of the backend's failing cases of `op`, run in process."""
-    cases = [case for case in op_cases(backend.dtypes) if case.op == op and case.dtype == dtype]
+def failures_of(backend, op, dtype="float32", seed=7, kv_dtype=None):
+    """The messages of the backend's failing cases of `op`, run in process; with `kv_dtype`, its cases
+    over a cache in that dtype."""
+    cases = [case for case in op_cases(backend.dtypes, backend.kv_cache_dtypes) if case.op == op
+             and case.dtype == dtype and dict(case.params).get("kv_dtype") == kv_dtype]
     assert cases, f"no {op} cases"
     return [result.message for case in cases if (result := run_case(backend, case, seed)).status == FAILED]
 
@@ -141,3 +143,14 @@ def test_a_share_of_the_experts_indexed_from_zero_fails_exactly_the_cases_of_a_s
     cases = [case for case in op_cases(backend.dtypes) if case.op == "moe_experts" and case.dtype == "float32"]
     failed = {case.id for case in cases if run_case(backend, case, seed=7).status == FAILED}
     assert failed and failed == {case.id for case in cases if ("held", "middle") in case.params}
+
+
+def test_an_int8_cache_quantized_by_truncation_fails_its_writes_naming_the_codes():
+    messages = failures_of(broken_backends.TruncatedKVCodes(), "write_kv", kv_dtype="int8")
+    assert len(messages) == 2 and all("codes are not the nearest to value / scale" in m for m in messages)
+
+
+def test_an_int8_cache_read_without_its_scales_fails_attention_over_it_only():
+    backend = broken_backends.KVScaleDropped()
+    assert len(failures_of(backend, "paged_attention", kv_dtype="int8")) == 3
+    assert not failures_of(backend, "paged_attention")

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance.op_cases import op_cases
 from candelabra.core.contract.ops import OP_NAMES
 from support import run_candelabra
@@ -26,7 +27,8 @@ def test_cpu_passes_every_op_case_with_table_and_json(tmp_path):
     quantized = [case for case in document["cases"] if case["weight_format"]]
     assert {case["status"] for case in dense} == {"passed"}
     assert quantized and {case["status"] for case in quantized} == {"not supported"}  # cpu keeps no formats
-    assert len(document["cases"]) == len(op_cases(("float32",)))
+    assert len(document["cases"]) == len(op_cases(("float32",), CpuBackend.kv_cache_dtypes))
+    assert any("kv_dtype=int8" in case["case"] for case in document["cases"])  # the int8 cache it declares
     assert set(OP_NAMES) <= set(document["summary"]), "every op of the contract has cases"
 
 

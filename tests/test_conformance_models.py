@@ -34,8 +34,14 @@ def test_every_architecture_matches_transformers(tmp_path, backend):
     # the MoE ops, which a backend may not have yet
     has_moe_ops = backend_class(backend)().ops.supports("moe_experts")
     moe = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
-    assert all(m["status"] == "passed" and (m["greedy"] == "16/16" or m["greedy"].endswith("tie"))
+    # over a quantized KV cache greedy tokens may part from transformers' float cache (the NMSE limit holds),
+    # and a backend that declares no such cache reports those cases not supported
+    kv_cases = {case.name: case.kv_cache_dtype for case in MODEL_CASES if case.kv_cache_dtype}
+    declared = backend_class(backend).kv_cache_dtypes("float32")
+    assert all(m["status"] == "passed" and (m["greedy"] == "16/16" or m["greedy"].endswith("tie")
+                                            or m["case"] in kv_cases)
                or (m["status"] == "not supported" and m["architecture"] in moe and not has_moe_ops)
+               or (m["status"] == "not supported" and kv_cases.get(m["case"]) not in (None, *declared))
                for m in models), models
     architectures = {m["architecture"] for m in models}
     assert architectures == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",

@@ -48,27 +48,28 @@ def block_bytes(llm) -> int:
 # dtype
 
 def test_a_backend_keeps_its_cache_in_the_compute_dtype_unless_it_declares_more():
-    assert CpuBackend.kv_cache_dtypes("float32") == ("float32",)
+    assert CpuBackend.kv_cache_dtypes("float32") == ("float32", "int8")
     assert CpuBackend.check_kv_cache_dtype("float32", "float32") == "float32"
     with pytest.raises(ValueError) as caught:
         CpuBackend.check_kv_cache_dtype("float16", "float32")
-    assert str(caught.value) == "backend 'cpu' computing in float32 keeps its KV cache in float32, not float16"
+    assert str(caught.value) == "backend 'cpu' computing in float32 keeps its KV cache in float32, int8, not float16"
     assert MetalBackend.kv_cache_dtypes("float32") == ("float32", "float16", "bfloat16")
     assert MetalBackend.kv_cache_dtypes("bfloat16")[0] == "bfloat16"
 
 
 def test_llm_refuses_a_kv_cache_dtype_the_backend_does_not_declare(checkpoint):
-    with pytest.raises(ValueError, match="backend 'cpu' computing in float32 keeps its KV cache in float32, not "
-                                         "bfloat16"):
+    with pytest.raises(ValueError, match="backend 'cpu' computing in float32 keeps its KV cache in float32, int8, "
+                                         "not bfloat16"):
         LLM(checkpoint, backend="cpu", kv_cache_dtype="bfloat16", kvcache_mem_gpu=1, kvcache_mem_cpu=0)
 
 
-def test_serve_refuses_a_kv_cache_dtype_before_loading(checkpoint):
-    result = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cpu", "--kv-cache-dtype", "f16",
+@pytest.mark.parametrize("flag, dtype", [("f16", "float16"), ("fp8", "fp8")])
+def test_serve_refuses_a_kv_cache_dtype_before_loading(checkpoint, flag, dtype):
+    result = run_candelabra("serve", "--weight-path", str(checkpoint), "--backend", "cpu", "--kv-cache-dtype", flag,
                             "--port", "0")
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == ("error: backend 'cpu' computing in float32 keeps its KV cache in "
-                                              "float32, not float16")
+                                              f"float32, int8, not {dtype}")
 
 
 @needs_metal
@@ -145,12 +146,12 @@ def test_shares_that_are_not_shares_and_memory_that_holds_no_block_are_refused(c
         device_cache_size(NothingFree(), block, None, 1.0, 8, 512)
 
 
-def test_serve_says_how_it_sized_the_kv_cache(tmp_path):
+def test_serve_says_how_it_sized_the_kv_cache_and_its_dtype(tmp_path):
     folder = write_chat_checkpoint(tmp_path)
     with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kv-fraction", "0.5", "--max-num-seqs", "2",
-                    "--max-model-len", "64", "--kvcache-mem-cpu", "0") as server:
+                    "--max-model-len", "64", "--kvcache-mem-cpu", "0", "--kv-cache-dtype", "int8") as server:
         startup = server.startup
-    assert "KV cache  128 tokens (8 blocks of 16, 0 MiB in float32)" in startup
+    assert "KV cache  128 tokens (8 blocks of 16, 0 MiB in int8)" in startup
     assert "sized by 0.5 of the " in startup
     assert " free on cpu (kv_fraction), capped at what 2 sequences of 64 tokens can fill" in startup
 

@@ -70,13 +70,18 @@ class CpuBackend(Backend):
     def synchronize(self) -> None:
         """numpy computes eagerly: by the time a call returns its work is done."""
 
+    @classmethod
+    def kv_cache_dtypes(cls, compute_dtype):
+        """float32, or int8 rows that write_kv quantizes and attention reads back to float32."""
+        return (compute_dtype, "int8")
+
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
+        return [KVCache(np.zeros(spec.block_shape, spec.storage_dtype), np.zeros(spec.value_block_shape,
+                                                                                   spec.storage_dtype))
                 for _ in range(spec.num_layers)]
 
     def allocate_swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
-        return [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
-                for _ in range(spec.num_layers)]
+        return self.allocate_kv_cache(spec)
 
     def copy_blocks(self, caches, mapping):
         return _copy_between(caches, caches, mapping)

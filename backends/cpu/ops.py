@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from candelabra.backends.cpu import attention, sampling
+from candelabra.core.contract.kv_quantization import quantize_kv_rows, storage_kv_dtype
 from candelabra.core.contract.ops import (
     KVCache,
     Ops,
@@ -82,8 +83,9 @@ class NumpyOps(Ops):
         slots = slot_mapping[written]
         block_size = cache.key.shape[1]
         blocks, offsets = slots // block_size, slots % block_size
-        cache.key[blocks, offsets] = key[written]
-        cache.value[blocks, offsets] = value[written]
+        for target, rows in ((cache.key, key[written]), (cache.value, value[written])):
+            kv_dtype = storage_kv_dtype(str(target.dtype))
+            target[blocks, offsets] = rows if kv_dtype is None else quantize_kv_rows(rows, kv_dtype)
         return cache
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from candelabra.backends.torch.quantized_kv import dequantize_rows, is_quantized
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
 
@@ -166,11 +167,14 @@ def paged_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: 
 
 
 def _gathered(cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
-    """The group's keys (or values) in float32, [R, Hk, S, D]. Past each sequence's end they hold
+    """The group's keys (or values) in float32, [R, Hk, S, D]: a quantized cache's rows are dequantized
+    here, as they are gathered, so only the blocks the step reads are. Past each sequence's end they hold
     whatever the cache did: every such key is outside every query's window."""
     rows, blocks = group.block_tables.shape
-    gathered = cache[group.block_tables].reshape(rows, -1, *cache.shape[2:])  # [R, S, Hk, D]
-    return gathered.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+    gathered = cache[group.block_tables].reshape(rows, -1, *cache.shape[2:]).permute(0, 2, 1, 3)  # [R, Hk, S, D]
+    if is_quantized(cache):
+        return dequantize_rows(gathered)
+    return gathered.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def _explicit(q, k, v, visible, scale, cap):

@@ -37,7 +37,9 @@ CPU_DTYPES = default_dtypes(has_native_bfloat16())
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    """A compute dtype's torch dtype, or a quantized KV cache's storage dtype's ("int8", "uint8")."""
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+            "uint8": torch.uint8}[name]
 
 
 class TorchBackend(Backend):
@@ -108,8 +110,9 @@ class TorchBackend(Backend):
 
     @classmethod
     def kv_cache_dtypes(cls, compute_dtype):
-        """Any float dtype: write_kv casts to the cache's dtype and attention reads it in the compute dtype."""
-        return (compute_dtype, *(d for d in cls.dtypes if d != compute_dtype))
+        """Any float dtype: write_kv casts to the cache's dtype and attention reads it in the compute dtype.
+        And int8 (quantized_kv.py): write_kv quantizes each row, attention dequantizes the blocks it reads."""
+        return (compute_dtype, *(d for d in cls.dtypes if d != compute_dtype), "int8")
 
     # memory
 

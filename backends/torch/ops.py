@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, sampling
+from candelabra.backends.torch.quantized_kv import is_quantized, quantize_rows
 from candelabra.backends.torch.weight_forms import KeptWeight
 from candelabra.core.contract.ops import (
     KVCache,
@@ -82,7 +83,8 @@ class TorchOps(Ops):
             written = slots >= 0
             slots, key, value = slots[written], key[written], value[written]
         for target, rows in ((cache.key, key), (cache.value, value)):
-            target.view(-1, *target.shape[2:]).index_copy_(0, slots, rows.to(target.dtype))
+            rows = quantize_rows(rows, target.dtype) if is_quantized(target) else rows.to(target.dtype)
+            target.view(-1, *target.shape[2:]).index_copy_(0, slots, rows)
         return cache
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):

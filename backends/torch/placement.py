@@ -164,14 +164,14 @@ class DevicePlacement:
         return tuple(out)
 
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
-        dtype = torch_dtype(spec.dtype)
+        dtype = torch_dtype(spec.storage_dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, device=self.torch_device),
                         torch.zeros(spec.value_block_shape, dtype=dtype, device=self.torch_device))
                 for _ in range(spec.num_layers)]
 
     def swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         # Pinned host memory copies to and from a device asynchronously.
-        dtype = torch_dtype(spec.dtype)
+        dtype = torch_dtype(spec.storage_dtype)
         return [KVCache(torch.zeros(spec.block_shape, dtype=dtype, pin_memory=True),
                         torch.zeros(spec.value_block_shape, dtype=dtype, pin_memory=True))
                 for _ in range(spec.num_layers)]
@@ -184,6 +184,6 @@ def _untouched_zeros(spec: KVCacheSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """Zeros in host memory whose pages the OS maps only when first written (numpy's calloc), so a KV
     cache sized for the worst case occupies RAM only as far as sequences fill it. torch.zeros writes
     every page up front."""
-    itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
-    raw = np.zeros(shape, dtype=np.dtype(f"u{itemsize}"))
-    return torch.from_numpy(raw).view(torch_dtype(spec.dtype))
+    dtype = torch_dtype(spec.storage_dtype)
+    raw = np.zeros(shape, dtype=np.dtype(f"u{torch.empty((), dtype=dtype).element_size()}"))
+    return torch.from_numpy(raw).view(dtype)
