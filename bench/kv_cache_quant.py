@@ -60,7 +60,8 @@ def decode_tokens_per_second(llm: LLM, concurrency: int, prompt_tokens: int, out
 def measure(args: argparse.Namespace, kv_dtype: str) -> tuple[str, ...]:
     llm = LLM(str(args.model), backend=args.backend, dtype=args.dtype, kv_cache_dtype=kv_dtype, load_format="dummy",
               kvcache_mem_gpu=args.cache_mb, kvcache_mem_cpu=0, max_num_seqs=args.concurrency,
-              max_num_batched_tokens=args.concurrency * args.prompt_tokens, prefill_chunk_size=0)
+              max_num_batched_tokens=args.concurrency * args.prompt_tokens,
+              max_model_len=args.prompt_tokens + args.output_tokens)
     try:
         block = one_block(llm.model, llm.engine.config.block_size, kv_dtype)
         blocks_per_sequence = -(-args.seq_len // block.block_size)

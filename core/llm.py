@@ -33,7 +33,8 @@ class LLM:
     folder, .gguf file) or an opened Checkpoint; None serves the default model. `backend` is a
     name, "auto", or a Backend class; `device` one of its devices (an index or a Device; None: 0).
 
-    The KV cache is in `kv_cache_dtype` (default: the compute dtype) and takes `kvcache_mem_gpu`
+    The KV cache is in `kv_cache_dtype` (default: the compute dtype; "int8" or "fp8" quantizes it, where
+    the backend declares that, and as many more blocks fit as its smaller rows allow) and takes `kvcache_mem_gpu`
     MB, or else `kv_fraction` of the backend's free memory (default: the backend's own share),
     never more than `max_num_seqs` sequences of the whole context can fill. `kvcache_mem_cpu` MB
     of host memory hold swapped-out blocks (0: preempt by recompute).

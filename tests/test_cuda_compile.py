@@ -91,7 +91,8 @@ from candelabra.conformance.model_cases import MODEL_CASES, config_json
 configs = workloads_from([DEFAULT_CONFIGS])
 dense = [w for w in configs if not w.experts]
 routed = [w for w in configs if w.experts] + [Workload.from_hf_config(case.name, config_json(case))
-                                              for case in MODEL_CASES if case.routes_experts]
+                                              for case in MODEL_CASES
+                                              if case.routes_experts and not case.kv_cache_dtype]
 llama = [w for w in configs if w.label == "llama-3-8b"]
 fused_moe = frozenset({"_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel", "_down_kernel",
                        "_sum_picks_kernel"})

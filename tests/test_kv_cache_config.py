@@ -196,5 +196,6 @@ def test_kv_cache_spec_sizes_blocks_from_memory():
         blocks_in(0.001, spec, "kvcache_mem_gpu")
     with pytest.raises(ValueError, match="num_kv_heads must be >= 1"):
         KVCacheSpec(1, 1, 16, 0, 64)
-    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'float8'; expected one of float32, float16, bfloat16, "
+                                         "int8, fp8"):
         KVCacheSpec(1, 1, 16, 1, 64, "float8")
