@@ -15,7 +15,10 @@ from candelabra.backends.cuda.availability import cuda_missing, interpreter_brok
 from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, torch, torch_dtype
 from candelabra.backends.torch.expert_weights import ExpertWeights
 from candelabra.core.contract.backend import Probe
+from candelabra.core.contract.dtypes import QUANTIZED_KV_DTYPES
 from candelabra.core.contract.executor import StepExecutor
+from candelabra.core.contract.kv_cache import KVCacheSpec
+from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
 
@@ -23,6 +26,8 @@ log = logging.getLogger("candelabra")
 
 GPU_DTYPES = ("bfloat16", "float16", "float32")
 INTERPRETER_DTYPES = ("float32", "float16")
+# Triton's float8e4nv, which the attention kernels read an fp8 cache through, is Ada's and Hopper's.
+FP8_CAPABILITY = (8, 9)
 
 
 class CudaBackend(TorchBackend):
@@ -64,6 +69,13 @@ class CudaBackend(TorchBackend):
         return torch.cuda.device_count()
 
     @classmethod
+    def kv_cache_dtypes(cls, compute_dtype):
+        """The torch backend's float dtypes, and "int8" and "fp8" (kernels/kv_codes.py): write_kv quantizes
+        each row as it stores it and attention multiplies the codes out as it reads them. Reading fp8 takes
+        a GPU of compute capability 8.9 or later (Ada, Hopper), which `allocate_kv_cache` checks."""
+        return (*super().kv_cache_dtypes(compute_dtype), *QUANTIZED_KV_DTYPES)
+
+    @classmethod
     def ops_class(cls) -> type:
         from candelabra.backends.cuda.ops import CudaOps
 
@@ -75,6 +87,18 @@ class CudaBackend(TorchBackend):
             return
         torch.cuda.set_device(self.torch_device)
         log.info("cuda backend on %s", torch.cuda.get_device_name(self.torch_device))
+
+    # KV cache
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
+        if spec.dtype == "fp8" and self.torch_device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.torch_device)
+            if capability < FP8_CAPABILITY:
+                raise ValueError(f"an fp8 KV cache needs a GPU of compute capability {FP8_CAPABILITY[0]}."
+                                 f"{FP8_CAPABILITY[1]} or later, for Triton's float8 e4m3; "
+                                 f"{torch.cuda.get_device_name(self.torch_device)} has {capability[0]}."
+                                 f"{capability[1]}: use --kv-cache-dtype int8")
+        return super().allocate_kv_cache(spec)
 
     # weights
 

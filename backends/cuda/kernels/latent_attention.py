@@ -13,6 +13,10 @@ when its tiles alone leave SMs idle, the segments merged by that module's merge 
 reused across calls; a step mixing decodes with longer queries launches twice, its decodes tiled as a
 decode step. No launch depends on the sequences' lengths, so a decode step can be captured in a CUDA
 graph.
+
+A quantized latent cache ("int8" or "fp8" codes, each row followed by its float32 scale: kv_codes.py) is
+read by the same tiles: a tile of latents and of rotary keys is loaded as codes with its rows' scales and
+multiplied out in float32 once, then serves both dots as the float cache's tile does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
+from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
 from candelabra.backends.cuda.kernels.paged_attention import (
     LOG2_E,
     MIN_DOT_SIZE,
@@ -67,9 +73,10 @@ def choose_latent_tiling(max_query_len: int, num_heads: int, float32_dot: bool) 
 def paged_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, rope_cache: torch.Tensor,
                            latent_cache: torch.Tensor, step: CudaStep, scale: float) -> torch.Tensor:
     """`Ops.paged_latent_attention`: q_latent [T, H, R] and q_rope [T, H, P] over the latent cache
-    (rope_cache [num_blocks, block_size, 1, P], latent_cache [num_blocks, block_size, 1, R]) through the
-    step's block tables; returns [T, H, R] in q_latent's dtype."""
-    _check_shapes(q_latent, q_rope, rope_cache, latent_cache, step)
+    (rope_cache [num_blocks, block_size, 1, P], latent_cache [num_blocks, block_size, 1, R], or a quantized
+    cache's [.., P + 4] and [.., R + 4] bytes) through the step's block tables; returns [T, H, R] in
+    q_latent's dtype."""
+    codes = _check_shapes(q_latent, q_rope, rope_cache, latent_cache, step)
     num_tokens, num_heads, rank = q_latent.shape
     out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0:
@@ -77,9 +84,10 @@ def paged_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, rope_ca
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     sixteen_bit = q_latent.dtype in (torch.float16, torch.bfloat16)
-    same = q_latent.dtype == q_rope.dtype == rope_cache.dtype == latent_cache.dtype
+    same = q_latent.dtype == q_rope.dtype and (
+        codes != FLOAT_CACHE or q_latent.dtype == rope_cache.dtype == latent_cache.dtype)
     launch = _LatentLaunch(out, q_latent, q_rope, rope_cache, latent_cache, step, scale,
-                           dot_dtype=q_latent.dtype if sixteen_bit and same else torch.float32)
+                           dot_dtype=q_latent.dtype if sixteen_bit and same else torch.float32, codes=codes)
     if step.max_query_len == 1:
         launch.decodes(num_tokens, None)
     elif step.decode_tokens is not None:
@@ -90,17 +98,20 @@ def paged_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, rope_ca
     return out
 
 
-def _check_shapes(q_latent, q_rope, rope_cache, latent_cache, step: CudaStep) -> None:
+def _check_shapes(q_latent, q_rope, rope_cache, latent_cache, step: CudaStep) -> str:
+    """The cache's codes (kv_codes.py), once the shapes agree."""
     if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_latent [T, H, R] and q_rope [T, H, P] must agree on T and H; got "
                          f"{list(q_latent.shape)} and {list(q_rope.shape)}")
     num_tokens, _, rank = q_latent.shape
     rope_dim = q_rope.shape[2]
+    codes = check_same_codes(rope_cache, latent_cache)
     blocks = rope_cache.shape[:2]
-    if (tuple(rope_cache.shape) != (*blocks, 1, rope_dim)
-            or tuple(latent_cache.shape) != (*blocks, 1, rank)):
-        raise ValueError(f"a latent cache has one KV head: key [blocks, block_size, 1, {rope_dim}] and value "
-                         f"[blocks, block_size, 1, {rank}]; got {list(rope_cache.shape)} and "
+    if (tuple(rope_cache.shape[:3]) != (*blocks, 1) or tuple(latent_cache.shape[:3]) != (*blocks, 1)
+            or row_features(rope_cache) != rope_dim or row_features(latent_cache) != rank):
+        scale = " + 4 scale bytes" if codes != FLOAT_CACHE else ""
+        raise ValueError(f"a latent cache has one KV head: key [blocks, block_size, 1, {rope_dim}{scale}] and value "
+                         f"[blocks, block_size, 1, {rank}{scale}]; got {list(rope_cache.shape)} and "
                          f"{list(latent_cache.shape)}")
     if blocks[1] != step.block_size:
         raise ValueError(f"the cache has blocks of {blocks[1]} slots, the step {step.block_size}")
@@ -108,6 +119,7 @@ def _check_shapes(q_latent, q_rope, rope_cache, latent_cache, step: CudaStep) ->
         raise ValueError(f"{num_tokens} query tokens for a step of {step.num_tokens}")
     if rope_cache.stride(-1) != 1 or latent_cache.stride(-1) != 1:
         raise ValueError("the latent cache must be contiguous along its last axis")
+    return codes
 
 
 @dataclass
@@ -122,6 +134,7 @@ class _LatentLaunch:
     step: CudaStep
     scale: float
     dot_dtype: torch.dtype
+    codes: str  # the cache's (kv_codes.py)
 
     def tiling(self, max_query_len: int) -> LatentTiling:
         return choose_latent_tiling(max_query_len, self.q_latent.shape[1], self.dot_dtype == torch.float32)
@@ -175,7 +188,7 @@ class _LatentLaunch:
             ROPE_DIM=rope_dim, ROPE_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(rope_dim)),
             HEADS_PER_TILE=tiling.heads, QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows,
             BLOCK_N=tiling.keys, BLOCK_SIZE=step.block_size, DOT_DTYPE=TRITON_DTYPES[self.dot_dtype],
-            num_warps=tiling.warps, num_stages=tiling.stages,
+            CODES=self.codes, num_warps=tiling.warps, num_stages=tiling.stages,
         )
 
 
@@ -194,7 +207,7 @@ def _latent_attention_kernel(
     stride_block_tables,
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
     HEADS_PER_TILE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr,
 ):
     """A tile of query rows, (tokens) x (heads of head tile program_id(1)), against its sequence's keys
     (or one of num_segments segments of them). With QUERIES_PER_TILE 1 tile t is one token: token t, or
@@ -264,10 +277,17 @@ def _latent_attention_kernel(
         slot = key_pos % BLOCK_SIZE
         # Unused slots may hold NaN: loads outside the keys read 0, and their scores are masked below,
         # since a NaN latent times a zero weight would still be NaN.
-        latents = tl.load(latent_cache_ptr + block[:, None] * stride_latent_block + slot[:, None] * stride_latent_slot
-                          + ranks[None, :], mask=key_valid[:, None] & rank_valid[None, :], other=0.0).to(DOT_DTYPE)
-        rope_keys = tl.load(rope_cache_ptr + block[None, :] * stride_rope_block + slot[None, :] * stride_rope_slot
-                            + ropes[:, None], mask=key_valid[None, :] & rope_valid[:, None], other=0.0)
+        latent_rows = latent_cache_ptr + block * stride_latent_block + slot * stride_latent_slot
+        latents = tl.load(latent_rows[:, None] + ranks[None, :], mask=key_valid[:, None] & rank_valid[None, :],
+                          other=0)
+        rope_rows = rope_cache_ptr + block * stride_rope_block + slot * stride_rope_slot
+        rope_keys = tl.load(rope_rows[None, :] + ropes[:, None], mask=key_valid[None, :] & rope_valid[:, None],
+                            other=0)
+        if CODES != "none":
+            latents = kv_codes.decode(latents, CODES) * kv_codes.load_scales(latent_rows + RANK, key_valid)[:, None]
+            rope_scales = kv_codes.load_scales(rope_rows + ROPE_DIM, key_valid)
+            rope_keys = kv_codes.decode(rope_keys, CODES) * rope_scales[None, :]
+        latents = latents.to(DOT_DTYPE)
         scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee")
         scores = tl.dot(q_rope, rope_keys.to(DOT_DTYPE), scores, input_precision="ieee") * score_scale
         visible = key_valid[None, :] & (key_pos[None, :] <= position[:, None])

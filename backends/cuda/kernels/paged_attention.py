@@ -11,6 +11,10 @@ A step that mixes decodes with longer queries (prefill chunks beside running seq
 twice: its decodes tiled as a decode step (a tile of one token's group of heads, keys split into
 segments) and the longer queries tiled for prefill. In one launch each decode would take a prefill
 tile of up to 128 rows for its few heads and walk its whole context alone.
+
+A quantized cache ("int8" or "fp8" codes, each row followed by its float32 scale: kv_codes.py) is read
+by the same tiles: each block of keys and values is loaded as codes with its rows' scales and multiplied
+out in float32 on the way to the dots, which take 16-bit operands where the queries are 16-bit.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
+from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
 from candelabra.backends.cuda.step import CudaStep
 
 LOG2_E = math.log2(math.e)
@@ -119,13 +125,18 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     scale: float, sliding_window: int | None = None,
                     logit_softcap: float | None = None) -> torch.Tensor:
     """`Ops.paged_attention`: q [T, Hq, D] over key_cache/value_cache [num_blocks, block_size, Hk, D]
-    through the step's block tables; returns [T, Hq, D] in q's dtype."""
+    (or a quantized cache's [.., D + 4] bytes) through the step's block tables; returns [T, Hq, D] in q's
+    dtype."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
     if key_cache.shape[1] != step.block_size:
         raise ValueError(f"the cache has blocks of {key_cache.shape[1]} slots, the step {step.block_size}")
+    codes = check_same_codes(key_cache, value_cache)
+    if row_features(key_cache) != head_dim or row_features(value_cache) != head_dim:
+        raise ValueError(f"caches of rows {key_cache.shape[-1]} and {value_cache.shape[-1]} wide do not hold "
+                         f"heads of {head_dim}{' (+ 4 scale bytes)' if codes != FLOAT_CACHE else ''}")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -136,12 +147,14 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
 
     group = num_heads // num_kv_heads
     head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
-    # Matching 16-bit operands go to the tensor cores as they are; anything else (float32, or
-    # a cache dtype other than q's) is multiplied in float32, exactly.
-    dot_dtype = q.dtype if (q.dtype in (torch.float16, torch.bfloat16)
-                            and key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
+    # Matching 16-bit operands go to the tensor cores as they are, and so do a quantized cache's values
+    # beside 16-bit queries; anything else (float32, or a float cache dtype other than q's) is multiplied
+    # in float32, exactly.
+    sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
+    dot_dtype = q.dtype if sixteen_bit and (
+        codes != FLOAT_CACHE or key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
     launch = _AttentionLaunch(out, q, key_cache, value_cache, step, group, head_dim_pad, dot_dtype,
-                              sliding_window, logit_softcap, scale)
+                              sliding_window, logit_softcap, scale, codes)
     if step.max_query_len == 1:
         launch.decodes(num_tokens, None)
     elif step.decode_tokens is not None:
@@ -167,6 +180,7 @@ class _AttentionLaunch:
     sliding_window: int | None
     logit_softcap: float | None
     scale: float
+    codes: str  # the cache's (kv_codes.py)
 
     def decodes(self, count: int, tokens: torch.Tensor | None) -> None:
         """One tile per decode token (all of the step's tokens, or those listed in `tokens`), its keys
@@ -217,7 +231,7 @@ class _AttentionLaunch:
             BLOCK_SIZE=step.block_size, NUM_SEGMENTS=grid[2],
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
             DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
-            TOKEN_TILES=token_tiles, num_warps=tiling.warps, num_stages=tiling.stages,
+            TOKEN_TILES=token_tiles, CODES=self.codes, num_warps=tiling.warps, num_stages=tiling.stages,
         )
 
 
@@ -273,7 +287,7 @@ def _attention_tile_kernel(
     QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr,
+    TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr, CODES: tl.constexpr,
 ):
     """A tile of query rows against its sequence's keys (or one segment of them). With TOKEN_TILES (the
     decodes' launch, one query a tile) tile t is one token: token t, or with TOKEN_LIST the t-th of
@@ -341,9 +355,10 @@ def _attention_tile_kernel(
         slot = key_pos % BLOCK_SIZE
         # Unused slots may hold NaN: loads outside the sequence read 0, and their scores are
         # masked below, since a NaN times a zero weight would still be NaN.
-        keys = tl.load(key_cache_ptr + block[None, :] * stride_k_block + slot[None, :] * stride_k_slot
-                       + kv_head * stride_k_head + dims[:, None],
-                       mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        key_rows = key_cache_ptr + block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+        keys = tl.load(key_rows[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0)
+        if CODES != "none":
+            keys = kv_codes.decode(keys, CODES) * kv_codes.load_scales(key_rows + HEAD_DIM, key_valid)[None, :]
         scores = tl.dot(q, keys.to(DOT_DTYPE), input_precision="ieee")
         if USE_SOFTCAP:
             scores = capped_scale * _tanh(scores * score_scale)
@@ -360,9 +375,10 @@ def _attention_tile_kernel(
         weights = tl.exp2(scores - shift[:, None])
         decay = tl.exp2(running_max - shift)
         running_sum = running_sum * decay + tl.sum(weights, 1)
-        values = tl.load(value_cache_ptr + block[:, None] * stride_v_block + slot[:, None] * stride_v_slot
-                         + kv_head * stride_v_head + dims[None, :],
-                         mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        value_rows = value_cache_ptr + block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+        values = tl.load(value_rows[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :], other=0)
+        if CODES != "none":
+            values = kv_codes.decode(values, CODES) * kv_codes.load_scales(value_rows + HEAD_DIM, key_valid)[:, None]
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
         running_max = new_max
 

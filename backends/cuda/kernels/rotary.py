@@ -2,8 +2,9 @@
 
 `rotary` is `Ops.rotary`; `write_kv` scatters K/V rows into the cache in place, skipping NO_SLOT
 on the device; `rotary_write_kv` does both in one launch, writing the rotated k (and v) into the
-cache as it goes. Nothing here reads device data on the host, and launch grids depend only on
-shapes, so every launch can be captured in a CUDA graph.
+cache as it goes. A quantized cache ("int8", "fp8": kv_codes.py) gets each row's codes and scale from
+the program that holds the whole row, in the same launch. Nothing here reads device data on the host,
+and launch grids depend only on shapes, so every launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,19 +13,43 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
+
 STYLES = ("neox", "gptj")
 # Largest [heads, features] tile one program holds: 16 float32 values per thread with 4 warps.
 TILE_ELEMENTS = 2048
 
 
 @triton.jit
-def _write_heads(cache_ptr, slot, heads, cols, values, mask, stride_block, stride_offset, stride_head, block_size):
-    """Store values [heads, cols] at cache slot `slot` (int64), unless the slot is NO_SLOT (< 0)."""
-    # Clamped so that a NO_SLOT token, whose store is masked off, still forms an in-range address.
+def _row_starts(cache_ptr, slot, heads, stride_block, stride_offset, stride_head, block_size):
+    """Where the rows [heads] of cache slot `slot` (int64) start."""
+    # Clamped so that a NO_SLOT token, whose stores are masked off, still forms in-range addresses.
     safe_slot = tl.maximum(slot, 0)
-    row = cache_ptr + (safe_slot // block_size) * stride_block + (safe_slot % block_size) * stride_offset
-    pointers = row + heads[:, None] * stride_head + cols[None, :]
-    tl.store(pointers, values.to(cache_ptr.dtype.element_ty), mask=mask & (slot >= 0))
+    return cache_ptr + (safe_slot // block_size) * stride_block + (safe_slot % block_size) * stride_offset \
+        + heads * stride_head
+
+
+@triton.jit
+def _write_heads(rows, slot, cols, values, mask, scales, CODES: tl.constexpr):
+    """Store values [heads, cols] at columns `cols` of the rows [heads] (as codes of their rows' scales
+    [heads] in a quantized cache), unless the slot is NO_SLOT (< 0)."""
+    if CODES == "none":
+        stored = values.to(rows.dtype.element_ty)
+    else:
+        stored = kv_codes.encode(values.to(tl.float32), scales, CODES)
+    tl.store(rows[:, None] + cols[None, :], stored, mask=mask & (slot >= 0))
+
+
+@triton.jit
+def _scales_for(rows, slot, largest, features, head_valid, CODES: tl.constexpr):
+    """In a quantized cache, the scales of rows [heads] whose largest magnitudes are `largest`, stored after
+    their `features` codes (unless the slot is NO_SLOT); in a float cache nothing (0.0)."""
+    scales = 0.0
+    if CODES != "none":
+        scales = kv_codes.scales_of_largest(largest, CODES)
+        kv_codes.store_scales(rows + features, scales, head_valid & (slot >= 0))
+    return scales
 
 
 @triton.jit
@@ -51,23 +76,30 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
+    CODES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads[:, None] < num_heads
+    head_valid = heads < num_heads
+    head_mask = head_valid[:, None]
     slot = tl.load(slot_ptr + token).to(tl.int64)
 
     cols = tl.arange(0, D_PAD)
     mask = head_mask & (cols[None, :] < head_dim)
-    key = tl.load(key_ptr + token * key_stride_t + heads[:, None] * key_stride_h + cols[None, :], mask=mask)
-    _write_heads(key_cache_ptr, slot, heads, cols, key, mask,
-                 key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
+    key = tl.load(key_ptr + token * key_stride_t + heads[:, None] * key_stride_h + cols[None, :], mask=mask, other=0.0)
+    rows = _row_starts(key_cache_ptr, slot, heads, key_cache_stride_block, key_cache_stride_offset,
+                       key_cache_stride_head, block_size)
+    scales = _scales_for(rows, slot, kv_codes.largest_magnitudes(key), head_dim, head_valid, CODES)
+    _write_heads(rows, slot, cols, key, mask, scales, CODES)
 
     cols = tl.arange(0, DV_PAD)
     mask = head_mask & (cols[None, :] < value_dim)
-    value = tl.load(value_ptr + token * value_stride_t + heads[:, None] * value_stride_h + cols[None, :], mask=mask)
-    _write_heads(value_cache_ptr, slot, heads, cols, value, mask,
-                 value_cache_stride_block, value_cache_stride_offset, value_cache_stride_head, block_size)
+    value = tl.load(value_ptr + token * value_stride_t + heads[:, None] * value_stride_h + cols[None, :], mask=mask,
+                    other=0.0)
+    rows = _row_starts(value_cache_ptr, slot, heads, value_cache_stride_block, value_cache_stride_offset,
+                       value_cache_stride_head, block_size)
+    scales = _scales_for(rows, slot, kv_codes.largest_magnitudes(value), value_dim, head_valid, CODES)
+    _write_heads(rows, slot, cols, value, mask, scales, CODES)
 
 
 @triton.jit
@@ -129,6 +161,7 @@ def _rotary_kernel(
     PASS_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    CODES: tl.constexpr,
 ):
     # Axis 1 enumerates blocks of q heads, then blocks of k heads (which also carry v to the cache).
     token = tl.program_id(0).to(tl.int64)
@@ -162,7 +195,8 @@ def _rotary_kernel(
             tl.store(dst + heads[:, None] * q_out_stride_h + pass_cols[None, :], rest, mask=head_mask & pass_col_mask)
     else:
         heads = (head_block - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_mask = heads[:, None] < num_k_heads
+        head_valid = heads < num_k_heads
+        head_mask = head_valid[:, None]
         src = k_ptr + token * k_stride_t
         dst = k_out_ptr + token * k_out_stride_t
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -170,26 +204,30 @@ def _rotary_kernel(
         # With the cache write, the rotated k goes to the cache alone: no caller reads it back.
         new_a, new_b = _rotate_heads(src, dst, k_stride_h, k_out_stride_h, heads, cols_a, cols_b, mask, cos, sin,
                                      not WRITE_KV)
-        if WRITE_KV:
-            _write_heads(key_cache_ptr, slot, heads, cols_a, new_a, mask,
-                         key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
-            _write_heads(key_cache_ptr, slot, heads, cols_b, new_b, mask,
-                         key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
+        largest = tl.maximum(kv_codes.largest_magnitudes(new_a), kv_codes.largest_magnitudes(new_b))
+        pass_mask = head_mask & pass_col_mask
         if HAS_PASS:
-            mask = head_mask & pass_col_mask
-            rest = tl.load(src + heads[:, None] * k_stride_h + pass_cols[None, :], mask=mask)
+            rest = tl.load(src + heads[:, None] * k_stride_h + pass_cols[None, :], mask=pass_mask, other=0.0)
+            largest = tl.maximum(largest, kv_codes.largest_magnitudes(rest))
             if not WRITE_KV:
-                tl.store(dst + heads[:, None] * k_out_stride_h + pass_cols[None, :], rest, mask=mask)
-            if WRITE_KV:
-                _write_heads(key_cache_ptr, slot, heads, pass_cols, rest, mask,
-                             key_cache_stride_block, key_cache_stride_offset, key_cache_stride_head, block_size)
+                tl.store(dst + heads[:, None] * k_out_stride_h + pass_cols[None, :], rest, mask=pass_mask)
         if WRITE_KV:
+            rows = _row_starts(key_cache_ptr, slot, heads, key_cache_stride_block, key_cache_stride_offset,
+                               key_cache_stride_head, block_size)
+            scales = _scales_for(rows, slot, largest, head_dim, head_valid, CODES)
+            _write_heads(rows, slot, cols_a, new_a, mask, scales, CODES)
+            _write_heads(rows, slot, cols_b, new_b, mask, scales, CODES)
+            if HAS_PASS:
+                _write_heads(rows, slot, pass_cols, rest, pass_mask, scales, CODES)
+
             value_cols = tl.arange(0, DV_PAD)
             mask = head_mask & (value_cols[None, :] < value_dim)
             value_src = value_ptr + token * value_stride_t + heads[:, None] * value_stride_h
-            value = tl.load(value_src + value_cols[None, :], mask=mask)
-            _write_heads(value_cache_ptr, slot, heads, value_cols, value, mask,
-                         value_cache_stride_block, value_cache_stride_offset, value_cache_stride_head, block_size)
+            value = tl.load(value_src + value_cols[None, :], mask=mask, other=0.0)
+            rows = _row_starts(value_cache_ptr, slot, heads, value_cache_stride_block, value_cache_stride_offset,
+                               value_cache_stride_head, block_size)
+            scales = _scales_for(rows, slot, kv_codes.largest_magnitudes(value), value_dim, head_valid, CODES)
+            _write_heads(rows, slot, value_cols, value, mask, scales, CODES)
 
 
 def _last_axis_dense(x: torch.Tensor) -> torch.Tensor:
@@ -200,18 +238,21 @@ def _heads_per_program(num_heads: int, widest_tile: int) -> int:
     return min(triton.next_power_of_2(max(num_heads, 1)), max(1, TILE_ELEMENTS // widest_tile))
 
 
-def _check_cache(key_cache, value_cache, key, value) -> None:
+def _check_cache(key_cache, value_cache, key, value) -> str:
+    """The caches' codes (kv_codes.py), once their shapes are checked against the rows written."""
+    codes = check_same_codes(key_cache, value_cache)
     for name, cache, rows in (("key", key_cache, key), ("value", value_cache, value)):
-        if cache.dim() != 4 or cache.shape[2:] != rows.shape[1:]:
-            raise ValueError(
-                f"{name} cache {tuple(cache.shape)} is not [num_blocks, block_size, {rows.shape[1]}, {rows.shape[2]}]"
-            )
+        if cache.dim() != 4 or cache.shape[2] != rows.shape[1] or row_features(cache) != rows.shape[2]:
+            scale = " + 4 scale bytes" if codes != FLOAT_CACHE else ""
+            raise ValueError(f"{name} cache {tuple(cache.shape)} is not "
+                             f"[num_blocks, block_size, {rows.shape[1]}, {rows.shape[2]}{scale}]")
         if cache.stride(-1) != 1:
             raise ValueError(f"the {name} cache's last axis must be contiguous (it is written in place)")
     if key_cache.shape[:2] != value_cache.shape[:2]:
         raise ValueError(
             f"key cache {tuple(key_cache.shape)} and value cache {tuple(value_cache.shape)} differ in blocks"
         )
+    return codes
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
@@ -227,9 +268,9 @@ def write_kv(
 ) -> None:
     """Write key and value [T, Hk, D] into the caches [num_blocks, block_size, Hk, D] in place:
     token t at slot slot_mapping[t] (int32 or int64), none where it is -1 (NO_SLOT), each cast to
-    its cache's dtype."""
+    its cache's dtype, or quantized row by row into a quantized cache's [.., D + 4] bytes."""
     key, value = _last_axis_dense(key), _last_axis_dense(value)
-    _check_cache(key_cache, value_cache, key, value)
+    codes = _check_cache(key_cache, value_cache, key, value)
     num_tokens, num_heads, head_dim = key.shape
     if slot_mapping.shape != (num_tokens,) or value.shape[:2] != key.shape[:2]:
         raise ValueError(
@@ -258,6 +299,7 @@ def write_kv(
         BLOCK_H=block_h,
         D_PAD=d_pad,
         DV_PAD=dv_pad,
+        CODES=codes,
     )
 
 
@@ -273,9 +315,10 @@ def _rotary(q, k, positions, cos_sin, style, value=None, key_cache=None, value_c
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary dim {rotary_dim} must be even and at most the head dim {head_dim}")
     write = value is not None
+    codes = FLOAT_CACHE
     if write:
         value = _last_axis_dense(value)
-        _check_cache(key_cache, value_cache, k, value)
+        codes = _check_cache(key_cache, value_cache, k, value)
         if value.shape[:2] != k.shape[:2] or slot_mapping.shape != (num_tokens,):
             raise ValueError(
                 f"k {tuple(k.shape)}, v {tuple(value.shape)} and slot_mapping {tuple(slot_mapping.shape)} disagree"
@@ -335,6 +378,7 @@ def _rotary(q, k, positions, cos_sin, style, value=None, key_cache=None, value_c
         PASS_PAD=pass_pad,
         DV_PAD=dv_pad,
         WRITE_KV=write,
+        CODES=codes,
     )
     return q_out, k_out
 
