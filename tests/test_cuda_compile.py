@@ -81,7 +81,9 @@ for name in ("sm_90a", "sm_80"):
 # attention. The conformance test models' other kernels (head dimensions of 16 and 32 that nothing served
 # has), Qwen3-30B-A3B's (13 a target, 10 of them attention with 8 query heads a KV head) and every other
 # dtype are in the whole grid, `python -m candelabra.backends.cuda.compile_check` (docs/cuda-backend.md): the
-# test models' 130 variants took four of CI's 30 minutes on 2 cores.
+# test models' 130 variants took four of CI's 30 minutes on 2 cores. The int8 and fp8 KV caches' variants
+# of the cache write and of attention are built for Hopper at Llama-3-8B (and DeepSeek-V2-Lite's latent
+# attention) in bfloat16 for a split decode, a chunk beside decodes and a long prefill (about 20 s).
 CI_PLAN = """
 import json, sys
 from dataclasses import replace
@@ -99,10 +101,16 @@ fused_moe = frozenset({"_count_picks_kernel", "_place_picks_kernel", "_gate_up_k
 latent = frozenset({"_latent_attention_kernel", "_merge_segments_kernel", "_rotary_kernel", "_rms_norm_kernel"})
 v3_heads = [replace(w, label="deepseek-v3 heads", heads=128) for w in configs if w.label == "deepseek-v2-lite"]
 both = [TARGETS["sm_90a"], TARGETS["sm_80"]]
+quantized_kv = frozenset({"_attention_tile_kernel", "_write_kv_kernel", "_rotary_kernel"})
+kv_steps = [[1], [17, 1, 1, 1], [2048]]
 results = (check(dense, [TARGETS["sm_90a"]], ("bfloat16",)) + check(llama, [TARGETS["sm_80"]], ("bfloat16",))
            + check(llama, [TARGETS["sm_90a"]], ("float32",))
            + check(routed, both, ("bfloat16",), kernels=fused_moe)
-           + check([w for w in configs if w.mla] + v3_heads, both, ("bfloat16",), kernels=latent))
+           + check([w for w in configs if w.mla] + v3_heads, both, ("bfloat16",), kernels=latent)
+           + check(llama, [TARGETS["sm_90a"]], ("bfloat16",), kernels=quantized_kv, kv_dtypes=("int8", "fp8"),
+                   steps=kv_steps)
+           + check([w for w in configs if w.mla], [TARGETS["sm_90a"]], ("bfloat16",), kernels=latent,
+                   kv_dtypes=("int8", "fp8"), steps=kv_steps))
 Path(sys.argv[1]).write_text(json.dumps([vars(r) | {"problems": r.problems} for r in results]))
 """
 
@@ -132,4 +140,8 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     latent = [entry for entry in compiled if entry["kernel"] == "_latent_attention_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in latent}
     assert {"deepseek-v2-lite", "deepseek-v3 heads"} <= {model for entry in latent for model in entry["models"]}
+    for kernel in ("_attention_tile_kernel", "_write_kv_kernel", "_rotary_kernel", "_latent_attention_kernel"):
+        codes = {code for entry in compiled if entry["kernel"] == kernel for code in ("int8", "fp8")
+                 if f"CODES={code} " in entry["variant"]}
+        assert codes == {"int8", "fp8"}, f"{kernel} was not built over int8 and fp8 KV caches"
     assert not set(SPILL_FREE) - kernels

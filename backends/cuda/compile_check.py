@@ -1,7 +1,7 @@
 """The cuda backend's Triton kernels compiled for a GPU that need not be here.
 
     python -m candelabra.backends.cuda.compile_check [--target sm_90a sm_80] [--config FILE ...]
-                                                     [--dtype bfloat16 ...] [--json FILE]
+                                                     [--dtype bfloat16 ...] [--kv-dtype int8 fp8] [--json FILE]
 
 Every specialization the backend launches for the given models (default: bench/configs/*) is built for
 each target by Triton and assembled by the ptxas inside Triton's wheel, and a table says, per kernel and
@@ -12,7 +12,9 @@ The variants are found, not listed: each kernel's own launch code runs on CPU te
 (one decoder layer's ops at the batch shapes serving uses: decode steps of every CUDA-graph size, prefill
 chunks, mixed steps, a mixture-of-experts model's experts at each of those token counts; sampling; the
 int4 GEMM at every band of rows) with Triton's launcher replaced by a recorder, planning its grids for
-the target's SM count. What is compiled is what those wrappers would launch on that GPU. Needs
+the target's SM count. The KV cache is in the compute dtype, or in each of `--kv-dtype`'s (a quantized
+cache's write and attention kernels are variants of their own; fp8 only for targets of sm_89 and later,
+where the backend offers it). What is compiled is what those wrappers would launch on that GPU. Needs
 TRITON_INTERPRET unset: under the interpreter nothing is compiled.
 
 A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
@@ -39,6 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from candelabra.backends.cuda.availability import assume_multiprocessors, interpreting
+from candelabra.core.contract.dtypes import KV_DTYPES
+from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.models.config import LatentAttentionConfig
 
 
@@ -75,7 +79,7 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
     "_int4_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
     "_gate_up_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
     "_down_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
-    "_latent_attention_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16", "DOT_DTYPE=fp16"),
+    "_latent_attention_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16 CODES=none", "DOT_DTYPE=fp16 CODES=none"),
                                                "kernels/latent_attention.py choose_latent_tiling"),
 }
 
@@ -184,10 +188,12 @@ class Workload:
         return [(q_width + 2 * kv_width, self.hidden), (self.hidden, q_width), *mlp_and_head]
 
 
-def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) -> None:
+def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
+                    steps: list[list[int]] | None = None) -> None:
     """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses
     (its routed experts too, for a mixture-of-experts model), then sampling and the int4 GEMMs (inside
-    `recording_launches`, nothing runs)."""
+    `recording_launches`, nothing runs). `steps` (query lengths per sequence) replaces the step shapes
+    of attention and the cache write."""
     import torch
 
     from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
@@ -212,14 +218,14 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...]) 
             activations.gelu(projected, w.gelu_approximation)
 
     for kv_dtype in kv_dtypes:
-        for query_lens in _step_shapes():
+        for query_lens in steps or _step_shapes():
             step = _cuda_step(query_lens)
             if w.mla is not None:
-                _launch_latent_attention(w, step, compute, torch_dtype(kv_dtype))
+                _launch_latent_attention(w, step, compute, kv_dtype)
                 continue
             tokens = step.num_tokens
             blocks = int(step.block_tables.max()) + 1
-            key_cache = torch.empty(blocks, BLOCK_SIZE, w.kv_heads, w.head_dim, dtype=torch_dtype(kv_dtype))
+            key_cache = _cache(blocks, w.kv_heads, w.head_dim, kv_dtype)
             value_cache = torch.empty_like(key_cache)
             q = torch.empty(tokens, w.heads, w.head_dim, dtype=compute)
             k = torch.empty(tokens, w.kv_heads, w.head_dim, dtype=compute)
@@ -263,7 +269,17 @@ def launch_experts(workload: Workload, compute) -> None:
                     torch.empty(tokens, w.experts_per_token, dtype=torch.int32), gate_up, down)
 
 
-def _launch_latent_attention(w: Workload, step, compute, kv_dtype) -> None:
+def _cache(blocks: int, heads: int, dim: int, kv_dtype: str):
+    """One layer's key (or value) cache in `kv_dtype`, as the backend allocates it."""
+    import torch
+
+    from candelabra.backends.torch.backend import torch_dtype
+
+    spec = KVCacheSpec(1, blocks, BLOCK_SIZE, heads, dim, kv_dtype)
+    return torch.empty(spec.block_shape, dtype=torch_dtype(spec.storage_dtype))
+
+
+def _launch_latent_attention(w: Workload, step, compute, kv_dtype: str) -> None:
     """What a latent-attention layer launches (core/models/deepseek.py): the query's and the latent's
     norms, rotary with the cache write of the rotary key and the latent, attention over the latent cache."""
     import torch
@@ -277,8 +293,7 @@ def _launch_latent_attention(w: Workload, step, compute, kv_dtype) -> None:
     for width in filter(None, (mla.q_lora_rank, rank)):
         norms.rms_norm(projected[:, :width], torch.empty(width, dtype=compute), 1e-6)
     blocks = int(step.block_tables.max()) + 1
-    rope_cache = torch.empty(blocks, BLOCK_SIZE, 1, rope_dim, dtype=kv_dtype)
-    latent_cache = torch.empty(blocks, BLOCK_SIZE, 1, rank, dtype=kv_dtype)
+    rope_cache, latent_cache = _cache(blocks, 1, rope_dim, kv_dtype), _cache(blocks, 1, rank, kv_dtype)
     q = torch.empty(tokens, w.heads, mla.qk_head_dim, dtype=compute)
     cos_sin = torch.empty(int(step.max_query_len) * 4, rope_dim, dtype=torch.float32)
     q_rope = rotary.rotary_write_kv(q[..., mla.qk_nope_head_dim:], projected[:, -rope_dim:].reshape(tokens, 1, -1),
@@ -441,29 +456,36 @@ def _gpu_target(target: Target):
 
 def check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
           progress: Callable[[str], None] = lambda line: None,
-          kernels: frozenset[str] | None = None) -> list[Compiled]:
+          kernels: frozenset[str] | None = None, kv_dtypes: tuple[str, ...] = (),
+          steps: list[list[int]] | None = None) -> list[Compiled]:
     """Every distinct specialization the workloads launch (of `kernels` alone, by name, unless None),
-    compiled for each target (in a Triton cache of their own, so that every build runs ptxas and reports)."""
+    compiled for each target (in a Triton cache of their own, so that every build runs ptxas and reports).
+    The KV cache is in each compute dtype unless `kv_dtypes` names others; `steps`: see launch_workload."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as cache:
         previous, knobs.cache.dir = knobs.cache.dir, cache
         try:
-            return _check(workloads, targets, dtypes, progress, kernels)
+            return _check(workloads, targets, dtypes, progress, kernels, kv_dtypes, steps)
         finally:
             knobs.cache.dir = previous
 
 
 def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, ...],
-           progress: Callable[[str], None], kernels: frozenset[str] | None) -> list[Compiled]:
+           progress: Callable[[str], None], kernels: frozenset[str] | None,
+           kv_dtypes: tuple[str, ...], steps: list[list[int]] | None) -> list[Compiled]:
+    from candelabra.backends.cuda.backend import FP8_CAPABILITY
+
     results: list[Compiled] = []
     for target in targets:
         found: dict[str, tuple[Launch, Specialization, list[str]]] = {}
+        fp8 = target.capability >= FP8_CAPABILITY[0] * 10 + FP8_CAPABILITY[1]
         with recording_launches(target) as launches:
             for workload in workloads:
                 for dtype in dtypes:
                     start = len(launches)
-                    launch_workload(workload, dtype, kv_dtypes=(dtype,))
+                    caches = tuple(kv for kv in kv_dtypes if kv != "fp8" or fp8) if kv_dtypes else (dtype,)
+                    launch_workload(workload, dtype, kv_dtypes=caches, steps=steps)
                     for launch in launches[start:]:
                         if kernels is not None and launch.name not in kernels:
                             continue
@@ -538,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="config.json files, or folders of them (default: bench/configs)")
     parser.add_argument("--dtype", nargs="+", choices=("bfloat16", "float16", "float32"),
                         default=["bfloat16", "float16", "float32"])
+    parser.add_argument("--kv-dtype", nargs="+", choices=KV_DTYPES, default=[],
+                        help="KV cache dtypes to launch attention and the cache write at (default: the compute "
+                             "dtype); fp8 only for sm_89 and later")
     parser.add_argument("--json", type=Path, help="also write every result as JSON")
     parser.add_argument("--markdown", type=Path, help="also write the summary and every variant as Markdown tables")
     parser.add_argument("--quiet", action="store_true", help="no line per compile")
@@ -545,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = check(workloads_from(args.config), [TARGETS[name] for name in args.target], tuple(args.dtype),
                     progress=(lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr,
-                                                                                      flush=True)))
+                                                                                      flush=True)),
+                    kv_dtypes=tuple(args.kv_dtype))
     print(format_table(HEADERS, table_rows(results)))
     print(format_table(SUMMARY_HEADERS, summary_rows(results)))
     failures = [(r, problem) for r in results for problem in r.problems]

@@ -24,7 +24,7 @@ from candelabra.core.contract.kv_cache import KV_SCALE_BYTES
 CACHE_CODES = {torch.int8: "int8", torch.uint8: "fp8"}
 FLOAT_CACHE = "none"
 # 2^-6, e4m3's smallest normal value: below it codes are multiples of 2^-9.
-_FP8_MIN_NORMAL = 0.015625
+_FP8_MIN_NORMAL = tl.constexpr(0.015625)
 
 
 def cache_codes(cache: torch.Tensor) -> str:
@@ -58,6 +58,23 @@ def largest_magnitudes(values):
     return tl.max(tl.abs(values.to(tl.float32)), 1)
 
 
+def row_alignment(*caches: torch.Tensor) -> int:
+    """What the rows of these caches start at multiples of, in elements, as far as a kernel is to be told:
+    4 for quantized rows a whole number of words apart in word-aligned memory (codes of a head dim that
+    is a multiple of 4), so that their codes load 4 to an instruction rather than a byte at a time (which
+    took a pointer register pair per byte, every register, and spilled kilobytes); else 1, which tells
+    nothing. A kernel takes the strides in those units (`row_strides`) and multiplies the row offsets by
+    the alignment, a constexpr, which is how Triton learns it (tl.multiple_of on the offsets was lost)."""
+    quantized_words = all(cache.dtype in CACHE_CODES and cache.data_ptr() % 4 == 0
+                          and all(stride % 4 == 0 for stride in cache.stride()[:-1]) for cache in caches)
+    return 4 if quantized_words else 1
+
+
+def row_strides(cache: torch.Tensor, alignment: int) -> tuple[int, int, int]:
+    """The cache's block, slot and head strides in units of `alignment` elements."""
+    return cache.stride(0) // alignment, cache.stride(1) // alignment, cache.stride(2) // alignment
+
+
 @triton.jit
 def row_scales(values, CODES: tl.constexpr):
     """The scale of each row of values [rows, cols]."""
@@ -79,24 +96,28 @@ def encode(values, scales, CODES: tl.constexpr):
     values, divisors = tl.broadcast(values, tl.where(scales > 0, scales, 1.0)[:, None])
     scaled = tl.div_rn(values, divisors)  # a zero row's values are zeros
     if CODES == "int8":
-        return tl.minimum(tl.maximum(_round_half_even(scaled), -127), 127).to(tl.int8)
-    magnitude = tl.minimum(tl.abs(scaled), 448.0)
-    # a normal value: round float32's 23 mantissa bits to e4m3's 3 (a carry moves into the exponent),
-    # then rebias the exponent from 127 to 7: (exponent << 3 | mantissa) - (120 << 3)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960
-    subnormal = _round_half_even(magnitude * 512.0)
-    code = tl.where(magnitude < _FP8_MIN_NORMAL, subnormal, normal)
-    sign = tl.where((scaled < 0) & (code != 0), 0x80, 0)
-    return (code | sign).to(tl.uint8)
+        codes = tl.minimum(tl.maximum(_round_half_even(scaled), -127), 127).to(tl.int8)
+    else:
+        magnitude = tl.minimum(tl.abs(scaled), 448.0)
+        # a normal value: round float32's 23 mantissa bits to e4m3's 3 (a carry moves into the exponent),
+        # then rebias the exponent from 127 to 7: (exponent << 3 | mantissa) - (120 << 3)
+        bits = magnitude.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960
+        subnormal = _round_half_even(magnitude * 512.0)
+        code = tl.where(magnitude < _FP8_MIN_NORMAL, subnormal, normal)
+        sign = tl.where((scaled < 0) & (code != 0), 0x80, 0)
+        codes = (code | sign).to(tl.uint8)
+    return codes
 
 
 @triton.jit
 def decode(codes, CODES: tl.constexpr):
     """The codes' values before scaling, float32."""
     if CODES == "fp8":
-        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return codes.to(tl.float32)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        values = codes.to(tl.float32)
+    return values
 
 
 @triton.jit
@@ -109,11 +130,15 @@ def store_scales(scale_ptrs, scales, mask):
 
 
 @triton.jit
-def load_scales(scale_ptrs, mask):
-    """Each row's scale [rows] from scale_ptrs [rows]; 0 where masked off."""
-    bits = tl.zeros(scale_ptrs.shape, tl.int32)
-    for byte in tl.static_range(4):
-        raw = tl.load(scale_ptrs + byte, mask=mask, other=0).to(tl.uint8, bitcast=True)
-        bits = bits | (raw.to(tl.int32) << (8 * byte))
-    return bits.to(tl.float32, bitcast=True)
-
+def load_scales(scale_ptrs, mask, ALIGNMENT: tl.constexpr = 1):
+    """Each row's scale [rows] from scale_ptrs [rows]; 0 where masked off. With ALIGNMENT 4 (row_alignment)
+    the scales are word-aligned and load as words."""
+    if ALIGNMENT % 4 == 0:
+        scales = tl.load(scale_ptrs.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+    else:
+        bits = tl.zeros(scale_ptrs.shape, tl.int32)
+        for byte in tl.static_range(4):
+            raw = tl.load(scale_ptrs + byte, mask=mask, other=0).to(tl.uint8, bitcast=True)
+            bits = bits | (raw.to(tl.int32) << (8 * byte))
+        scales = bits.to(tl.float32, bitcast=True)
+    return scales

@@ -15,8 +15,10 @@ decode step. No launch depends on the sequences' lengths, so a decode step can b
 graph.
 
 A quantized latent cache ("int8" or "fp8" codes, each row followed by its float32 scale: kv_codes.py) is
-read by the same tiles: a tile of latents and of rotary keys is loaded as codes with its rows' scales and
-multiplied out in float32 once, then serves both dots as the float cache's tile does.
+read by the same tiles: a tile of latents and of rotary keys is loaded as codes with its rows' scales, the
+codes go into the dots as they are, and the scales multiply in float32 what the dots give per key (the
+scores) and take (the softmax weights), which takes fewer registers than multiplying the [keys, 512] tile
+out first.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
-from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
+from candelabra.backends.cuda.kernels.kv_codes import (
+    FLOAT_CACHE,
+    check_same_codes,
+    row_alignment,
+    row_features,
+    row_strides,
+)
 from candelabra.backends.cuda.kernels.paged_attention import (
     LOG2_E,
     MIN_DOT_SIZE,
@@ -62,7 +70,10 @@ def choose_latent_tiling(max_query_len: int, num_heads: int, float32_dot: bool) 
     64-row tile's [64, 512] float32 accumulator in 247 to 253 registers a thread (16 rows: 158); ptxas
     builds every such variant for sm_90a without spills (compile_check.SPILL_FREE holds it to that), where
     4 warps spill kilobytes. On sm_80 one 64-row tile spills 4 bytes. float32 operands multiply on the FMA
-    units, whose operand layouts take far more registers: 16 rows and 16 keys a step."""
+    units, whose operand layouts take far more registers: 16 rows and 16 keys a step. Over a quantized
+    cache ("int8", "fp8") the 16-row tile builds without spills on sm_90a, but the 64-row one spills 360
+    to 390 bytes (16 or 32 keys a step, 1 to 3 stages alike, and 32 rows worse): its codes are converted
+    in registers on their way to the tensor cores."""
     most_rows = MAX_FLOAT32_ROWS if float32_dot else MAX_ROWS
     heads = min(triton.next_power_of_2(num_heads), most_rows)
     queries = 1 if max_query_len == 1 else min(most_rows // heads, triton.next_power_of_2(max_query_len))
@@ -173,6 +184,7 @@ class _LatentLaunch:
         rope_cache, latent_cache = self.rope_cache, self.latent_cache
         num_seqs, num_heads, rank = step.num_seqs, q_latent.shape[1], q_latent.shape[2]
         rope_dim = q_rope.shape[2]
+        alignment = row_alignment(rope_cache, latent_cache)
         _latent_attention_kernel[grid](
             out, *partials,
             q_latent, q_rope, rope_cache, latent_cache,
@@ -182,13 +194,13 @@ class _LatentLaunch:
             num_heads, grid[2], int(tokens is not None), int(skip_decodes), self.scale * LOG2_E,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             out.stride(0), out.stride(1),
-            rope_cache.stride(0), rope_cache.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+            *row_strides(rope_cache, alignment)[:2], *row_strides(latent_cache, alignment)[:2],
             step.block_tables.stride(0),
             RANK=rank, RANK_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(rank)),
             ROPE_DIM=rope_dim, ROPE_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(rope_dim)),
             HEADS_PER_TILE=tiling.heads, QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows,
             BLOCK_N=tiling.keys, BLOCK_SIZE=step.block_size, DOT_DTYPE=TRITON_DTYPES[self.dot_dtype],
-            CODES=self.codes, num_warps=tiling.warps, num_stages=tiling.stages,
+            CODES=self.codes, ROW_ALIGNMENT=alignment, num_warps=tiling.warps, num_stages=tiling.stages,
         )
 
 
@@ -207,7 +219,7 @@ def _latent_attention_kernel(
     stride_block_tables,
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
     HEADS_PER_TILE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr, ROW_ALIGNMENT: tl.constexpr,
 ):
     """A tile of query rows, (tokens) x (heads of head tile program_id(1)), against its sequence's keys
     (or one of num_segments segments of them). With QUERIES_PER_TILE 1 tile t is one token: token t, or
@@ -277,19 +289,25 @@ def _latent_attention_kernel(
         slot = key_pos % BLOCK_SIZE
         # Unused slots may hold NaN: loads outside the keys read 0, and their scores are masked below,
         # since a NaN latent times a zero weight would still be NaN.
-        latent_rows = latent_cache_ptr + block * stride_latent_block + slot * stride_latent_slot
+        latent_rows = latent_cache_ptr + (block * stride_latent_block + slot * stride_latent_slot) * ROW_ALIGNMENT
         latents = tl.load(latent_rows[:, None] + ranks[None, :], mask=key_valid[:, None] & rank_valid[None, :],
                           other=0)
-        rope_rows = rope_cache_ptr + block * stride_rope_block + slot * stride_rope_slot
+        rope_rows = rope_cache_ptr + (block * stride_rope_block + slot * stride_rope_slot) * ROW_ALIGNMENT
         rope_keys = tl.load(rope_rows[None, :] + ropes[:, None], mask=key_valid[None, :] & rope_valid[:, None],
                             other=0)
         if CODES != "none":
-            latents = kv_codes.decode(latents, CODES) * kv_codes.load_scales(latent_rows + RANK, key_valid)[:, None]
-            rope_scales = kv_codes.load_scales(rope_rows + ROPE_DIM, key_valid)
-            rope_keys = kv_codes.decode(rope_keys, CODES) * rope_scales[None, :]
-        latents = latents.to(DOT_DTYPE)
-        scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee")
-        scores = tl.dot(q_rope, rope_keys.to(DOT_DTYPE), scores, input_precision="ieee") * score_scale
+            # the codes enter the dots as they are (exact in every dot dtype), each key's scales multiplying
+            # its float32 scores, and the latent's scale its weight before the dot with the latents
+            latent_scales = kv_codes.load_scales(latent_rows + RANK, key_valid, ROW_ALIGNMENT)
+            rope_scales = kv_codes.load_scales(rope_rows + ROPE_DIM, key_valid, ROW_ALIGNMENT)
+            latents = kv_codes.decode(latents, CODES).to(DOT_DTYPE)
+            scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee") * latent_scales[None, :]
+            rope_scores = tl.dot(q_rope, kv_codes.decode(rope_keys, CODES).to(DOT_DTYPE), input_precision="ieee")
+            scores = (scores + rope_scores * rope_scales[None, :]) * score_scale
+        else:
+            latents = latents.to(DOT_DTYPE)
+            scores = tl.dot(q_latent, tl.trans(latents), input_precision="ieee")
+            scores = tl.dot(q_rope, rope_keys.to(DOT_DTYPE), scores, input_precision="ieee") * score_scale
         visible = key_valid[None, :] & (key_pos[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
@@ -299,6 +317,8 @@ def _latent_attention_kernel(
         weights = tl.exp2(scores - shift[:, None])
         decay = tl.exp2(running_max - shift)
         running_sum = running_sum * decay + tl.sum(weights, 1)
+        if CODES != "none":
+            weights = weights * latent_scales[None, :]
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), latents, input_precision="ieee")
         running_max = new_max
 

@@ -28,7 +28,13 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
-from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
+from candelabra.backends.cuda.kernels.kv_codes import (
+    FLOAT_CACHE,
+    check_same_codes,
+    row_alignment,
+    row_features,
+    row_strides,
+)
 from candelabra.backends.cuda.step import CudaStep
 
 LOG2_E = math.log2(math.e)
@@ -101,6 +107,7 @@ class Tiling:
 def choose_tiling(max_query_len: int, group: int, head_dim_pad: int, float32_dot: bool) -> Tiling:
     """Tile shapes for sm_90: 16-bit operands go to the tensor cores (wgmma from 64 rows), and ptxas
     builds every such variant for sm_90a without spills (compile_check.SPILL_FREE holds it to that);
+    so does every variant over a quantized cache, whose codes load 4 bytes to an instruction (kv_codes.row_alignment);
     float32 ones multiply exactly on the FMA units, whose operand layouts take far more registers,
     hence their narrow key steps and 8 warps, and a few of those variants spill a few words. On sm_80
     some 16-bit variants with groups of 7 or 8 query heads spill 4 to 8 bytes too."""
@@ -214,6 +221,7 @@ class _AttentionLaunch:
         else:
             score_scale, capped_scale = self.scale / self.logit_softcap, self.logit_softcap * LOG2_E
         num_seqs, num_heads, head_dim = step.num_seqs, q.shape[1], q.shape[2]
+        alignment = row_alignment(key_cache, value_cache)
         _attention_tile_kernel[grid](
             out, *partials,
             q, key_cache, value_cache,
@@ -222,8 +230,7 @@ class _AttentionLaunch:
             num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
             score_scale, capped_scale, self.sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            *row_strides(key_cache, alignment), *row_strides(value_cache, alignment),
             step.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad,
             GROUP=self.group, GROUP_PAD=triton.next_power_of_2(self.group),
@@ -231,7 +238,8 @@ class _AttentionLaunch:
             BLOCK_SIZE=step.block_size, NUM_SEGMENTS=grid[2],
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
             DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
-            TOKEN_TILES=token_tiles, CODES=self.codes, num_warps=tiling.warps, num_stages=tiling.stages,
+            TOKEN_TILES=token_tiles, CODES=self.codes, ROW_ALIGNMENT=alignment,
+            num_warps=tiling.warps, num_stages=tiling.stages,
         )
 
 
@@ -288,6 +296,7 @@ def _attention_tile_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr, CODES: tl.constexpr,
+    ROW_ALIGNMENT: tl.constexpr,
 ):
     """A tile of query rows against its sequence's keys (or one segment of them). With TOKEN_TILES (the
     decodes' launch, one query a tile) tile t is one token: token t, or with TOKEN_LIST the t-th of
@@ -355,11 +364,15 @@ def _attention_tile_kernel(
         slot = key_pos % BLOCK_SIZE
         # Unused slots may hold NaN: loads outside the sequence read 0, and their scores are
         # masked below, since a NaN times a zero weight would still be NaN.
-        key_rows = key_cache_ptr + block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+        key_rows = key_cache_ptr + (block * stride_k_block + slot * stride_k_slot
+                                    + kv_head * stride_k_head) * ROW_ALIGNMENT
         keys = tl.load(key_rows[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0)
         if CODES != "none":
-            keys = kv_codes.decode(keys, CODES) * kv_codes.load_scales(key_rows + HEAD_DIM, key_valid)[None, :]
-        scores = tl.dot(q, keys.to(DOT_DTYPE), input_precision="ieee")
+            # the codes are exact in every dot dtype: each key's scale multiplies its float32 scores instead
+            scores = tl.dot(q, kv_codes.decode(keys, CODES).to(DOT_DTYPE), input_precision="ieee")
+            scores = scores * kv_codes.load_scales(key_rows + HEAD_DIM, key_valid, ROW_ALIGNMENT)[None, :]
+        else:
+            scores = tl.dot(q, keys.to(DOT_DTYPE), input_precision="ieee")
         if USE_SOFTCAP:
             scores = capped_scale * _tanh(scores * score_scale)
         else:
@@ -375,10 +388,12 @@ def _attention_tile_kernel(
         weights = tl.exp2(scores - shift[:, None])
         decay = tl.exp2(running_max - shift)
         running_sum = running_sum * decay + tl.sum(weights, 1)
-        value_rows = value_cache_ptr + block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+        value_rows = value_cache_ptr + (block * stride_v_block + slot * stride_v_slot
+                                        + kv_head * stride_v_head) * ROW_ALIGNMENT
         values = tl.load(value_rows[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :], other=0)
         if CODES != "none":
-            values = kv_codes.decode(values, CODES) * kv_codes.load_scales(value_rows + HEAD_DIM, key_valid)[:, None]
+            value_scales = kv_codes.load_scales(value_rows + HEAD_DIM, key_valid, ROW_ALIGNMENT)
+            values = kv_codes.decode(values, CODES) * value_scales[:, None]
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
         running_max = new_max
 
