@@ -364,14 +364,19 @@ def _attention_tile_kernel(
         slot = key_pos % BLOCK_SIZE
         # Unused slots may hold NaN: loads outside the sequence read 0, and their scores are
         # masked below, since a NaN times a zero weight would still be NaN.
-        key_rows = key_cache_ptr + (block * stride_k_block + slot * stride_k_slot
-                                    + kv_head * stride_k_head) * ROW_ALIGNMENT
-        keys = tl.load(key_rows[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0)
+        # (A float cache's loads are kept exactly as they were before quantized caches: written like a
+        # quantized one's, gemma-2's 256-wide soft-capped bfloat16 tiles spilled 4 bytes on sm_90a.)
         if CODES != "none":
+            key_rows = key_cache_ptr + (block * stride_k_block + slot * stride_k_slot
+                                        + kv_head * stride_k_head) * ROW_ALIGNMENT
+            keys = tl.load(key_rows[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0)
             # the codes are exact in every dot dtype: each key's scale multiplies its float32 scores instead
             scores = tl.dot(q, kv_codes.decode(keys, CODES).to(DOT_DTYPE), input_precision="ieee")
             scores = scores * kv_codes.load_scales(key_rows + HEAD_DIM, key_valid, ROW_ALIGNMENT)[None, :]
         else:
+            keys = tl.load(key_cache_ptr + block[None, :] * stride_k_block + slot[None, :] * stride_k_slot
+                           + kv_head * stride_k_head + dims[:, None],
+                           mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
             scores = tl.dot(q, keys.to(DOT_DTYPE), input_precision="ieee")
         if USE_SOFTCAP:
             scores = capped_scale * _tanh(scores * score_scale)
@@ -388,12 +393,17 @@ def _attention_tile_kernel(
         weights = tl.exp2(scores - shift[:, None])
         decay = tl.exp2(running_max - shift)
         running_sum = running_sum * decay + tl.sum(weights, 1)
-        value_rows = value_cache_ptr + (block * stride_v_block + slot * stride_v_slot
-                                        + kv_head * stride_v_head) * ROW_ALIGNMENT
-        values = tl.load(value_rows[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :], other=0)
         if CODES != "none":
+            value_rows = value_cache_ptr + (block * stride_v_block + slot * stride_v_slot
+                                            + kv_head * stride_v_head) * ROW_ALIGNMENT
+            values = tl.load(value_rows[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
+                             other=0)
             value_scales = kv_codes.load_scales(value_rows + HEAD_DIM, key_valid, ROW_ALIGNMENT)
             values = kv_codes.decode(values, CODES) * value_scales[:, None]
+        else:
+            values = tl.load(value_cache_ptr + block[:, None] * stride_v_block + slot[:, None] * stride_v_slot
+                             + kv_head * stride_v_head + dims[None, :],
+                             mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
         running_max = new_max
 
