@@ -43,9 +43,10 @@ def test_metal_passes_every_op_case_at_every_dtype(tmp_path):
     document = json.loads(results.read_text())
     assert {case["status"] for case in document["cases"] if not case["weight_format"]} == {"passed"}
     quantized = [case for case in document["cases"] if case["weight_format"]]
-    assert {case["status"] for case in quantized if case["weight_format"] in INT4_GROUP_FORMATS} == {"passed"}
-    assert {case["status"] for case in quantized if case["weight_format"] not in INT4_GROUP_FORMATS} == {
-        "not supported"}
+    kept = [case for case in quantized if case["weight_format"] in INT4_GROUP_FORMATS and case["op"] == "linear"]
+    assert kept and {case["status"] for case in kept} == {"passed"}
+    # GGUF's formats, and experts in any format, are dequantized by the core before they reach metal
+    assert {case["status"] for case in quantized if case not in kept} == {"not supported"}
     assert set(document["summary_by_dtype"]["paged_attention"]) == {"float32", "float16", "bfloat16"}
 
 
