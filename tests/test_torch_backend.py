@@ -181,8 +181,11 @@ def test_swap_space_is_host_memory_in_the_cache_dtype():
 @pytest.mark.slow
 def test_torch_passes_the_models_and_engine_levels_in_bfloat16(tmp_path):
     results = tmp_path / "torch.json"
+    # Of the GPTQ/AWQ cases only act-order's: the others differ in how their checkpoints are read, which
+    # the float32 models level checks, not in what bfloat16 computes (CI's time).
     run = run_candelabra("conformance", "--backend", "torch", "--level", "models", "--level", "engine",
-                         "--dtype", "bfloat16", "--json", str(results))
+                         "--dtype", "bfloat16", "--json", str(results),
+                         "--", "-k", "not (gptq and not act) and not awq")
 
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr
     document = json.loads(results.read_text())
