@@ -70,7 +70,10 @@ def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
 # and fp8) against the float64 oracle on the decoded bytes.
 # Grouped int4 weights (GPTQ, AWQ) are expanded to the GGUF formats' groups of 32 for the same GEMM: the
 # level runs INT4_G128 (an act-order case among them); test_cuda_int4_matmul converts every group size.
-LEFT_TO_KERNEL_TESTS = "(int8 and (paged_attention or rotary or latent)) or fp8 or int4_g32 or int4_g64 or int4_g256"
+# Quantized LM heads and Q4_0 or INT4_G128 experts go through that GEMM at other shapes (30 to 60 s).
+INTERPRETED_INT4_FORMATS = frozenset(INT4_FORMATS) - {"INT4_G32", "INT4_G64", "INT4_G256"}
+LEFT_TO_KERNEL_TESTS = ("(int8 and (paged_attention or rotary or latent)) or fp8 or int4_g32 or int4_g64 or int4_g256 "
+                        "or (format and lm_head) or (moe_experts and (q4_0 or int4_g128))")
 INTERPRETER_SHARDS = (f"paged_attention-float16 and (16-batch or softcap) and not ({LEFT_TO_KERNEL_TESTS})",
                       f"not paged_attention and float16 and not ({LEFT_TO_KERNEL_TESTS})")
 
@@ -96,7 +99,7 @@ def test_every_op_case_passes_on_the_gpu_or_through_the_interpreter(tmp_path):
     assert {case["op"] for case in cases} >= set(OP_NAMES)
     assert {case["dtype"] for case in cases if case["op"] != "write_kv"} == {"float16"}
     formats = {case["weight_format"] for case in cases if case["weight_format"]}
-    assert formats >= set(INT4_FORMATS)
+    assert formats >= INTERPRETED_INT4_FORMATS
 
 
 def test_capture_sizes_pad_up_and_stop_at_the_largest():

@@ -93,14 +93,16 @@ def qwen_reference(qwen, qwen_transformers):
     return references
 
 
-@pytest.mark.parametrize("backend, prompts", [("cpu", QWEN_PROMPTS), ("metal", QWEN_PROMPTS[:1])])
-def test_default_model_matches_transformers_on_the_same_gguf(qwen, qwen_reference, backend, prompts):
+# metal (MLX's CPU build here) compares 16 tokens of one prompt, for CI's time; cpu all 32 of both.
+@pytest.mark.parametrize("backend, prompts, tokens", [("cpu", QWEN_PROMPTS, GREEDY_TOKENS),
+                                                      ("metal", QWEN_PROMPTS[:1], 16)])
+def test_default_model_matches_transformers_on_the_same_gguf(qwen, qwen_reference, backend, prompts, tokens):
     checkpoint, tokenizer = qwen
     for prompt in prompts:
         prompt_ids, expected = qwen_reference[prompt]
         assert len(expected) == GREEDY_TOKENS, "pick prompts whose answers run past the compared length"
-        ours = greedy(backend, checkpoint, prompt_ids, GREEDY_TOKENS, tokenizer.eos_token_ids)
-        assert ours == expected, f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(expected)!r}"
+        ours = greedy(backend, checkpoint, prompt_ids, tokens, tokenizer.eos_token_ids)
+        assert ours == expected[:tokens], f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(expected)!r}"
     answer = tokenizer.decode(qwen_reference[QWEN_PROMPTS[0]][1])
     assert "KV cache" in answer and "store" in answer, answer
 
