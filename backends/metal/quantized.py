@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from candelabra.core.contract.weights import INT4_GROUP_FORMATS, INT4_GROUP_HEADER_BYTES, QuantizedTensor
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor, int4_group_fields
 
 # Group sizes mx.quantized_matmul takes.
 MLX_GROUP_SIZES = (32, 64, 128)
@@ -46,10 +46,8 @@ class MlxInt4Weight:
             raise ValueError(f"MLX int4 weights are 2-D grouped int4 weights ({', '.join(INT4_GROUP_FORMATS)}), "
                              f"not {weight.format} {list(weight.shape)}")
         rows, columns = weight.shape
-        blocks = weight.blocks.reshape(rows, columns // group, weight.bytes_per_block)
-        header = np.ascontiguousarray(blocks[..., :INT4_GROUP_HEADER_BYTES]).view(np.float16).astype(np.float32)
-        scales, zeros = header[..., 0], header[..., 1]
-        packed = np.ascontiguousarray(blocks[..., INT4_GROUP_HEADER_BYTES:]).reshape(rows, columns // 2)
+        packed, scales, zeros = int4_group_fields(weight.blocks, group)
+        packed = np.ascontiguousarray(packed).reshape(rows, columns // 2)
         mlx_group = min(group, MLX_GROUP_SIZES[-1])
         repeats = group // mlx_group
         scales, biases = np.repeat(scales, repeats, axis=1), np.repeat(-zeros * scales, repeats, axis=1)

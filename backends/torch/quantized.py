@@ -27,7 +27,13 @@ from candelabra.backends.torch.weight_forms import (
     Int8Weight,
     KeptWeight,
 )
-from candelabra.core.contract.weights import INT4_GROUP_FORMATS, INT4_GROUP_HEADER_BYTES, QuantizedTensor
+from candelabra.core.contract.weights import (
+    INT4_GROUP_FORMATS,
+    INT4_GROUP_HEADER_BYTES,
+    QuantizedTensor,
+    int4_group_fields,
+    unpack_int4_codes,
+)
 
 # GGUF formats that are int4 groups of 32, and the grouped int4 formats in their own group size.
 GGUF_INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
@@ -114,10 +120,9 @@ def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _int4_group(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # float16 s, float16 z, then value 2i in the low nibble of byte i, 2i + 1 in its high nibble;
     # w = (q - z) * s = (q - 8) * s + (8 - z) * s
-    scale, zero_point = _float16_field(blocks, 0), _float16_field(blocks, 2)
-    packed = blocks[..., INT4_GROUP_HEADER_BYTES:]
-    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    return nibbles, scale, (8 - zero_point) * scale
+    packed, scale, zero_point = int4_group_fields(blocks, blocks.shape[-1] * 2 - 2 * INT4_GROUP_HEADER_BYTES)
+    scale, zero_point = scale.astype(np.float64), zero_point.astype(np.float64)
+    return unpack_int4_codes(packed[..., 0, :]), scale[..., 0], (8 - zero_point[..., 0]) * scale[..., 0]
 
 
 def _low_then_high_nibbles(packed: np.ndarray) -> np.ndarray:

@@ -183,14 +183,23 @@ def _block_sizes(name: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[ggml_type]
 
 
-def _dequantize_int4_groups(blocks: np.ndarray, group: int) -> np.ndarray:
-    """Grouped int4 blocks uint8 [..., groups * (4 + group / 2)] to float32 [..., groups * group]."""
+def int4_group_fields(blocks: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Grouped int4 blocks uint8 [..., groups * (4 + group / 2)] split into their packed codes uint8
+    [..., groups, group / 2], scales and zeros float32 [..., groups]."""
     grouped = blocks.reshape(*blocks.shape[:-1], -1, INT4_GROUP_HEADER_BYTES + group // 2)
     header = np.ascontiguousarray(grouped[..., :INT4_GROUP_HEADER_BYTES]).view(np.float16).astype(np.float32)
-    scale, zero = header[..., :1], header[..., 1:2]
-    packed = grouped[..., INT4_GROUP_HEADER_BYTES:]
-    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], group)
-    values = (codes.astype(np.float32) - zero) * scale
+    return grouped[..., INT4_GROUP_HEADER_BYTES:], header[..., 0], header[..., 1]
+
+
+def unpack_int4_codes(packed: np.ndarray) -> np.ndarray:
+    """Bytes [..., n] to codes uint8 [..., 2n]: value 2i from the low nibble of byte i, 2i + 1 from its high one."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def _dequantize_int4_groups(blocks: np.ndarray, group: int) -> np.ndarray:
+    """Grouped int4 blocks uint8 [..., groups * (4 + group / 2)] to float32 [..., groups * group]."""
+    packed, scale, zero = int4_group_fields(blocks, group)
+    values = (unpack_int4_codes(packed).astype(np.float32) - zero[..., None]) * scale[..., None]
     return values.reshape(*blocks.shape[:-1], -1)
 
 
