@@ -4,6 +4,7 @@ and tiny MoE checkpoints, as safetensors and as GGUF, each with a tokenizer and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -166,3 +168,20 @@ class LiveServer:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+@contextlib.contextmanager
+def started_together(servers: dict):
+    """Start every LiveServer of `servers` at once, yield the dict, and stop them all afterwards."""
+    with contextlib.ExitStack() as stack:
+        for server in servers.values():
+            stack.push(server.__exit__)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(LiveServer.__enter__, servers.values()))
+        yield servers
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

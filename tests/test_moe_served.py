@@ -5,14 +5,11 @@ converters write it), both named by candle-vllm's model-type word `deep-seek`, a
 client gets a chat completion and a streamed completion from each. The four servers start at once and
 serve the module; the models level checks each architecture from both kinds of checkpoint."""
 
-import contextlib
-from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from candelabra.conformance.gguf_models import HF_CLASSES
-from live_server import LiveServer, write_moe_checkpoints
+from live_server import LiveServer, openai_client, started_together, write_moe_checkpoints
 
 SERVED = [("mixtral", "safetensors"), ("qwen3moe", "gguf"), ("deepseek-v2", "safetensors"), ("deepseek-v3", "gguf")]
 BACKENDS = {"safetensors": "cpu", "gguf": "torch"}
@@ -35,23 +32,15 @@ def servers(tmp_path_factory):
         (arch, form): LiveServer("--weight-path", str(checkpoints[arch][form]), "--backend", BACKENDS[form],
                                  "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0", *MODEL_TYPE_WORDS.get(arch, ()))
         for arch, form in SERVED}
-    with contextlib.ExitStack() as stack:
-        for server in servers.values():
-            stack.push(server.__exit__)
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(LiveServer.__enter__, servers.values()))
+    with started_together(servers):
         yield servers
-
-
-def client_of(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("arch, form", SERVED)
 def test_a_served_moe_model_answers_a_chat(servers, arch, form):
     server = servers[arch, form]
     assert f"({HF_CLASSES[arch]}, 2 layers)" in server.startup
-    reply = client_of(server).chat.completions.create(model=server.model, messages=CHATS[form], **GREEDY)
+    reply = openai_client(server).chat.completions.create(model=server.model, messages=CHATS[form], **GREEDY)
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 6
     assert choice.message.role == "assistant" and choice.message.content.strip()
@@ -60,7 +49,7 @@ def test_a_served_moe_model_answers_a_chat(servers, arch, form):
 @pytest.mark.parametrize("arch, form", SERVED)
 def test_a_served_moe_model_streams_the_completion_it_gives_whole(servers, arch, form):
     server = servers[arch, form]
-    client = client_of(server)
+    client = openai_client(server)
     whole = client.completions.create(model=server.model, prompt=PROMPTS[form], **GREEDY)
     stream = client.completions.create(model=server.model, prompt=PROMPTS[form], stream=True, **GREEDY)
     chunks = [chunk for chunk in stream if chunk.choices]

@@ -4,17 +4,14 @@ on the numpy reference backend (which dequantizes at load) and on the torch back
 formats), and the real `openai` client gets a chat completion and a streamed completion from each.
 The six servers start at once and serve the module."""
 
-import contextlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from candelabra.conformance.engine_cases import write_word_tokenizer
 from candelabra.conformance.model_cases import ISQ_MODEL, VOCAB, ModelCase, make_reference
 from candelabra.conformance.quantized_checkpoints import Int4Layout, write_int4_copy
-from live_server import LiveServer
+from live_server import LiveServer, openai_client, started_together
 
 CHAT_TEMPLATE = "{% for m in messages %}w5 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w6{% endif %}"
 # checkpoint -> the flags that serve it, by backend
@@ -51,22 +48,14 @@ def servers(tmp_path_factory):
         (name, backend): LiveServer("--weight-path", str(checkpoints[name]), "--backend", backend, *flags,
                                     "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0")
         for (name, backend), flags in SERVED.items()}
-    with contextlib.ExitStack() as stack:
-        for server in servers.values():
-            stack.push(server.__exit__)
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(LiveServer.__enter__, servers.values()))
+    with started_together(servers):
         yield servers
-
-
-def client_of(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("name, backend", SERVED)
 def test_a_served_quantized_checkpoint_answers_a_chat(servers, name, backend):
     server = servers[name, backend]
-    reply = client_of(server).chat.completions.create(
+    reply = openai_client(server).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "w20 w21 w22"}], **GREEDY)
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 6
@@ -76,7 +65,7 @@ def test_a_served_quantized_checkpoint_answers_a_chat(servers, name, backend):
 @pytest.mark.parametrize("name, backend", SERVED)
 def test_a_served_quantized_checkpoint_streams_the_completion_it_gives_whole(servers, name, backend):
     server = servers[name, backend]
-    client = client_of(server)
+    client = openai_client(server)
     whole = client.completions.create(model=server.model, prompt="w5 w30 w31 w6", **GREEDY)
     stream = client.completions.create(model=server.model, prompt="w5 w30 w31 w6", stream=True, **GREEDY)
     chunks = [chunk for chunk in stream if chunk.choices]
