@@ -65,6 +65,8 @@ def random_int4_weight(rng: np.random.Generator, layout: Int4Layout, rows: int, 
     """Random codes, zeros and scales for a weight of `rows` outputs and `columns` inputs; `g_idx`
     the groups of the inputs (default: in order)."""
     group = columns if layout.group_size == -1 else layout.group_size
+    if columns % group:
+        raise ValueError(f"groups of {group} do not divide a weight's {columns} input features")
     groups = columns // group
     if g_idx is None:
         g_idx = random_g_idx(rng, layout, columns)
