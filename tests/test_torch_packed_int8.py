@@ -83,8 +83,12 @@ def test_two_parts_carry_x_to_within_a_64516th_of_each_rows_largest_value():
 def test_a_packed_candidate_multiplies_as_its_unpacked_values_say():
     weight = random_quantized(np.random.default_rng(25), "Q8_0", 32, 256)
     packed = next(c for c in candidates(weight, torch.bfloat16) if c.form == "int8_packed")
+    values, scales = int8_rowwise(weight.dequantize())
+    kept = values.astype(np.float64) * torch.from_numpy(scales).to(torch.bfloat16).double().numpy()[:, None]
+    # what the candidate hands kernel choice as its values: the kept ones, each rounded to bfloat16
+    assert np.array_equal(packed.values().double().numpy(), torch.from_numpy(kept).to(torch.bfloat16).double().numpy())
     x = torch.from_numpy(np.random.default_rng(26).standard_normal((5, 256))).to(torch.bfloat16)
-    reference = x.double().numpy() @ packed.values().double().numpy().T
+    reference = x.double().numpy() @ kept.T
     assert nmse(packed.build().matmul(x), reference) < 2 * bfloat16_rounding(reference)
 
 
