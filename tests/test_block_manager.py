@@ -20,7 +20,7 @@ def assert_consistent(bm: BlockManager) -> None:
     device_refs, host_refs = Counter(), Counter()
     for seq in bm._seqs.values():
         if seq.swapped:
-            assert seq.block_table == []
+            assert len(seq.block_table) == 0
             host_refs.update(seq.host_table)
         else:
             assert len(set(seq.block_table)) == len(seq.block_table)

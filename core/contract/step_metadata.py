@@ -95,13 +95,13 @@ class StepMetadata:
         if np.any(query_lens < 1) or np.any(query_lens > seq_lens_arr):
             raise ValueError("each sequence needs 1 <= query_len <= seq_len")
         needed = -(-seq_lens_arr // block_size)
-        for b, table in enumerate(block_tables):
-            if len(table) < needed[b]:
-                raise ValueError(
-                    f"sequence {b} holds {seq_lens_arr[b]} tokens and needs {needed[b]} blocks "
-                    f"of {block_size}, but its block table has {len(table)}"
-                )
-        width = max(max_blocks or 0, max((len(t) for t in block_tables), default=0), 1)
+        held = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        short = np.flatnonzero(held < needed)
+        if short.size:
+            b = int(short[0])
+            raise ValueError(f"sequence {b} holds {seq_lens_arr[b]} tokens and needs {needed[b]} blocks "
+                             f"of {block_size}, but its block table has {held[b]}")
+        width = max(max_blocks or 0, int(held.max(initial=0)), 1)
         tables = np.zeros((len(block_tables), width), dtype=np.int32)
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = table
@@ -212,10 +212,11 @@ def token_mask_words(vocab_size: int) -> int:
 
 def pad_token_lists(lists: Sequence[Sequence[int]], min_width: int = 1) -> np.ndarray:
     """Stack ragged token lists into an int32 [len(lists), width] array padded with NO_TOKEN."""
-    width = max([min_width, *(len(tokens) for tokens in lists)])
+    width = max(min_width, max(map(len, lists), default=0))
     out = np.full((len(lists), width), NO_TOKEN, dtype=np.int32)
     for row, tokens in enumerate(lists):
-        out[row, : len(tokens)] = tokens
+        if len(tokens):  # most rows of a step have none: no penalty, no bias
+            out[row, : len(tokens)] = tokens
     return out
 
 

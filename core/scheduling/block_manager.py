@@ -28,6 +28,7 @@ new device blocks; blocks shared inside the group stay shared.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +60,8 @@ class _SequenceBlocks:
     block not yet full, which its hash will need."""
 
     num_tokens: int
-    block_table: list[int]
+    # int32, so that a step's block tables reach numpy as copies of memory, not element by element
+    block_table: array
     # Host blocks while swapped out (block_table is then empty), else None.
     host_table: list[int] | None = None
     num_computed: int = 0
@@ -144,7 +146,7 @@ class BlockManager:
         # Hits first: taking new blocks may evict, and must not evict what is about to be reused.
         for block in hits:
             self._hold(block)
-        table = hits + [self._take_block() for _ in range(needed)]
+        table = array("i", hits + [self._take_block() for _ in range(needed)])
         num_cached_tokens = len(hits) * self.block_size
         seq = _SequenceBlocks(0, table, num_computed=num_cached_tokens, block_hashes=hashes,
                               num_offered_blocks=len(hits))
@@ -197,7 +199,7 @@ class BlockManager:
         for block in parent.block_table:
             self._ref_counts[block] += 1
         self._seqs[child_id] = _SequenceBlocks(
-            parent.num_tokens, list(parent.block_table),
+            parent.num_tokens, array("i", parent.block_table),
             host_table=None if parent.host_table is None else list(parent.host_table),
             num_computed=parent.num_computed, block_hashes=list(parent.block_hashes),
             unhashed_tokens=list(parent.unhashed_tokens), num_offered_blocks=parent.num_offered_blocks)
@@ -217,7 +219,11 @@ class BlockManager:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: int) -> list[int]:
-        return list(self._device_sequence(seq_id).block_table)
+        return self._device_sequence(seq_id).block_table.tolist()
+
+    def block_table_array(self, seq_id: int) -> np.ndarray:
+        """The block table as an int32 array of its own (a copy)."""
+        return np.frombuffer(self._device_sequence(seq_id).block_table, dtype=np.int32).copy()
 
     def num_tokens(self, seq_id: int) -> int:
         return self._sequence(seq_id).num_tokens
@@ -253,7 +259,7 @@ class BlockManager:
             seq.host_table = [host_of[block] for block in seq.block_table]
             # The content stays valid, so registered blocks remain reusable prefix cache.
             self._release_table(seq.block_table)
-            seq.block_table = []
+            seq.block_table = array("i")
         return list(host_of.items())
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
@@ -279,7 +285,7 @@ class BlockManager:
             if self._host_ref_counts[host_block] == 0:
                 self._free_host.append(host_block)
         for seq in seqs:
-            seq.block_table = [device_of[host_block] for host_block in seq.host_table]
+            seq.block_table = array("i", [device_of[host_block] for host_block in seq.host_table])
             seq.host_table = None
             # The prefix cache may have dropped these blocks' content meanwhile; offer it again.
             seq.num_offered_blocks = 0
@@ -409,7 +415,7 @@ class BlockManager:
             else:
                 self._free.append(block)
 
-    def _release_table(self, block_table: list[int]) -> None:
+    def _release_table(self, block_table: array) -> None:
         # Last block first: of blocks freed together, a prefix's head becomes the most recently
         # used and is evicted last, since the blocks after it are useless without it.
         for block in reversed(block_table):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from candelabra.core.requests.sequence import Sequence
 
 
@@ -28,4 +30,4 @@ class SchedulerOutput:
     # token): one row per sampled sequence, the n samples of a prompt sharing its item.
     sampled: list[tuple[int, Sequence]] = field(default_factory=list)
     forked: list[Sequence] = field(default_factory=list)  # samples 1 .. n-1 born in this step
-    block_tables: list[list[int]] = field(default_factory=list)  # of each scheduled sequence
+    block_tables: list[np.ndarray] = field(default_factory=list)  # int32, of each scheduled sequence

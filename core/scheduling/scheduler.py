@@ -108,7 +108,7 @@ class Scheduler:
             self._swap_in(out)
             self._admit(out, budget)
         self._plan_sampling(out)
-        out.block_tables = [self.blocks.block_table(item.seq.seq_id) for item in out.scheduled]
+        out.block_tables = [self.blocks.block_table_array(item.seq.seq_id) for item in out.scheduled]
         return out
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:

@@ -119,20 +119,24 @@ class ModelRunner:
             self.caches = _swap("swap_in", backend.swap_in, self.caches, self.swap_space, order.swap_in)
 
     def _inputs(self, plan: SchedulerOutput) -> StepInputs:
-        token_ids, query_lens, seq_lens, tables, last_token = [], [], [], [], []
+        token_ids, query_lens, seq_lens, last_token = [], [], [], []
         scored_rows, scored_targets = [], []
         for item in plan.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            for position in _positions_to_score(seq, start, item.num_tokens):
-                scored_rows.append(len(token_ids) + position - start)
-                scored_targets.append(seq.token_ids[position + 1])
-            token_ids += seq.token_ids[start:start + item.num_tokens]
-            query_lens.append(item.num_tokens)
-            seq_lens.append(start + item.num_tokens)
-            tables.append(plan.block_tables[len(tables)])
+            seq, start, count = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            if seq.needs_prompt_scoring:
+                for position in _positions_to_score(seq, start, count):
+                    scored_rows.append(len(token_ids) + position - start)
+                    scored_targets.append(seq.token_ids[position + 1])
+            if count == 1:
+                token_ids.append(seq.token_ids[start])
+            else:
+                token_ids += seq.token_ids[start:start + count]
+            query_lens.append(count)
+            seq_lens.append(start + count)
             last_token.append(len(token_ids) - 1)
         rows = [last_token[item_index] for item_index, _ in plan.sampled]
-        meta = StepMetadata.build(query_lens, seq_lens, tables, self.kv_spec.block_size, logits_rows=rows)
+        meta = StepMetadata.build(query_lens, seq_lens, plan.block_tables, self.kv_spec.block_size,
+                                  logits_rows=rows)
         scoring = None
         if scored_rows:
             num_top = max(item.seq.params.prompt_logprobs or 0 for item in plan.scheduled)

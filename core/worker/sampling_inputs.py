@@ -16,18 +16,24 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
     bias_ids, bias_values = [], []
     for seq in seqs:
         p = seq.params
-        bias = dict(p.logit_bias)
         # Nothing may end the sequence yet, unless a structured output, which decides its own end.
-        if seq.num_output_tokens < p.min_tokens and seq.grammar is None:
+        banned = seq.num_output_tokens < p.min_tokens and seq.grammar is None
+        if not p.logit_bias and not banned:
+            bias_ids.append(())
+            bias_values.append(())
+            continue
+        bias = dict(p.logit_bias)
+        if banned:
             for token in seq.end_token_ids:
                 bias[token] = float("-inf")
         bias_ids.append(list(bias))
         bias_values.append(list(bias.values()))
     params = [s.params for s in seqs]
-    width = pad_token_lists(bias_ids).shape[1]
-    values = np.zeros((len(seqs), width), dtype=np.float32)
+    bias_token_ids = pad_token_lists(bias_ids)
+    values = np.zeros(bias_token_ids.shape, dtype=np.float32)
     for row, row_values in enumerate(bias_values):
-        values[row, : len(row_values)] = row_values
+        if row_values:
+            values[row, : len(row_values)] = row_values
     return SamplingMetadata(
         temperature=np.array([p.temperature for p in params], np.float32),
         top_k=np.array([p.top_k for p in params], np.int32),
@@ -38,7 +44,7 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
         frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32),
         penalty_tokens=pad_token_lists([_repetition_window(s) for s in seqs]),
         output_tokens=pad_token_lists([s.output_token_ids if _counts_outputs(s.params) else [] for s in seqs]),
-        bias_token_ids=pad_token_lists(bias_ids),
+        bias_token_ids=bias_token_ids,
         bias_values=values,
         uniform=np.array([s.rng.random(dtype=np.float32) for s in seqs], np.float32),
         num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
