@@ -21,6 +21,8 @@
 #                       and bench/cuda_mixed_attention.py: a mixed step's decodes tiled apart against in one launch
 #   profile-int4        bench/cuda_profile.py at batch 1 with Q4_K (int4) weights: where an int4 step's time goes
 #   int4-tiles          bench/cuda_int4_tiles.py: the int4 kernels' tilings at one row, per Llama-3-8B linear shape
+#   host                bench/host_step_time.py: the engine's host phases of a decode step at batch 1, 16, 64
+#                       (a tiny model, 256- and 4,096-token prompts): what the GPU waits for between steps
 #
 # Each step writes STEP.log (everything it printed) and its JSON under the output folder: the first
 # argument after --out, else $OUT, else ./gpu-check. A step that fails says so and the next still runs;
@@ -31,7 +33,8 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-transformers profile profile-int4 int4-tiles)
+STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-transformers profile profile-int4 int4-tiles
+       host)
 
 results=${OUT:-./gpu-check}
 steps=()
@@ -104,6 +107,9 @@ run_step() {
             python3 bench/cuda_profile.py --quantization Q4_K --no-sampling --batches 1 --out "$results/profile-int4" ;;
         int4-tiles)
             python3 bench/cuda_int4_tiles.py --rows 1 --json "$results/int4-tiles.json" ;;
+        host)
+            python3 bench/host_step_time.py --backend cuda --steps 100 &&
+            python3 bench/host_step_time.py --backend cuda --steps 100 --prompt-tokens 4096 --concurrency 64 ;;
     esac
 }
 

@@ -14,13 +14,14 @@ For each concurrency, that many requests of random --prompt-tokens ids are prefi
 decode steps are timed, each phase by wrapping the engine's own methods:
     schedule        the scheduler picks the batch and grows the block tables
     inputs          the runner lays out the step's tokens, metadata and sampling rows (numpy)
-    run             the backend's step executor: the model, and sampling (device work, and on an
-                    eager backend the ops themselves)
-    fetch           the sampled tokens back on the host
+    run             the backend's step executor: the model and sampling (on an eager backend the
+                    ops themselves; on a GPU their launches, or a graph's replay)
+    fetch           the sampled tokens back on the host (on a GPU, the wait for the step to end)
     update          the scheduler takes the tokens, finishes sequences
     outputs         the core's per-request outputs
     text            detokenizing and stop strings (LLMEngine.step around the core's step)
-and the host's total: the whole step less `run`.
+and the host's total: the whole step less `run` and `fetch` (on a GPU, what the device waits for
+between steps, which asynchronous scheduling would hide).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def measure(llm: LLM, timer: PhaseTimer, concurrency: int, args, rng) -> list[st
     while engine.has_unfinished_requests():
         engine.step()
     per_step["text"] = whole - per_step.pop("core")
-    host = whole - per_step["run"]
+    host = whole - per_step["run"] - per_step.get("fetch", 0.0)
     return [str(concurrency), *(f"{per_step.get(phase, 0) * 1e3:.3f}" for phase in PHASES),
             f"{host * 1e3:.3f}", f"{whole * 1e3:.3f}"]
 
