@@ -5,7 +5,12 @@ import json
 import pytest
 
 from candelabra.core.server.tool_calls import Parsed, ToolCall, ToolCallStream
-from candelabra.core.server.tool_calls.forced import NamedCallParser, RequiredCallsParser, required_schema
+from candelabra.core.server.tool_calls.forced import (
+    NamedCallParser,
+    RequiredCallsParser,
+    arguments_schema,
+    required_schema,
+)
 from candelabra.core.server.tool_calls.hermes import HermesParser
 from candelabra.core.server.tool_calls.llama3 import Llama3JsonParser
 from candelabra.core.server.tool_calls.mistral import MistralParser
@@ -157,9 +162,40 @@ def test_required_schema_names_each_tool_with_its_parameters():
         "a": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "noop"}}]
     one = required_schema(tools, parallel=False)
     assert [branch["properties"]["name"] for branch in one["anyOf"]] == [{"const": "add"}, {"const": "noop"}]
-    assert one["anyOf"][0]["properties"]["arguments"] == tools[0]["function"]["parameters"]
+    assert one["anyOf"][0]["properties"]["arguments"] == {**tools[0]["function"]["parameters"],
+                                                         "additionalProperties": False}
     assert one["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
     assert required_schema(tools, parallel=True) == {"type": "array", "items": one, "minItems": 1}
+
+
+def test_forced_arguments_take_only_the_declared_parameters_unless_the_schema_allows_more():
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string"},
+                       "when": {"type": "object", "properties": {"hour": {"type": "integer"}}},
+                       "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+                       "extra": {"type": "object", "properties": {"x": {}}, "additionalProperties": True},
+                       "free": {"type": "object"},
+                       "either": {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "string"}]},
+                       "parts": {"allOf": [{"type": "object", "properties": {"a": {}}}],
+                                 "properties": {"b": {}}},
+                       "named": {"$ref": "#/$defs/point"}},
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}},
+        "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": parameters}}
+    closed = arguments_schema(tool)
+    properties = closed["properties"]
+    assert closed["additionalProperties"] is False and closed["required"] == ["city"]
+    assert properties["when"]["additionalProperties"] is False
+    assert properties["tags"]["items"]["additionalProperties"] is False
+    assert properties["extra"]["additionalProperties"] is True  # the schema's own word stands
+    assert "additionalProperties" not in properties["free"]  # an object of any keys stays one
+    assert properties["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in properties["parts"]  # allOf names keys elsewhere
+    assert "additionalProperties" not in properties["parts"]["allOf"][0]
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert "additionalProperties" not in parameters and "additionalProperties" not in parameters["properties"]["when"]
+    assert arguments_schema({"type": "function", "function": {"name": "noop"}}) == {"type": "object"}
 
 
 def test_history_arguments_reach_templates_as_objects():
