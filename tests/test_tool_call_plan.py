@@ -31,7 +31,8 @@ def test_auto_needs_a_format_the_template_shows():
 def test_a_named_function_is_constrained_to_its_parameters():
     plan = plan_tools([ADD, NOOP], {"type": "function", "function": {"name": "add"}}, True, None)
     assert isinstance(plan.parser, NamedCallParser) and plan.parser.name == "add"
-    assert plan.structured_output.json_schema == ADD["function"]["parameters"]
+    # closed to keys the function does not take (tools/forced.py's arguments_schema)
+    assert plan.structured_output.json_schema == {**ADD["function"]["parameters"], "additionalProperties": False}
     plan = plan_tools([ADD, NOOP], {"type": "function", "function": {"name": "noop"}}, True, None)
     assert plan.structured_output.json_schema == {"type": "object"}
 
