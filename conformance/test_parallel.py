@@ -21,9 +21,8 @@ def _needs_a_communicator(conformance_run):
 def parallel_results(conformance_run, request) -> dict:
     """The model cases this run selected (all of them, unless `-k` left some out) at TP=2, run once in
     one group of processes."""
-    selected = {item.callspec.params["parallel_model_case"].name: item.callspec.params["parallel_model_case"]
-                for item in request.session.items if item.originalname == "test_parallel_model"}
-    cases = list(selected.values())
+    cases = [item.callspec.params["parallel_model_case"] for item in request.session.items
+             if item.originalname == "test_parallel_model"]
     results = run_parallel_cases(_spec(conformance_run), WORLD_SIZE, cases, seed=conformance_run.seed,
                                  dtype=conformance_run.dtype)
     return {result.case: result for result in results}

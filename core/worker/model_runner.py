@@ -127,10 +127,7 @@ class ModelRunner:
                 for position in _positions_to_score(seq, start, count):
                     scored_rows.append(len(token_ids) + position - start)
                     scored_targets.append(seq.token_ids[position + 1])
-            if count == 1:
-                token_ids.append(seq.token_ids[start])
-            else:
-                token_ids += seq.token_ids[start:start + count]
+            token_ids += seq.token_ids[start:start + count]
             query_lens.append(count)
             seq_lens.append(start + count)
             last_token.append(len(token_ids) - 1)
