@@ -5,6 +5,9 @@ tokenizer, so this level needs no torch) runs on the backend under test. Greedy 
 identical whether a request runs alone or among others arriving at random steps, with chunked
 prefill on and off, on prefix-cache hits and misses, and after forced preemption by recompute
 and by swap; n > 1 samples under a fixed seed must reproduce. Every case ends with all blocks free.
+Greedy tokens may part from the lone ones only on a tie: where the lone run's best token led the
+batch's pick by at most two rounding steps of the compute dtype (GREEDY_TIE_MARGINS), as a batch's other
+summation order can move a logit by one; the case passes and its detail names the request and step.
 
 The cases named "...-kv-int8" run two of the checks again with every engine keeping an int8 KV cache
 (where the backend declares one): a quantized cache changes the tokens from the float cache's, but a
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +79,10 @@ ENGINE_CASES = [
 # float32 sums in another order, or a low-precision dtype's rounding of the hidden states.
 PROMPT_LOGPROB_TOLERANCE = {"float32": 1e-3}
 LOW_PRECISION_PROMPT_LOGPROB_TOLERANCE = 0.1
+# A request's greedy tokens may part from its lone ones where the lone run's two best logprobs were this
+# close: two rounding steps of the compute dtype at the tiny models' logits (8 to 16), which a batch's
+# other summation order can move by one (seen in bfloat16 on torch's MoE experts).
+GREEDY_TIE_MARGINS = {"float32": 2.0**-19, "float16": 2.0**-6, "bfloat16": 2.0**-3}
 
 
 @dataclass
@@ -259,26 +266,25 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 60, 6)]
-    problems, detail = [], ""
+    problems, detail, ties = [], "", []
 
     if case.check == "staggered-arrivals":
         engine = h.engine()
         together = h.run(engine, prompts, greedy, arrivals=sorted(rng.integers(0, 15, len(prompts)).tolist()))
-        problems.append(_differ(_tokens(together), _tokens(h.alone(prompts, greedy))))
+        problems.append(_differ_but_for_ties(h, together, prompts, greedy, ties))
         detail = f"{len(prompts)} requests"
     elif case.check == "chunked-prefill":
         engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
         chunked = h.run(engine, prompts, greedy)
-        whole = h.alone(prompts, greedy, prefill_chunk_size=0, max_num_batched_tokens=512)
-        problems.append(_differ(_tokens(chunked), _tokens(whole)))
+        problems.append(_differ_but_for_ties(h, chunked, prompts, greedy, ties, prefill_chunk_size=0,
+                                             max_num_batched_tokens=512))
         detail = f"{engine.stats['steps']} steps chunked"
     elif case.check == "prefix-cache":
         shared = rng.integers(2, VOCAB, 3 * BLOCK_SIZE + 5).tolist()
         first, second = shared + [7, 8, 9], shared + [11, 12]
         engine = h.engine(enable_prefix_caching=True)
         outputs = h.run(engine, [first], greedy) + h.run(engine, [second], greedy)
-        uncached = h.alone([first, second], greedy, enable_prefix_caching=False)
-        problems.append(_differ(_tokens(outputs), _tokens(uncached)))
+        problems.append(_differ_but_for_ties(h, outputs, [first, second], greedy, ties, enable_prefix_caching=False))
         hits = outputs[1].num_cached_tokens
         if hits < 3 * BLOCK_SIZE:
             problems.append(f"the second prompt reused {hits} cached tokens, expected {3 * BLOCK_SIZE}")
@@ -291,7 +297,7 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         longer = SamplingParams(temperature=0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
         engine = h.engine(num_blocks=10, num_host_blocks=40 if mode == "swap" else 0, preemption=mode)
         together = h.run(engine, long_prompts, longer)
-        problems.append(_differ(_tokens(together), _tokens(h.alone(long_prompts, longer))))
+        problems.append(_differ_but_for_ties(h, together, long_prompts, longer, ties))
         count = engine.scheduler.num_preemptions[mode]
         if not count:
             problems.append(f"no preemption by {mode} happened")
@@ -308,10 +314,8 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         problems.append(_differ([s[:1] for s in first_run], _tokens(h.run(h.engine(), prompts[:2], single))))
         # Greedy samples share the prompt's blocks copy-on-write and must all be the lone greedy output.
         greedy_three = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        shared = _tokens(h.run(h.engine(), prompts[:3], greedy_three))
-        alone = _tokens(h.alone(prompts[:3], greedy))
-        problems.append(_differ([s for samples in shared for s in samples],
-                                [s for samples in alone for s in samples for _ in range(3)]))
+        shared = h.run(h.engine(), prompts[:3], greedy_three)
+        problems.append(_differ_but_for_ties(h, shared, prompts[:3], greedy, ties))
         detail = "3 samples per request"
     elif case.check == "prompt-logprobs":
         scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
@@ -328,6 +332,8 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
 
     problems.append(_all_blocks_free(engine))
     problems = [p for p in problems if p]
+    if ties:
+        detail += f"; parted on a tie: {', '.join(ties)}"
     return EngineResult(case.name, "failed" if problems else "passed", detail, seed, "; ".join(problems))
 
 
@@ -352,3 +358,35 @@ def _differ(got: list, expected: list) -> str:
         if a != b:
             return f"request {i} got tokens {a}, alone it gets {b}"
     return ""
+
+
+def _differ_but_for_ties(h: _Harness, got: list, prompts: list, params, ties: list[str], **alone_options) -> str:
+    """Whether any request's greedy samples in `got` differ from its tokens alone (`prompts` run one by
+    one with `params` on engines made with `alone_options`). A sample that parts from them on a tie
+    (`parting_tie`) is noted in `ties` rather than failed."""
+    alone = h.alone(prompts, params, **alone_options)
+    margin = GREEDY_TIE_MARGINS[h.model.dtype]
+    for i, (samples, lone) in enumerate(zip(_tokens(got), _tokens(alone))):
+        for sample in samples:
+            if sample == lone[0]:
+                continue
+            step = parting_tie(h, prompts[i], params, sample, lone[0], margin, alone_options)
+            if step is None:
+                return f"request {i} got tokens {samples}, alone it gets {lone}"
+            ties.append(f"request {i} at token {step}")
+    return ""
+
+
+def parting_tie(h: _Harness, prompt: list[int], params, got: list[int], expected: list[int], margin: float,
+                alone_options: dict) -> int | None:
+    """The step where greedy tokens `got` first part from `expected`, the prompt's tokens alone, when
+    `got`'s token there was within `margin` of the best logprob of the lone run, scored again;
+    None when they part otherwise, or the lone run does not repeat itself."""
+    step = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if step is None:
+        return None
+    scored = h.alone([prompt], replace(params, logprobs=2), **alone_options)[0].outputs[0]
+    if scored.token_ids != expected:
+        return None
+    top = dict(scored.logprobs[step].top)
+    return step if got[step] in top and top[expected[step]] - top[got[step]] <= margin else None

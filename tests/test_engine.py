@@ -127,6 +127,26 @@ def test_every_engine_conformance_case_passes_on_each_available_backend(tmp_path
                                             for case in ENGINE_CASES]
 
 
+def test_greedy_tokens_part_on_a_tie_only_where_the_lone_runs_best_led_by_at_most_the_margin(tmp_path):
+    from candelabra.conformance.engine_cases import _Harness, parting_tie, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path, seed=17)
+    h = _Harness(backend_class("cpu")(), tmp_path, "float32")
+    params, prompt, step = greedy(max_tokens=8, ignore_eos=True), PROMPT + [30, 31], 3
+    lone = h.alone([prompt], greedy(max_tokens=8, ignore_eos=True, logprobs=2))[0].outputs[0]
+    (best, best_logprob), (second, second_logprob) = lone.logprobs[step].top[:2]
+    lead = best_logprob - second_logprob
+    parted = lone.token_ids[:step] + [second] + lone.token_ids[step + 1:]
+
+    assert best == lone.token_ids[step] and lead > 0
+    assert parting_tie(h, prompt, params, parted, lone.token_ids, lead * 1.01, {}) == step
+    assert parting_tie(h, prompt, params, parted, lone.token_ids, lead * 0.99, {}) is None
+    unlikely = next(t for t in range(2, 160) if t not in dict(lone.logprobs[step].top))
+    assert parting_tie(h, prompt, params, parted[:step] + [unlikely], lone.token_ids, 100.0, {}) is None
+    # Tokens that are not what the prompt gets alone are no reference to part from.
+    assert parting_tie(h, prompt, params, parted, parted[:step] + [best, best, best], 100.0, {}) is None
+
+
 def test_one_device_to_host_transfer_per_step(llm, monkeypatch):
     """Everything a step returns reaches the host through one `fetch`; nothing else reads the
     device during the step."""
