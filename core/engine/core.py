@@ -150,17 +150,19 @@ class EngineCore:
     def _outputs(self, accepted) -> list[EngineOutput]:
         outputs: dict[str, EngineOutput] = {}
         for seq, token in accepted:
-            request = self.requests[seq.request_id]
-            output = outputs.setdefault(seq.request_id, EngineOutput(seq.request_id))
+            output = outputs.get(seq.request_id)
+            if output is None:
+                output = outputs[seq.request_id] = EngineOutput(seq.request_id)
             logprob = token if seq.params.logprobs is not None else None
             output.updates.append(SampleUpdate(seq.index, token.token_id, logprob, seq.finish_reason,
                                                token.token_id in seq.end_token_ids))
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 output.prompt_logprobs = list(seq.prompt_logprobs)
-            self.stats["generated_tokens"] += 1
-            output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
+        self.stats["generated_tokens"] += len(accepted)
         for output in outputs.values():
-            if self.requests[output.request_id].finished:
+            request = self.requests[output.request_id]
+            output.num_cached_tokens = max(s.num_cached_prompt_tokens for s in request.sequences)
+            if request.finished:
                 output.finished = True
                 self.stats["cached_prompt_tokens"] += output.num_cached_tokens
                 del self.requests[output.request_id]

@@ -158,10 +158,10 @@ def _sampled_tokens(plan: SchedulerOutput, host) -> list[SampledToken]:
         return []
     token_ids, logprobs, top_ids, top_logprobs = host
     tokens = []
-    for row, (_, seq) in enumerate(plan.sampled):
-        k = seq.params.logprobs or 0
-        top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
-        tokens.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top))
+    for row, ((_, seq), token_id, logprob) in enumerate(zip(plan.sampled, token_ids.tolist(), logprobs.tolist())):
+        k = seq.params.logprobs
+        top = list(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist())) if k else []
+        tokens.append(SampledToken(token_id, logprob, top))
     return tokens
 
 
