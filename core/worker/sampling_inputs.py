@@ -1,6 +1,7 @@
 """What each sampled row of a step asks of the sampler, from its sequence: temperature and filters,
 penalties with the tokens they look at, logit bias (with min_tokens' ban on ending early folded in),
-the structured output's allowed tokens, and the row's uniform draw."""
+the structured output's allowed tokens, and the row's uniform draw (none for a greedy row, which
+needs none and whose generator nothing else reads)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
         output_tokens=pad_token_lists([s.output_token_ids if _counts_outputs(s.params) else [] for s in seqs]),
         bias_token_ids=bias_token_ids,
         bias_values=values,
-        uniform=np.array([s.rng.random(dtype=np.float32) for s in seqs], np.float32),
+        uniform=np.array([s.rng.random(dtype=np.float32) if s.params.temperature else 0.0 for s in seqs], np.float32),
         num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
         allowed_token_mask=_allowed_token_mask(seqs),
     )
