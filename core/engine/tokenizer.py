@@ -42,6 +42,8 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
         self._rust_decode = backend.decode if backend is not None and not cleans_up else None
+        # A token decoded alone, by (id, skip_special_tokens): the detokenizer asks for one a generated token.
+        self._single: dict[tuple[int, bool], str] = {}
         ids = set(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None:
             ids.add(int(hf_tokenizer.eos_token_id))
@@ -83,6 +85,15 @@ class Tokenizer:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        if len(token_ids) == 1:
+            key = (int(token_ids[0]), skip_special_tokens)
+            text = self._single.get(key)
+            if text is None:
+                text = self._single[key] = self._decode(token_ids, skip_special_tokens)
+            return text
+        return self._decode(token_ids, skip_special_tokens)
+
+    def _decode(self, token_ids, skip_special_tokens: bool) -> str:
         if self._rust_decode is not None:
             return self._rust_decode([int(token) for token in token_ids], skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
