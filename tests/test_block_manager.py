@@ -446,6 +446,19 @@ def test_copy_on_write_needs_a_free_block(new_manager):
     assert bm.block_table(1) == bm.block_table(2) and bm.num_tokens(1) == 5
 
 
+def test_append_if_room_grows_as_append_does_or_changes_nothing(new_manager):
+    bm = new_manager(num_blocks=3, block_size=4)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.fork(1, 2)
+    assert bm.append_if_room(1, [6]) == [(bm.block_table(2)[1], bm.block_table(1)[1])]  # copy-on-write
+    assert bm.num_tokens(1) == 6 and bm.num_free_blocks == 0
+    table, tokens = bm.block_table(2), bm.num_tokens(2)
+    assert bm.append_if_room(2, [7, 8, 9, 10]) is None
+    assert (bm.block_table(2), bm.num_tokens(2), bm.num_free_blocks) == (table, tokens, 0)
+    assert bm.append_if_room(2, [7, 8, 9]) == []  # its last block is its own now, with room for three
+    assert bm.num_tokens(2) == 8
+
+
 # ---- swapping
 
 

@@ -91,7 +91,7 @@ class Scheduler:
             plan = self._plan(group, budget)
             # Room is made for a whole request before any of it is appended, and only requests not
             # yet visited in this step are preempted for it, so no half-scheduled request is swapped.
-            while plan and not self._fits(plan):
+            while plan and not self._append(plan, out):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 if victim is group:
@@ -99,7 +99,6 @@ class Scheduler:
             if plan is None:
                 continue
             for seq, tokens in plan:
-                out.block_copies += self.blocks.append(seq.seq_id, seq.token_ids[self.blocks.num_tokens(seq.seq_id):])
                 out.scheduled.append(ScheduledSequence(seq, tokens))
                 budget -= tokens
             kept.append(group)
@@ -173,14 +172,30 @@ class Scheduler:
             budget -= tokens
         return plan
 
+    def _append(self, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> bool:
+        """Grow the planned sequences' blocks for their new tokens, all of them or none; whether they fit."""
+        blocks = self.blocks
+        if len(plan) == 1:  # checked and grown in one call: a decode step's usual request
+            seq = plan[0][0]
+            copies = blocks.append_if_room(seq.seq_id, seq.token_ids[blocks.num_tokens(seq.seq_id):])
+            if copies is None:
+                return False
+            out.block_copies += copies
+            return True
+        if not self._fits(plan):
+            return False
+        for seq, _ in plan:
+            out.block_copies += blocks.append(seq.seq_id, seq.token_ids[blocks.num_tokens(seq.seq_id):])
+        return True
+
     def _fits(self, plan: list[tuple[Sequence, int]]) -> bool:
-        """Whether the planned sequences can all hold their new tokens."""
+        """Whether the planned sequences, two or more, can all hold their new tokens."""
         missing = [(seq, seq.num_tokens - self.blocks.num_tokens(seq.seq_id)) for seq, _ in plan]
         if not all(self.blocks.can_append(seq.seq_id, count) for seq, count in missing):
             return False
         # Each growing member may need one fresh block (new or copy-on-write) of its own.
         growing = sum(1 for _, count in missing if count)
-        return len(missing) == 1 or self.blocks.num_free_blocks >= growing
+        return self.blocks.num_free_blocks >= growing
 
     def _preempt(self, group: list[Sequence], out: SchedulerOutput) -> None:
         ids = [s.seq_id for s in group]
