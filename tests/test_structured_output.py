@@ -206,7 +206,7 @@ def test_langchain_structured_output_fills_the_model_in_json_schema_and_json_mod
     mode sends no schema: its reply is a JSON object unless the model ran on to the length limit, and what
     LangChain makes of it is the model's doing."""
     from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
     class City(BaseModel):
         """Facts about a city."""
@@ -225,8 +225,13 @@ def test_langchain_structured_output_fills_the_model_in_json_schema_and_json_mod
     finish_reason = answer["raw"].response_metadata["finish_reason"]
     assert finish_reason in ("stop", "length"), answer
     if finish_reason == "stop":
-        assert isinstance(json.loads(answer["raw"].content), dict), answer
-    assert answer["parsed"] is None or isinstance(answer["parsed"], City)
+        content = json.loads(answer["raw"].content)
+        assert isinstance(content, dict), answer
+        try:
+            expected = City.model_validate(content)
+        except ValidationError:
+            expected = None  # the model's keys, not City's: LangChain reports a parsing error
+        assert answer["parsed"] == expected, answer
 
 
 @pytest.mark.slow

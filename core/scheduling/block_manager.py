@@ -171,13 +171,12 @@ class BlockManager:
     def append(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Grows the sequence by `token_ids`. Returns (source, destination) block copies to make
         before the new tokens' KV is written."""
-        seq = self._device_sequence(seq_id)
-        tokens = [int(t) for t in token_ids]
-        needed = self._blocks_to_append(seq, len(tokens))
-        if needed > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq_id}: {len(tokens)} more tokens need {needed} blocks, "
+        copies = self.append_if_room(seq_id, token_ids)
+        if copies is None:
+            needed = self._blocks_to_append(self._device_sequence(seq_id), len(token_ids))
+            raise OutOfBlocksError(f"sequence {seq_id}: {len(token_ids)} more tokens need {needed} blocks, "
                                    f"but only {self.num_free_blocks} are free")
-        return self._grow(seq, tokens)
+        return copies
 
     def append_if_room(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]] | None:
         """`append` where the free blocks hold the new tokens; else None, and nothing changes."""
@@ -185,9 +184,6 @@ class BlockManager:
         tokens = [int(t) for t in token_ids]
         if self._blocks_to_append(seq, len(tokens)) > self.num_free_blocks:
             return None
-        return self._grow(seq, tokens)
-
-    def _grow(self, seq: _SequenceBlocks, tokens: list[int]) -> list[tuple[int, int]]:
         copies = []
         if tokens and self._last_block_is_shared_and_partial(seq):
             shared = seq.block_table[-1]
