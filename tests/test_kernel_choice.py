@@ -11,17 +11,21 @@ import torch
 
 from candelabra.backends.torch import kernel_choice
 from candelabra.backends.torch.kernel_choice import (
+    MAX_LOOKS,
     PRUNE_RATIO,
+    QUIET_MARGIN_CPUS,
     ROW_BANDS,
     Candidate,
     Choice,
     KernelChooser,
+    Looks,
     Timing,
     band_index,
     choose,
     describe_cached,
     filled_in,
     format_choices,
+    merged,
 )
 from candelabra.backends.torch.weight_forms import DenseWeight, Int8Weight, KeptWeight
 
@@ -162,8 +166,12 @@ ALL_FAST = {("int8", "int8_mm"): 1.0, ("int8", "int8_split"): 2.0, ("int8", "reb
             ("int8", "rebuild_f32"): 4.0, ("dense", "dense"): 1.5, ("dense", "dense_f32"): 5.0}
 
 
-def chooser(tmp_path, stopwatch, budget_s=60.0, dtype="bfloat16") -> KernelChooser:
-    return KernelChooser(dtype, 2, budget_s=budget_s, folder=tmp_path, stopwatch=stopwatch)
+def chooser(tmp_path, stopwatch, budget_s=60.0, dtype="bfloat16", busy_elsewhere: float | None = 0.0,
+            machine_cpus=2, **kwargs) -> KernelChooser:
+    """A chooser of 2 threads on a machine of `machine_cpus` whose other processes keep `busy_elsewhere` CPUs
+    busy while it measures."""
+    return KernelChooser(dtype, 2, budget_s=budget_s, folder=tmp_path, stopwatch=stopwatch,
+                         watch_others=lambda: lambda: busy_elsewhere, machine_cpus=machine_cpus, **kwargs)
 
 
 def test_the_kept_weight_is_the_chosen_form_with_its_choice(tmp_path):
@@ -288,7 +296,7 @@ class SlowTimes(FakeTimes):
 
 def test_one_weight_shape_spends_at_most_its_share_of_the_budget_past_the_first_band(tmp_path):
     times = SlowTimes(ALL_FAST, seconds=0.05)  # 12 calls at one row: 0.6 s, past a quarter of 2 s
-    measuring = KernelChooser("bfloat16", 2, budget_s=2.0, folder=tmp_path, stopwatch=times, clock=times.clock)
+    measuring = chooser(tmp_path, times, budget_s=2.0, clock=times.clock)
     measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
     assert {rows for _, _, rows in times.calls} == {1}
     assert measuring.spent_s < measuring.budget_s  # the rest is left to the other weights
@@ -327,3 +335,82 @@ def test_a_weight_chooses_among_its_own_forms_when_its_shape_was_timed_with_othe
     only_dense = [c for c in int8_and_dense_candidates() if c.form == "dense"]
     kept = measuring.keep("Q5_0", SHAPE, only_dense)
     assert kept.form == "dense" and kept.choice.kernels == ("dense",) * 5 and times.calls == []
+
+
+# timings taken while other processes compete for the cores
+
+
+def test_merged_looks_keep_each_kernels_best_time_and_a_wrong_kernel_stays_dropped():
+    earlier = timings({("int8", "int8_mm"): (8.0, 9.0, None, None, None),
+                       ("dense", "dense"): (1.0, 2.0, 3.0, 4.0, 5.0)})
+    later = timings({("int8", "int8_mm"): (0.4, 16.0, 2.0, None, None),
+                     ("dense", "dense"): (1.5, 1.0, 3.5, 4.0, 6.0)})
+    wrong = Timing("Q5_0", SHAPE, 1, "dense", "dense_f32", nmse=0.5, dropped="wrong: NMSE 0.5 > 0.0001")
+    fast = Timing("Q5_0", SHAPE, 1, "dense", "dense_f32", ms=0.1)
+    best = {(t.form, t.kernel, t.rows): t.ms for t in merged([*earlier, fast], [*later, wrong]) if t.usable}
+    assert best == {("int8", "int8_mm", 1): 0.4, ("int8", "int8_mm", 4): 9.0, ("int8", "int8_mm", 16): 2.0,
+                    ("dense", "dense", 1): 1.0, ("dense", "dense", 4): 1.0, ("dense", "dense", 16): 3.0,
+                    ("dense", "dense", 64): 4.0, ("dense", "dense", 256): 5.0}
+    assert [t.dropped for t in merged([wrong], [fast])] == [wrong.dropped]
+
+
+def test_a_weight_measured_under_contention_is_measured_again_until_a_quiet_look_and_keeps_the_best_times(
+        tmp_path, caplog):
+    # Under contention the two-thread int8 kernel lost a scheduler slice and dense won; quiet, int8 is faster.
+    contended = FakeTimes({**ALL_FAST, ("int8", "int8_mm"): 16.0, ("dense", "dense"): 1.5})
+    first = chooser(tmp_path, contended, busy_elsewhere=0.7)
+    assert first.keep("Q5_0", SHAPE, int8_and_dense_candidates()).form == "dense"
+    assert first.looks[("Q5_0", SHAPE)] == Looks(1, False, 0.7)
+    assert "keep 0.7 CPUs busy" in caplog.text and "measured again by the next start" in first.report()
+    contended.calls.clear()
+    assert first.keep("Q5_0", SHAPE, int8_and_dense_candidates()).form == "dense"  # not again in one process
+    assert contended.calls == []
+
+    quiet = FakeTimes({**ALL_FAST, ("int8", "int8_mm"): 0.5, ("dense", "dense"): 2.0})
+    second = chooser(tmp_path, quiet)
+    kept = second.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert quiet.calls and kept.form == "int8" and kept.choice.kernels == ("int8_mm",) * 5
+    assert second.looks[("Q5_0", SHAPE)] == Looks(2, True, 0.0)
+    dense = {t.rows: t.ms for t in second.timings if (t.form, t.kernel) == ("dense", "dense")}
+    assert dense == dict.fromkeys(ROW_BANDS, 1.5)  # the contended look's faster time, kept
+
+    third = FakeTimes(ALL_FAST)
+    assert chooser(tmp_path, third).keep("Q5_0", SHAPE, int8_and_dense_candidates()).form == "int8"
+    assert third.calls == []  # settled by the quiet look
+
+
+def test_a_weight_only_ever_measured_under_contention_is_trusted_after_the_last_look(tmp_path):
+    for look in range(1, MAX_LOOKS + 1):
+        times = FakeTimes(ALL_FAST)
+        measuring = chooser(tmp_path, times, busy_elsewhere=1.0)
+        measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+        assert times.calls and measuring.looks[("Q5_0", SHAPE)] == Looks(look, False, 1.0)
+    times = FakeTimes(ALL_FAST)
+    chooser(tmp_path, times, busy_elsewhere=1.0).keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert times.calls == []
+
+
+def test_a_contended_weight_is_not_measured_again_past_the_budget(tmp_path):
+    chooser(tmp_path, FakeTimes(ALL_FAST), busy_elsewhere=1.0).keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    times = FakeTimes(ALL_FAST)
+    spent = chooser(tmp_path, times, budget_s=0.0)
+    assert spent.keep("Q5_0", SHAPE, int8_and_dense_candidates()).form == "int8" and times.calls == []
+
+
+@pytest.mark.parametrize("machine_cpus, busy, quiet", [
+    (2, QUIET_MARGIN_CPUS, True), (2, QUIET_MARGIN_CPUS + 0.01, False),
+    (8, 6 + QUIET_MARGIN_CPUS, True), (8, 6.5, False), (2, None, True)])
+def test_a_look_is_quiet_while_others_use_no_more_than_the_cpus_this_process_leaves_free(
+        tmp_path, machine_cpus, busy, quiet):
+    measuring = chooser(tmp_path, FakeTimes(ALL_FAST), busy_elsewhere=busy, machine_cpus=machine_cpus)
+    measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert measuring.looks[("Q5_0", SHAPE)].quiet is quiet
+
+
+def test_weights_another_process_measured_meanwhile_are_kept_when_the_table_is_written(tmp_path):
+    one, other = chooser(tmp_path, FakeTimes(ALL_FAST)), chooser(tmp_path, FakeTimes(ALL_FAST))
+    one.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    other.keep("Q8_0", SHAPE, int8_and_dense_candidates())
+    later = chooser(tmp_path, FakeTimes(ALL_FAST))
+    assert {(t.format, t.shape) for t in later.timings} == {("Q5_0", SHAPE), ("Q8_0", SHAPE)}
+    assert set(later.looks) == {("Q5_0", SHAPE), ("Q8_0", SHAPE)}

@@ -15,6 +15,13 @@ was not timed at takes the timings of the nearest shape of its format that was (
 kept in the cache directory, one file per CPU model, CPU flags, torch version, thread count and
 compute dtype (`cache_key`), so a second start on the same machine measures nothing, and another
 CPU measures afresh.
+
+Timings taken while other processes keep busy the CPUs this one's threads need are not to be
+trusted: under one busy core a 0.45 ms int4 product timed 8 to 16 ms (a scheduler slice) and a
+one-thread kernel won. Each measurement watches the rest of the machine (`cpu_load`); a weight
+measured under contention serves this start, and later starts measure it again and keep each
+kernel's best time over all looks (contention only slows a kernel), until one look ran quiet or
+`MAX_LOOKS` were taken.
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from candelabra.backends.torch import cpu_load
 
 log = logging.getLogger("candelabra")
 
@@ -65,8 +75,15 @@ ROUNDED_ACTIVATIONS_NMSE_BUDGET: dict[str, float] = {}
 # Output features of a weight whose products are checked against float64: a wrong kernel is wrong on
 # thousands of them.
 CHECKED_OUTPUTS = 4096
-# Version of the candidate set: a new kernel or form makes every cached table stale.
-CANDIDATES_VERSION = 5
+# Version of the candidate set and of how they are timed: a new kernel or form, or a new way of timing
+# them, makes every cached table stale (6: tables before it may hold timings taken under contention).
+CANDIDATES_VERSION = 6
+# A weight measured under contention is measured again by later starts until one look runs quiet or it has
+# had this many: the best of three contended looks is close to a quiet one, and each costs budget.
+MAX_LOOKS = 3
+# CPUs other processes may keep busy, beyond those this process's threads leave free, for a look to count as
+# quiet: a shell, a logger or a kernel thread use a few hundredths.
+QUIET_MARGIN_CPUS = 0.25
 
 Kernel = Callable[[object], object]
 
@@ -164,6 +181,42 @@ def filled_in(timings: Sequence[Timing], entry: tuple[str, tuple[int, int]]) -> 
         estimates += [Timing(format, shape, band, t.form, t.kernel, ms=t.ms * ratio, scaled_from=nearest)
                       for t in timings if t.shape == nearest and t.format == format and t.rows == band and t.usable]
     return own + estimates
+
+
+@dataclass(frozen=True)
+class Looks:
+    """How many times one weight (format, shape) was measured over the starts, whether one of them ran on a
+    quiet machine, and the CPUs other processes kept busy during the latest (None where unknown)."""
+
+    count: int = 1
+    quiet: bool = True
+    busy_elsewhere: float | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether later starts take its timings as they are."""
+        return self.quiet or self.count >= MAX_LOOKS
+
+    def then(self, later: Looks) -> Looks:
+        return Looks(self.count + later.count, self.quiet or later.quiet, later.busy_elsewhere)
+
+
+def merged(earlier: Sequence[Timing], later: Sequence[Timing]) -> list[Timing]:
+    """Two measurements of the same weights as one: per kernel and band the faster time, since contention
+    only ever slows a kernel down; a kernel found wrong or failing in either stays dropped."""
+    kept: dict[tuple, Timing] = {}
+    for timing in [*earlier, *later]:
+        key = (timing.format, timing.shape, timing.rows, timing.form, timing.kernel)
+        other = kept.get(key)
+        kept[key] = timing if other is None else _trusted(other, timing)
+    return list(kept.values())
+
+
+def _trusted(earlier: Timing, later: Timing) -> Timing:
+    for timing in (later, earlier):
+        if timing.dropped and timing.ms is None:  # wrong, failed or unavailable: not a matter of speed
+            return timing
+    return earlier if earlier.ms <= later.ms else later
 
 
 # measuring
@@ -317,43 +370,65 @@ def cache_file(key: dict[str, str], folder: Path | None = None) -> Path:
     return (folder or default_cache_dir() / "kernels") / f"{key['dtype']}-{digest}.json"
 
 
-def read_table(path: Path, key: dict[str, str]) -> list[Timing]:
-    """The timings cached at `path` for `key`; none when the file is missing, unreadable or for another key."""
+Entry = tuple[str, tuple[int, int]]  # a weight's format and shape [N, K]
+
+
+class KernelTable(NamedTuple):
+    """What a table file holds: the timings, and per weight (format, shape) how it was measured."""
+
+    timings: list[Timing]
+    looks: dict[Entry, Looks]
+
+
+def read_table(path: Path, key: dict[str, str]) -> KernelTable:
+    """The table cached at `path` for `key`; empty when the file is missing, unreadable or for another key."""
     try:
         data = json.loads(path.read_text())
         if data.get("key") != key:
-            return []
-        return [Timing(**{**t, "shape": tuple(t["shape"])}) for t in data["timings"]]
+            return KernelTable([], {})
+        timings = [Timing(**{**t, "shape": tuple(t["shape"])}) for t in data["timings"]]
+        looks = {(look["format"], tuple(look["shape"])): Looks(look["count"], look["quiet"], look["busy_elsewhere"])
+                 for look in data["looks"]}
+        return KernelTable(timings, looks)
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return KernelTable([], {})
 
 
-def write_table(path: Path, key: dict[str, str], timings: Sequence[Timing]) -> None:
+def write_table(path: Path, key: dict[str, str], table: KernelTable) -> None:
     """Written to a temporary file and renamed, so a reader never sees half a table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({"key": key, "timings": [asdict(t) for t in timings]}, indent=1))
+    looks = [{"format": format, "shape": shape, **asdict(look)} for (format, shape), look in table.looks.items()]
+    temporary.write_text(json.dumps({"key": key, "timings": [asdict(t) for t in table.timings], "looks": looks},
+                                    indent=1))
     temporary.replace(path)
 
 
 class KernelChooser:
-    """The choices of one process for one compute dtype: read from the cache, measured where missing
-    while the budget lasts, written back."""
+    """The choices of one process for one compute dtype: read from the cache, measured where missing (or
+    measured under contention before) while the budget lasts, written back."""
 
     def __init__(self, dtype: str, threads: int, budget_s: float | None = None, folder: Path | None = None,
                  stopwatch: Callable[[str, str, Kernel, object], float] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 watch_others: Callable[[], Callable[[], float | None]] = cpu_load.watch_others,
+                 machine_cpus: int | None = None) -> None:
+        """`watch_others` starts watching the rest of the machine and returns what gives the CPUs other
+        processes kept busy since; a look is quiet while they stay within the `machine_cpus` (default: all
+        of the machine's) this process's `threads` leave free, plus QUIET_MARGIN_CPUS."""
         self.dtype = dtype
         self.key = cache_key(dtype, threads)
         self.path = cache_file(self.key, folder)
-        self.timings: list[Timing] = read_table(self.path, self.key)
-        self.cached = {(t.format, t.shape) for t in self.timings}
+        self.timings, self.looks = read_table(self.path, self.key)
         self.budget_s = budget_from_environment() if budget_s is None else budget_s
         self.spent_s = 0.0
         self._stopwatch = stopwatch
         self._clock = clock  # what the budget is counted in
-        self.used: dict[tuple[str, tuple[int, int]], int] = {}  # weights following each measured entry
-        self._logged = False
+        self._watch_others = watch_others
+        self.spare_cpus = max(0, (machine_cpus or cpu_load.machine_cpus()) - threads)
+        self.used: dict[Entry, int] = {}  # weights following each measured entry
+        self.measured_here: dict[Entry, Looks] = {}  # this process's look at each entry it measured
+        self._logged = self._warned = False
 
     def keep(self, format: str, shape: tuple[int, int], candidates: Sequence[Candidate]):
         """The weight in the form chosen for its format and shape, with its kernel per band set. Weights of
@@ -363,16 +438,10 @@ class KernelChooser:
         entry = self._entry(format, shape, forms)
         built: dict[str, object] = {}
         if entry is None:  # measured now
-            started = self._clock()
-            stopwatch = self._stopwatch or Stopwatch()  # its cache-sized buffer lives while measuring only
-            def seconds_left() -> float:
-                spent = self._clock() - started
-                return min(self.budget_s - self.spent_s - spent, ENTRY_SHARE * self.budget_s - spent)
-
-            timings, built = measure(format, shape, candidates, self.dtype, stopwatch, seconds_left)
-            self.spent_s += self._clock() - started
-            self.timings += timings
             entry = (format, shape)
+            timings, built = self._measure(entry, candidates)
+            own = [t for t in self.timings if (t.format, t.shape) == entry]
+            self.timings = [t for t in self.timings if (t.format, t.shape) != entry] + merged(own, timings)
             self._save()
         choice = choose(t for t in filled_in(self.timings, entry) if t.form in forms)
         self.used[entry] = self.used.get(entry, 0) + 1
@@ -380,12 +449,39 @@ class KernelChooser:
         kept.choice = choice
         return kept
 
+    def _measure(self, entry: Entry, candidates: Sequence[Candidate]) -> tuple[list[Timing], dict[str, object]]:
+        """The entry's timings and the forms built, this process's look at it recorded beside the earlier ones."""
+        started = self._clock()
+        stopwatch = self._stopwatch or Stopwatch()  # its cache-sized buffer lives while measuring only
+        busy_elsewhere = self._watch_others()
+
+        def seconds_left() -> float:
+            spent = self._clock() - started
+            return min(self.budget_s - self.spent_s - spent, ENTRY_SHARE * self.budget_s - spent)
+
+        timings, built = measure(*entry, candidates, self.dtype, stopwatch, seconds_left)
+        self.spent_s += self._clock() - started
+        busy = busy_elsewhere()
+        busy = None if busy is None else round(busy, 3)
+        look = Looks(1, busy is None or busy <= self.spare_cpus + QUIET_MARGIN_CPUS, busy)
+        self.measured_here[entry] = look
+        self.looks[entry] = self.looks[entry].then(look) if entry in self.looks else look
+        if not look.quiet and not self._warned:
+            log.warning("kernel timings taken while other processes keep %.1f CPUs busy (this process's threads "
+                        "leave %d free), first of %s %dx%d: they serve this start, and later starts measure the "
+                        "weights again, up to %d looks each", busy, self.spare_cpus, entry[0], *entry[1], MAX_LOOKS)
+            self._warned = True
+        return timings, built
+
     def _entry(self, format: str, shape: tuple[int, int], forms: set[str]):
         """The measured (format, shape) this weight follows, or None when it is to be measured now: its
-        own where one of its forms was timed there, else, past the budget, the nearest shape of its
-        format where one was."""
-        if forms & self._forms((format, shape)):
-            return (format, shape)
+        own where one of its forms was timed there (measured again, while the budget lasts, where earlier
+        starts looked only under contention), else, past the budget, the nearest shape of its format where
+        one was."""
+        own = (format, shape)
+        if forms & self._forms(own):
+            settled = own in self.measured_here or own not in self.looks or self.looks[own].settled
+            return own if settled or self.spent_s >= self.budget_s else None
         if self.spent_s < self.budget_s:
             return None
         same_format = [entry for entry in {(t.format, t.shape) for t in self.timings}
@@ -399,8 +495,13 @@ class KernelChooser:
         return {t.form for t in self.timings if (t.format, t.shape) == entry and t.usable}
 
     def _save(self) -> None:
+        """Write the table back, with the weights another process measured into the file meanwhile."""
+        theirs = read_table(self.path, self.key)
+        mine = set(self.looks) | {(t.format, t.shape) for t in self.timings}
+        self.timings += [t for t in theirs.timings if (t.format, t.shape) not in mine]
+        self.looks.update({entry: look for entry, look in theirs.looks.items() if entry not in mine})
         try:
-            write_table(self.path, self.key, self.timings)
+            write_table(self.path, self.key, KernelTable(self.timings, self.looks))
         except OSError as exc:
             log.warning("could not keep the kernel table in %s (%s): the next start measures again", self.path, exc)
 
@@ -409,10 +510,14 @@ class KernelChooser:
         and the runner-up, and what measuring cost."""
         entries = list(self.used)
         table = format_choices(self.timings, entries)
-        measured = sum(1 for e in entries if e not in self.cached)
+        measured = sum(1 for e in entries if e in self.measured_here)
         source = (f"measured {measured} of {len(entries)} weight shapes in {self.spent_s:.1f} s "
                   f"(budget {self.budget_s:g} s), the rest from {self.path}" if measured
                   else f"all {len(entries)} weight shapes from {self.path}")
+        contended = [look.busy_elsewhere for look in self.measured_here.values() if not look.quiet]
+        if contended:
+            source += (f"; {len(contended)} measured while other processes kept up to {max(contended):.1f} CPUs "
+                       f"busy, to be measured again by the next start")
         return f"kernels for {self.dtype} on {self.key['cpu']} ({source}):\n{table}"
 
     def log_once(self) -> None:
@@ -481,7 +586,7 @@ def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list
         except (OSError, ValueError, KeyError):
             continue
         if all(key.get(k) == v for k, v in mine.items()):
-            tables.append((key, read_table(path, key)))
+            tables.append((key, read_table(path, key).timings))
     return tables
 
 
