@@ -2,7 +2,7 @@
 
     python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
                                 [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
-                                [--parts bfloat16 int4 transformers] [--json FILE]
+                                [--parts bfloat16 int4 transformers] [--async-scheduling] [--json FILE]
 
 One run, one GPU, everything measured in it (--parts picks some of it, for runs of a few minutes each:
 bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 to compare with):
@@ -119,7 +119,7 @@ def candelabra_run(args, quantization: str | None, batches: list[int], rng, ttft
     llm = LLM(str(args.config), backend="cuda", dtype="bfloat16", load_format="dummy",
               dummy_quantization=quantization, kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0,
               max_num_seqs=max(batches), max_num_batched_tokens=max(4096, args.ttft_prompt),
-              prefill_chunk_size=max(2048, args.ttft_prompt))
+              prefill_chunk_size=max(2048, args.ttft_prompt), async_scheduling=args.async_scheduling)
     result = {"weight_bytes": weight_bytes_read_per_step(llm.model)}
     decode_speed(llm, 1, 16, 8, rng)  # warm-up: kernel compilation, the batch-1 graph
     result["decode"] = {batch: decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=float, default=16384)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="what to measure (default: all of it)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="candelabra schedules each step before the one running has returned its tokens")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
 
@@ -191,7 +193,8 @@ def main() -> None:
     reference = transformers_speed(args, args.batches, rng) if "transformers" in args.parts else {}
 
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}; "
-          f"{args.prompt_tokens} tokens in, {args.output_tokens} out")
+          f"{args.prompt_tokens} tokens in, {args.output_tokens} out"
+          f"{'; candelabra scheduling ahead (--async-scheduling)' if args.async_scheduling else ''}")
     if bf16:
         print(f"in bfloat16 a decode step reads {bf16['weight_bytes'] / 1e9:.2f} GB of weights")
     rows = []
@@ -213,7 +216,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
                                          "config": args.config.name, "bfloat16": bf16, "int4": int4,
-                                         "transformers": reference}, indent=2))
+                                         "transformers": reference, "async_scheduling": args.async_scheduling},
+                                        indent=2))
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["Q4_K"],
                         help="dummy linear weights in this GGUF format (Q4_K: int4 on the GPU) instead of --dtype")
     parser.add_argument("--no-sampling", action="store_true", help="skip the sampling timings")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule each step before the one running has returned its tokens")
     parser.add_argument("--out", type=Path, default=Path("."), help="where the traces and profile.json go")
     args = parser.parse_args()
     if args.steps < 1 or min(args.batches) < 1:
@@ -135,12 +137,15 @@ def main() -> None:
 
     llm = LLM(str(args.config), backend=args.backend, dtype=args.dtype, load_format="dummy",
               dummy_quantization=args.quantization,
-              kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0, max_num_seqs=max(args.batches))
+              kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0, max_num_seqs=max(args.batches),
+              async_scheduling=args.async_scheduling)
     on_gpu = llm.backend.name == "cuda" and getattr(llm.backend, "torch_device", None) is not None \
         and llm.backend.torch_device.type == "cuda"
     rng = np.random.default_rng(0)
     steps = [profile_decode(llm, batch, args.steps, rng, args.out, on_gpu) for batch in args.batches]
-    print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().detail}; {args.steps} decode steps profiled")
+    ahead = ", scheduled ahead (--async-scheduling)" if args.async_scheduling else ""
+    print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().detail}; {args.steps} decode steps profiled"
+          f"{ahead}")
     print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms"),
                        [(s["batch"], f"{s['step_ms']:.2f}", f"{s['busy_ms']:.2f}", f"{s['host_ms']:.2f}")
                         for s in steps]))

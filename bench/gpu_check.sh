@@ -15,6 +15,9 @@
 #   bench-bf16          bench/cuda_decode.py: batch 1/16/64 decode beside the roofline measured in the
 #                       same run, TTFT at 2,048 tokens (Llama-3-8B shapes, dummy weights, bfloat16)
 #   bench-int4          bench/cuda_decode.py: Q4_K (int4) batch 1 against bfloat16 batch 1
+#   bench-ahead         bench/cuda_decode.py --async-scheduling: bench-bf16 and bench-int4 with each step
+#                       scheduled before the one running returns its tokens, then bench/cuda_profile.py so:
+#                       how much of a step's host time that hides (compare with bench-bf16 and profile)
 #   bench-transformers  bench/cuda_decode.py: transformers' generate at batch 1/16/64
 #   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
 #                       top-p sampling against greedy at 152k and 128k vocabularies
@@ -33,8 +36,8 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-transformers profile profile-int4 int4-tiles
-       host)
+STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-ahead bench-transformers profile profile-int4
+       int4-tiles host)
 
 results=${OUT:-./gpu-check}
 steps=()
@@ -98,6 +101,9 @@ run_step() {
             python3 bench/cuda_decode.py --parts bfloat16 --json "$results/bench-bf16.json" ;;
         bench-int4)
             python3 bench/cuda_decode.py --parts int4 --batches 1 --json "$results/bench-int4.json" ;;
+        bench-ahead)
+            python3 bench/cuda_decode.py --parts bfloat16 int4 --async-scheduling --json "$results/bench-ahead.json" &&
+            python3 bench/cuda_profile.py --async-scheduling --no-sampling --out "$results/profile-ahead" ;;
         bench-transformers)
             python3 bench/cuda_decode.py --parts transformers --json "$results/bench-transformers.json" ;;
         profile)

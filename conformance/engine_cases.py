@@ -65,6 +65,8 @@ ENGINE_CASES = [
     EngineCase("preempt-swap", "a KV cache too small for all, preempting by swapping to host"),
     EngineCase("parallel-samples", "n = 3 seeded samples, twice"),
     EngineCase("prompt-logprobs", "prompts scored chunked, batched and after a cached run vs whole and alone"),
+    EngineCase("scheduled-ahead", "each step launched before the last one's tokens are known: staggered requests "
+                                  "ending on stop tokens and strings, with penalties, and preempted, vs alone"),
     EngineCase("staggered-arrivals", "MoE: requests arriving at random steps, alone vs together", moe=True),
     EngineCase("chunked-prefill", "MoE: prefill in chunks of 5 tokens vs whole", moe=True),
     EngineCase("prefix-cache", "MoE: a prompt sharing a cached prefix vs no cache", moe=True),
@@ -317,6 +319,28 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
         shared = h.run(h.engine(), prompts[:3], greedy_three)
         problems.append(_differ_but_for_ties(h, shared, prompts[:3], greedy, ties))
         detail = "3 samples per request"
+    elif case.check == "scheduled-ahead":
+        # Requests end on a token or a string the step after theirs has already been launched for, and that
+        # step's token for them is dropped; penalties make a step wait for the tokens before it.
+        stops = sorted(rng.choice(np.arange(2, VOCAB), 12, replace=False).tolist())
+        stopping = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=stops[:6],
+                                  stop=[f" w{token}" for token in stops[6:]])
+        penalised = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+                                   frequency_penalty=0.5)
+        steps = 0
+        for params in (stopping, penalised):
+            engine = h.engine(async_scheduling=True)
+            ahead = h.run(engine, prompts, params, arrivals=sorted(rng.integers(0, 15, len(prompts)).tolist()))
+            problems.append(_differ_but_for_ties(h, ahead, prompts, params, ties))
+            problems.append(_all_blocks_free(engine))
+            steps += engine.stats["steps"]
+        long_prompts = [rng.integers(2, VOCAB, 40).tolist() for _ in range(8)]
+        longer = replace(stopping, max_tokens=3 * MAX_TOKENS, stop_token_ids=stops[:1], stop=[])
+        engine = h.engine(async_scheduling=True, num_blocks=10, preemption="recompute")
+        problems.append(_differ_but_for_ties(h, h.run(engine, long_prompts, longer), long_prompts, longer, ties))
+        if not engine.scheduler.num_preemptions["recompute"]:
+            problems.append("no preemption happened")
+        detail = f"{steps + engine.stats['steps']} steps scheduled ahead"
     elif case.check == "prompt-logprobs":
         scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
         engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)

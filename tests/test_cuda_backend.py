@@ -109,11 +109,13 @@ def test_capture_sizes_pad_up_and_stop_at_the_largest():
     assert [capture_size(n, 64) for n in (1, 3, 8, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, None]
 
 
-def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny_llm):
+@pytest.mark.parametrize("scheduled_ahead", [False, True])
+def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny_llm, scheduled_ahead):
     """The steps a CUDA graph replays, run op by op on its persistent padded buffers (capture=False):
     the start-up warm-up runs every size a batch of three pads to and writes nothing to the cache;
     then the decodes of three sequences refill the buffers of four with new lengths at every step,
-    and every token matches the numpy reference's."""
+    and every token matches the numpy reference's. Scheduled ahead, each step's tokens are copied into
+    the buffers on the device from the samples of the step before, which the host has not seen yet."""
     from candelabra.backends.cuda.graphs import CudaGraphExecutor
     from candelabra.core.requests.sampling_params import SamplingParams
 
@@ -121,8 +123,12 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     reference = tiny_llm(seed=13).generate(prompts, params, progress=False)
 
-    llm = tiny_llm(seed=13, backend=CudaBackend, dtype="float32")
+    llm = tiny_llm(seed=13, backend=CudaBackend, dtype="float32", async_scheduling=scheduled_ahead)
     executor = CudaGraphExecutor(llm.backend, llm.model, capture=False)
+    fed = []
+    if scheduled_ahead:
+        run = executor.run
+        executor.run = lambda inputs, caches, feed=None: fed.append(feed) or run(inputs, caches, feed)
     runner = llm.engine.runner
     runner.executor = executor
     before = [(cache.key.clone(), cache.value.clone()) for cache in runner.caches]
@@ -134,6 +140,9 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny
     ours = llm.generate(prompts, params, progress=False)
 
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+    if scheduled_ahead:  # every decode step took its three tokens from the step before
+        assert [len(feed.positions) for feed in fed if feed is not None] == [3] * (params.max_tokens - 1)
+
     def logprobs(outputs):
         return np.array([[entry.logprob for entry in o.outputs[0].logprobs] for o in outputs])
 

@@ -85,6 +85,7 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--num-experts-offload-per-rank", "-1"], "--num-experts-offload-per-rank must be at least 1 to keep experts"),
     (["--num-experts-offload-per-rank", "4", "--expert-cache-slots", "5"],
      "--expert-cache-slots must be between 1 and --num-experts-offload-per-rank (4), not 5"),
+    (["--async-scheduling", "--device-ids", "0,1"], "--async-scheduling is not available with tensor parallelism"),
     (["--expert-cache-slots", "2"], "--expert-cache-slots sizes the device's cache of experts kept in host memory: "
                                     "give --num-experts-offload-per-rank too"),
 ])
@@ -97,7 +98,7 @@ def test_values_that_cannot_serve_a_request_are_refused(flags, problem):
 def test_good_values_pass_the_checks():
     check_arguments(serve_args("--max-model-len", "2", "--temperature", "0", "--top-p", "1", "--top-k", "-1",
                                "--kvcache-mem-cpu", "0", "--prefill-chunk-size", "0", "--shutdown-grace", "0",
-                               "--kv-fraction", "1", "--device-ids", "0"))
+                               "--kv-fraction", "1", "--device-ids", "0", "--async-scheduling"))
 
 
 def test_candle_vllm_gcu_short_flags_are_the_long_ones():

@@ -464,3 +464,41 @@ def test_the_checkpoints_generation_config_sets_defaults_under_the_flags(tmp_pat
     with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "2",
                     "--generation-config", "none", "--top-p", "0.9") as server:
         assert "sampling  top_p 0.9 (requests may override)" in server.startup
+
+
+def test_a_server_scheduling_ahead_answers_concurrent_clients_as_one_in_turn(client, live_server, tmp_path):
+    """`--async-scheduling` through the server: concurrent requests, streamed and whole, ending on their
+    length, a stop string and an end token, get what the server stepping in turn gives them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_chat_checkpoint(folder)
+    requests = [dict(prompt=words(5, 40), max_tokens=12, temperature=0, **WORDS),
+                dict(prompt=words(9, 60), max_tokens=10, temperature=0.9, seed=4, **WORDS),
+                dict(prompt=words(3, 80), max_tokens=12, temperature=0, stop=[" w90", " w91", " w92", " w93"]),
+                dict(prompt=words(7, 20), max_tokens=8, temperature=0.7, seed=9, n=2, **WORDS)]
+
+    def answers(some_client) -> list:
+        def whole(request):
+            reply = some_client.completions.create(model=live_server.model, **request)
+            return [(c.text, c.finish_reason) for c in reply.choices]
+
+        def streamed(request):
+            chunks = list(some_client.completions.create(model=live_server.model, stream=True, **request))
+            texts: dict[int, str] = {}
+            for chunk in chunks:
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+            return [texts[i] for i in sorted(texts)]
+
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(whole, requests)) + list(pool.map(streamed, requests))
+
+    with LiveServer("--weight-path", str(folder), "--backend", "cpu", "--kvcache-mem-gpu", "4",
+                    "--kvcache-mem-cpu", "1", "--served-model-name", "tiny-chat", "--async-scheduling") as ahead:
+        ahead_client = openai.OpenAI(base_url=f"{ahead.url}/v1", api_key="unused", max_retries=0)
+        got = answers(ahead_client)
+    expected = answers(client)
+    assert got == expected
+    assert {reason for choices in expected[:4] for _, reason in choices} >= {"length", "stop"}

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from candelabra.backends.cuda.step import CudaStep
-from candelabra.backends.torch.backend import torch
-from candelabra.core.contract.executor import StepExecutor, StepInputs, StepResult, pad_step_inputs
+from candelabra.backends.torch.backend import device_token_ids, feed_tokens, torch
+from candelabra.core.contract.executor import StepExecutor, StepInputs, StepResult, TokenFeed, pad_step_inputs
 from candelabra.core.contract.ops import KVCache
 
 log = logging.getLogger("candelabra")
@@ -154,15 +154,17 @@ class CudaGraphExecutor(StepExecutor):
         log.info("cuda graphs: decode steps of %d to %d sequences (%d sizes) %s in %.1f s", sizes[-1], sizes[0],
                  len(sizes), what, time.perf_counter() - start)
 
-    def run(self, inputs: StepInputs, caches: list[KVCache]):
+    def run(self, inputs: StepInputs, caches: list[KVCache], feed: TokenFeed | None = None):
         with torch.inference_mode():
             size = capture_size(inputs.step.num_tokens, self.max_batch) if is_plain_decode(inputs) else None
             width = self._block_table_width(inputs.step.block_size)
             if size is None or inputs.step.block_tables.shape[1] > width:
-                return super().run(inputs, caches)
+                return super().run(inputs, caches, feed)
             key = (size, inputs.step.block_size)
             static = self._static_buffers(key)
             static.load(inputs)
+            if feed is not None:
+                feed_tokens(static.token_ids, feed)
             if not self.capture:
                 logits = self._forward(static, caches)
             else:
@@ -175,6 +177,9 @@ class CudaGraphExecutor(StepExecutor):
                 logits = static.logits
             sampling = self.backend.prepare_sampling(inputs.sampling)
             return StepResult(self.backend.ops.sample(logits[: inputs.num_rows], sampling)), caches
+
+    def token_ids(self, inputs: StepInputs, feed: TokenFeed | None):
+        return device_token_ids(self.backend, inputs.token_ids, feed)
 
     def _static_buffers(self, key: tuple[int, int]) -> StaticDecode:
         static = self._static.get(key)

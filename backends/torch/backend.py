@@ -19,7 +19,7 @@ import numpy as np
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
-from candelabra.core.contract.executor import StepExecutor, StepInputs
+from candelabra.core.contract.executor import StepExecutor, StepInputs, TokenFeed
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -132,6 +132,9 @@ class TorchBackend(Backend):
 
     def fetch(self, *tensors):
         return self.placement.fetch(self.to_host, tensors)
+
+    def start_fetch(self, *tensors):
+        return self.placement.start_fetch(self.to_host, tensors)
 
     def dtype_of(self, tensor):
         return str(tensor.dtype).removeprefix("torch.")
@@ -310,9 +313,29 @@ class TorchStepExecutor(StepExecutor):
         log_choices()
         self.backend.release_cached_memory()
 
-    def run(self, inputs: StepInputs, caches: list[KVCache]):
+    def run(self, inputs: StepInputs, caches: list[KVCache], feed: TokenFeed | None = None):
         if not getattr(self._configured, "threads", False):
             torch.set_num_threads(usable_cores())
             self._configured.threads = True
         with torch.inference_mode():
-            return super().run(inputs, caches)
+            return super().run(inputs, caches, feed)
+
+    def token_ids(self, inputs: StepInputs, feed: TokenFeed | None):
+        return device_token_ids(self.backend, inputs.token_ids, feed)
+
+
+def device_token_ids(backend: Any, token_ids: np.ndarray, feed: TokenFeed | None):
+    """`token_ids` on the device, the fed ones copied there from the previous step's samples on the device:
+    nothing waits for that step."""
+    ids = backend.to_device(token_ids)
+    if feed is not None:
+        feed_tokens(ids, feed)
+    return ids
+
+
+def feed_tokens(ids, feed: TokenFeed) -> None:
+    """Write the fed tokens into `ids` (a device tensor of the step's token ids), on the device."""
+    from candelabra.backends.torch.batched_upload import upload
+
+    positions, rows = upload([(feed.positions, torch.int64), (feed.rows, torch.int64)], ids.device)
+    ids.index_copy_(0, positions, feed.source.index_select(0, rows).to(ids.dtype))

@@ -80,6 +80,9 @@ class HostPlacement:
     def fetch(self, to_host, tensors) -> tuple[np.ndarray, ...]:
         return tuple(to_host(tensor) for tensor in tensors)
 
+    def start_fetch(self, to_host, tensors):
+        return lambda: self.fetch(to_host, tensors)  # computed already: nothing to start
+
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
         return [KVCache(_untouched_zeros(spec, spec.block_shape), _untouched_zeros(spec, spec.value_block_shape))
                 for _ in range(spec.num_layers)]
@@ -154,14 +157,32 @@ class DevicePlacement:
 
     def fetch(self, to_host, tensors) -> tuple[np.ndarray, ...]:
         """The tensors' bytes packed into one buffer, copied to the host once."""
+        return self.start_fetch(to_host, tensors)()
+
+    def start_fetch(self, to_host, tensors):
+        """The packed copy queued now, into page-locked memory, behind the work already queued; the
+        function returned waits for that copy alone (not for work queued after it) and unpacks it."""
         flat = [t.detach().contiguous().reshape(-1) for t in tensors]
-        packed = torch.cat([t.view(torch.uint8) for t in flat]).to("cpu")
-        out, offset = [], 0
-        for tensor, part in zip(tensors, flat):
-            size = part.numel() * part.element_size()
-            out.append(to_host(packed[offset:offset + size].view(part.dtype).reshape(tensor.shape)))
-            offset += size
-        return tuple(out)
+        packed = torch.cat([t.view(torch.uint8) for t in flat])
+        if not self.pins_host_memory:
+            host, done = packed.to("cpu"), None
+        else:
+            host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.Event(device=self.torch_device)
+            done.record()
+
+        def finish() -> tuple[np.ndarray, ...]:
+            if done is not None:
+                done.synchronize()
+            out, offset = [], 0
+            for tensor, part in zip(tensors, flat):
+                size = part.numel() * part.element_size()
+                out.append(to_host(host[offset:offset + size].view(part.dtype).reshape(tensor.shape)))
+                offset += size
+            return tuple(out)
+
+        return finish
 
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
         dtype = torch_dtype(spec.storage_dtype)

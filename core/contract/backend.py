@@ -168,6 +168,14 @@ class Backend(ABC):
         unified memory); a backend with memory of its own packs the tensors first."""
         return tuple(self.to_host(tensor) for tensor in tensors)
 
+    def start_fetch(self, *tensors: Tensor) -> Callable[[], tuple[np.ndarray, ...]]:
+        """`fetch` begun now and finished when the returned function is called, which waits for the
+        tensors and returns their numpy copies. Between the two the engine gives the device its next
+        step, so a device that runs asynchronously should start the copy here, behind the work already
+        queued, or the copy would wait for that next step too. The default fetches when called: right for
+        a backend that computes as it is called, or lazily on fetch."""
+        return lambda: self.fetch(*tensors)
+
     @abstractmethod
     def dtype_of(self, tensor: Tensor) -> str:
         """The dtype name of a backend tensor: a compute dtype, "int32" or "int64". Conformance uses it

@@ -49,6 +49,25 @@ class StepInputs:
         return self.sampling.num_rows
 
 
+@dataclass(frozen=True)
+class TokenFeed:
+    """Tokens of a step that the step before it sampled, not yet on the host (the engine scheduled this
+    step ahead of the device): token `positions[f]` of the step is row `rows[f]` of `source`, the sampled
+    token ids (backend tensor, int32 [R]) of the step before. In `StepInputs.token_ids` they are
+    PENDING_TOKEN (-1)."""
+
+    source: Any
+    positions: np.ndarray  # int32 [F]
+    rows: np.ndarray  # int32 [F]
+
+    def filled_on_host(self, backend: Any, token_ids: np.ndarray) -> np.ndarray:
+        """`token_ids` with the fed tokens written in, fetched from the device (which waits for them)."""
+        (source,) = backend.fetch(self.source)
+        filled = token_ids.copy()
+        filled[self.positions] = source[self.rows]
+        return filled
+
+
 class StepResult(NamedTuple):
     """A step's outputs as backend tensors: the sampled rows (None when it samples none) and the
     scored prompt tokens (None when it scores none)."""
@@ -70,12 +89,14 @@ class StepExecutor:
         that start-up pays for it rather than the first requests; it must leave the caches as they
         are. The default does nothing."""
 
-    def run(self, inputs: StepInputs, caches: list[KVCache]) -> tuple[StepResult, list[KVCache]]:
+    def run(self, inputs: StepInputs, caches: list[KVCache],
+            feed: TokenFeed | None = None) -> tuple[StepResult, list[KVCache]]:
         """The sampled tokens of `inputs.num_rows` rows and the scores of `inputs.scoring` (backend
-        tensors, not yet evaluated on a lazy backend), and the updated caches."""
+        tensors, not yet evaluated on a lazy backend), and the updated caches; `feed` names the tokens
+        to take from the previous step's sampled ones."""
         backend, ops = self.backend, self.backend.ops
         step = backend.prepare_step(inputs.step)
-        hidden, caches = self.model.forward(backend.to_device(inputs.token_ids), step, caches)
+        hidden, caches = self.model.forward(self.token_ids(inputs, feed), step, caches)
         sampled = scored = None
         if inputs.num_rows:
             logits = self.model.compute_logits(hidden, step.logits_rows)
@@ -85,6 +106,13 @@ class StepExecutor:
             logits = self.model.compute_logits(hidden, backend.to_device(scoring.rows))
             scored = ops.token_logprobs(logits, backend.to_device(scoring.targets), scoring.num_top)
         return StepResult(sampled, scored), caches
+
+    def token_ids(self, inputs: StepInputs, feed: TokenFeed | None):
+        """The step's token ids on the device, the fed ones taken from the previous step's samples. The
+        default fetches those to the host first; an executor that can index on the device does it there,
+        so that the host need not wait for the previous step."""
+        token_ids = inputs.token_ids if feed is None else feed.filled_on_host(self.backend, inputs.token_ids)
+        return self.backend.to_device(token_ids)
 
 
 def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int, num_rows: int) -> StepInputs:

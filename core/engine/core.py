@@ -19,7 +19,7 @@ from candelabra.core.requests.structured_output import Grammar
 from candelabra.core.requests.tokens import SampledToken, ScoredToken
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
-from candelabra.core.worker.model_runner import ModelRunner
+from candelabra.core.worker.model_runner import LaunchedStep, ModelRunner
 
 
 @dataclass
@@ -36,6 +36,9 @@ class EngineConfig:
     max_gen_tokens: int | None = None  # default max_tokens; None: a fifth of the context
     preemption: str = "auto"
     seed: int | None = None  # for requests that name none
+    # Schedule and launch each step before the step in flight has returned its tokens, so that the host's work
+    # for a step overlaps the device's for the one before (see EngineCore.step).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,10 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0}
+        if config.async_scheduling and not runner.schedules_ahead:
+            raise ValueError("async scheduling is not available with this model runner (tensor parallelism): its "
+                             "steps cannot take their tokens from the step before on the device")
+        self._in_flight: LaunchedStep | None = None
         runner.warm_up(config.max_num_seqs)
 
     def add_request(self, request_id: str, checked: CheckedRequest) -> None:
@@ -133,9 +140,14 @@ class EngineCore:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
+        """One step's outputs. With async scheduling, the outputs are those of the step launched by the
+        call before, and this call launches the next step before waiting for them."""
+        return self._step_ahead() if self.config.async_scheduling else self._step_in_turn()
+
+    def _step_in_turn(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)  # block moves happen even when nothing runs
         if not plan.scheduled:
@@ -146,6 +158,34 @@ class EngineCore:
         for child in plan.forked:
             self.requests[child.request_id].sequences.append(child)
         return self._outputs(self.scheduler.update_from_output(plan, output.sampled, output.scored))
+
+    def _step_ahead(self) -> list[EngineOutput]:
+        """Schedule and launch the next step while the one in flight runs, its samples pending tokens that
+        reach the next step on the device; then wait for the one in flight and take its tokens. A sequence
+        that one of them ends has computed one token for nothing. Where the next step's inputs need the
+        tokens on the host (penalties count them, a structured output's next mask follows them, prompt
+        scoring continues after them), the step in flight is finished first."""
+        previous, self._in_flight, outputs = self._in_flight, None, []
+        if previous is not None and _next_step_needs_its_tokens(previous):
+            outputs, previous = self._resolved(previous), None
+        plan = self.scheduler.schedule()
+        launched = self.runner.launch(plan, previous)
+        if plan.scheduled:
+            self.scheduler.commit(plan)
+            self.stats["steps"] += 1
+            for child in plan.forked:
+                self.requests[child.request_id].sequences.append(child)
+            self._in_flight = launched
+        elif previous is None and not outputs and self.scheduler.has_unfinished() and not plan.preempted \
+                and not plan.swap_in:
+            raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
+        if previous is not None:
+            outputs = self._resolved(previous)
+        return outputs
+
+    def _resolved(self, launched: LaunchedStep) -> list[EngineOutput]:
+        output = self.runner.finish(launched)
+        return self._outputs(self.scheduler.resolve(launched.plan, output.sampled, output.scored))
 
     def _outputs(self, accepted) -> list[EngineOutput]:
         outputs: dict[str, EngineOutput] = {}
@@ -167,3 +207,13 @@ class EngineCore:
                 self.stats["cached_prompt_tokens"] += output.num_cached_tokens
                 del self.requests[output.request_id]
         return list(outputs.values())
+
+
+def _next_step_needs_its_tokens(launched: LaunchedStep) -> bool:
+    if launched.inputs is not None and launched.inputs.scoring is not None:
+        return True
+    for _, seq in launched.plan.sampled:
+        p = seq.params
+        if seq.grammar is not None or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+            return True
+    return False

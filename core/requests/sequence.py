@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 _next_id = itertools.count()
 
+# Stands for a token sampled by a step still running (scheduling ahead of the device): never a token id.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -47,6 +50,7 @@ class Sequence:
         self.grammar: GrammarMatcher | None = None  # where its structured output stands
         # The scores of prompt tokens 1, 2, ... so far, when params.prompt_logprobs asks.
         self.prompt_logprobs: list[ScoredToken] = []
+        self._pending = 0
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -66,6 +70,28 @@ class Sequence:
 
     def append_output(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Output tokens a running step samples, not yet known (the last ones, PENDING_TOKEN)."""
+        return self._pending
+
+    def append_pending(self) -> None:
+        """A step that samples this sequence was launched: its token comes later (`resolve_pending`)."""
+        self.token_ids.append(PENDING_TOKEN)
+        self._pending += 1
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The earliest pending token is `token_id`."""
+        self.token_ids[len(self.token_ids) - self._pending] = token_id
+        self._pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the pending tokens (the sequence ended before them)."""
+        if self._pending:
+            del self.token_ids[-self._pending:]
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
+            self._pending = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

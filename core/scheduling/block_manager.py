@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from candelabra.core.requests.sequence import PENDING_TOKEN
+
 _ROOT_HASH = b""
 
 
@@ -366,18 +368,41 @@ class BlockManager:
         seq.num_tokens += len(tokens)
         if not self.enable_prefix_caching:
             return
-        pending = seq.unhashed_tokens + tokens
-        num_full = len(pending) // self.block_size
-        for index in range(num_full):
-            previous = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
-            block_tokens = pending[index * self.block_size:(index + 1) * self.block_size]
-            seq.block_hashes.append(_chain_hash(previous, block_tokens))
-        seq.unhashed_tokens = pending[num_full * self.block_size:]
+        seq.unhashed_tokens += tokens
+        self._hash_full_blocks(seq)
+
+    def _hash_full_blocks(self, seq: _SequenceBlocks) -> None:
+        """Hash the full blocks of the unhashed tokens, up to the first that holds a pending token."""
+        pending, size = seq.unhashed_tokens, self.block_size
+        hashed = 0
+        while hashed + size <= len(pending):
+            block_tokens = pending[hashed:hashed + size]
+            if PENDING_TOKEN in block_tokens:
+                break
+            seq.block_hashes.append(_chain_hash(seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH,
+                                                block_tokens))
+            hashed += size
+        if hashed:
+            seq.unhashed_tokens = pending[hashed:]
+
+    def resolve_pending(self, seq_id: int, token_id: int) -> None:
+        """The sequence's earliest pending token (appended as PENDING_TOKEN) is `token_id`: the blocks
+        it completes are hashed, and offered to the prefix cache where computed."""
+        seq = self._sequence(seq_id)
+        if not self.enable_prefix_caching:
+            return
+        try:
+            seq.unhashed_tokens[seq.unhashed_tokens.index(PENDING_TOKEN)] = int(token_id)
+        except ValueError:
+            raise BlockManagerError(f"sequence {seq_id} has no pending token") from None
+        self._hash_full_blocks(seq)
+        if not seq.swapped:
+            self._offer_computed_blocks(seq)
 
     def _offer_computed_blocks(self, seq: _SequenceBlocks) -> None:
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed // self.block_size
+        num_full = min(seq.num_computed // self.block_size, len(seq.block_hashes))
         for index in range(seq.num_offered_blocks, num_full):
             block_hash = seq.block_hashes[index]
             # Another block may already hold the same content; the first one registered stays.

@@ -61,9 +61,18 @@ class Scheduler:
         return len(self.waiting) + sum(len(group) for group in self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq in self.running:
+        """End `seq` wherever it is (a step sampling it may still run: its pending tokens are dropped)."""
+        status, seq.status, seq.finish_reason = seq.status, SequenceStatus.FINISHED, reason
+        seq.drop_pending()
+        if status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
+        elif status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif status is SequenceStatus.SWAPPED:
+            for group in self.swapped:
+                if seq in group:
+                    group.remove(seq)
+            self.swapped = deque(group for group in self.swapped if group)
         if self.blocks.has(seq.seq_id):
             self.blocks.free(seq.seq_id)
 
@@ -129,24 +138,42 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken],
                            scored: dict[int, list[ScoredToken]] | None = None) -> list[tuple[Sequence, SampledToken]]:
-        """After the model ran `out`: record the computed tokens, the prompt tokens scored (by index
-        into `out.scheduled`, continuing each sequence's `prompt_logprobs`) and each sampled token
-        (one per entry of `out.sampled`), and finish the sequences a token ends (an end token:
-        "stop"; their max_tokens: "length"). Returns the (sequence, token) pairs taken, in order."""
-        if len(sampled) != len(out.sampled):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled)} sampled sequences")
-        for item_index, tokens in (scored or {}).items():
-            out.scheduled[item_index].seq.prompt_logprobs.extend(tokens)
+        """After the model ran `out`: `commit` it, then `resolve` its tokens."""
+        self.commit(out)
+        return self.resolve(out, sampled, scored)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step `out` was launched: its tokens count as computed, and each sequence it samples holds a
+        pending token, so that the next step can be scheduled before this one's tokens are known."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
-        taken = []
-        for (item_index, seq), token in zip(out.sampled, sampled):
+        for item_index, seq in out.sampled:
             parent = out.scheduled[item_index].seq
             if seq is not parent:  # forked before the step: it computed what its parent did
                 seq.num_computed_tokens = parent.num_computed_tokens
                 self.blocks.mark_computed(seq.seq_id, seq.num_computed_tokens)
-            seq.append_output(token.token_id)
+            seq.append_pending()
+
+    def resolve(self, out: SchedulerOutput, sampled: list[SampledToken],
+                scored: dict[int, list[ScoredToken]] | None = None) -> list[tuple[Sequence, SampledToken]]:
+        """The committed step `out` gave its tokens: record the prompt tokens scored (by index into
+        `out.scheduled`, continuing each sequence's `prompt_logprobs`) and each sampled token (one per entry of
+        `out.sampled`) in place of its pending one, and finish the sequences a token ends (an end token:
+        "stop"; their max_tokens: "length"). A sequence that ended while the step ran takes nothing. Returns
+        the (sequence, token) pairs taken, in order."""
+        if len(sampled) != len(out.sampled):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled)} sampled sequences")
+        for item_index, tokens in (scored or {}).items():
+            out.scheduled[item_index].seq.prompt_logprobs.extend(tokens)
+        taken = []
+        for (_, seq), token in zip(out.sampled, sampled):
+            if seq.is_finished:
+                continue
+            position = seq.num_tokens - seq.num_pending_tokens
+            seq.resolve_pending(token.token_id)
+            if self.blocks.has(seq.seq_id) and self.blocks.num_tokens(seq.seq_id) > position:
+                self.blocks.resolve_pending(seq.seq_id, token.token_id)  # already grown by the next step
             taken.append((seq, token))
             if token.token_id in seq.end_token_ids:
                 self.finish(seq, "stop")
@@ -156,7 +183,7 @@ class Scheduler:
                 self.finish(seq, "stop")
             elif seq.grammar is not None and seq.grammar.finished:  # the text is complete
                 self.finish(seq, "stop")
-            elif seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+            elif seq.max_tokens is not None and seq.num_output_tokens - seq.num_pending_tokens >= seq.max_tokens:
                 self.finish(seq, "length")
         return taken
 
@@ -164,6 +191,8 @@ class Scheduler:
         """(sequence, tokens) for the members that fit in `budget` this step."""
         plan = []
         for seq in group:
+            if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+                continue  # its last token is pending: nothing more to compute
             wanted = seq.num_uncomputed_tokens
             tokens = min(wanted, budget, self.prefill_chunk_size or wanted)
             if tokens == 0 or (not self.prefill_chunk_size and tokens < wanted):

@@ -126,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens in one step at most (default: the backend's; 512 on a CPU with torch, else 2048)")
     engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, help="seed for requests that name none (default: random)")
+    engine.add_argument("--async-scheduling", action="store_true",
+                        help="schedule and launch each step before the one running has returned its tokens, so "
+                             "that the host's work for a step overlaps the device's for the one before (a request "
+                             "that ends computes one token for nothing; not with tensor parallelism)")
 
     sampling = parser.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float,
@@ -189,6 +193,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     parse_quant(args.quant, args.isq)
     check_load_format(args.load_format, args.dummy_quantization)
+    if args.async_scheduling and topology_of(args).world_size > 1:
+        raise ValueError("--async-scheduling is not available with tensor parallelism (--device-ids with more "
+                         "than one device, or --num-nodes): its ranks would need each step's tokens")
     topology_of(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")
@@ -330,7 +337,8 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
     engine_options = {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
                       "prefill_chunk_size": args.prefill_chunk_size,
                       "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-                      "max_gen_tokens": args.max_gen_tokens, "seed": args.seed}
+                      "max_gen_tokens": args.max_gen_tokens, "seed": args.seed,
+                      "async_scheduling": args.async_scheduling}
     loaded: list[LLM] = []
 
     def load_model():

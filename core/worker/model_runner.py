@@ -4,12 +4,14 @@ scored prompt tokens) back on the host in one transfer."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from candelabra.core.contract.dtypes import DType
-from candelabra.core.contract.executor import PromptScoring, StepInputs, StepResult
+from candelabra.core.contract.executor import PromptScoring, StepInputs, StepResult, TokenFeed
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.requests.sequence import Sequence
@@ -31,6 +33,17 @@ class StepOrder:
 
 
 @dataclass
+class LaunchedStep:
+    """A step given to the device, its outputs on their way to the host (`ModelRunner.finish` waits for them)."""
+
+    plan: SchedulerOutput
+    inputs: StepInputs | None = None
+    result: StepResult | None = None
+    fetched: Callable[[], tuple] | None = None  # the result's tensors on the host, once copied
+    scored_counts: tuple[int, ...] = ()  # prompt tokens scored per scheduled sequence, in order
+
+
+@dataclass
 class RunnerOutput:
     """What one step gave back, on the host: the token drawn for each of the plan's sampled sequences,
     in order, and the prompt tokens scored, by index into the plan's scheduled sequences."""
@@ -42,6 +55,8 @@ class RunnerOutput:
 class ModelRunner:
     """Owns one model's per-layer KV caches and the host swap space for them."""
 
+    schedules_ahead = True  # a step may be launched before the previous one's tokens are on the host
+
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int,
                  kv_cache_dtype: DType | None = None) -> None:
         """`kv_cache_dtype`: the caches' dtype (default: the model's compute dtype)."""
@@ -50,6 +65,7 @@ class ModelRunner:
         self.caches = self.backend.allocate_kv_cache(self.kv_spec)
         self.swap_space, self.num_host_blocks = None, 0
         self.executor = self.backend.step_executor(model)
+        self._executor_takes_feed = "feed" in inspect.signature(self.executor.run).parameters
 
     def warm_up(self, max_num_seqs: int) -> None:
         """Let the executor capture or compile its steps, for batches of up to `max_num_seqs`."""
@@ -66,30 +82,55 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step and bring what it sampled and scored to the host."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Give one scheduled step to the device and start copying its outputs back, without waiting for
+        them. Its sequences' pending tokens (PENDING_TOKEN) were sampled by `previous`, which the device
+        ran first: they reach the step on the device."""
         order = self.order(plan)
-        result = self.run(order)
+        feed = None if order.inputs is None else _token_feed(plan, order.inputs, previous)
+        scored_counts = () if order.inputs is None or order.inputs.scoring is None else tuple(
+            len(_positions_to_score(item.seq, item.seq.num_computed_tokens, item.num_tokens))
+            for item in plan.scheduled)
+        result = self.run(order, feed)
         if result is None:
+            return LaunchedStep(plan, order.inputs)
+        fetched = self.backend.start_fetch(*(tensor for part in result if part is not None for tensor in part))
+        return LaunchedStep(plan, order.inputs, result, fetched, scored_counts)
+
+    def finish(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's outputs and hand them back to its sequences."""
+        if launched.result is None:
             return RunnerOutput()
-        host = iter(self.backend.fetch(*(tensor for part in result if part is not None for tensor in part)))
+        host = iter(launched.fetched())
 
         def on_host(part):  # a part's tensors as fetched, in order
             return None if part is None else [next(host) for _ in part]
 
-        sampled, scored = on_host(result.sampled), on_host(result.scored)
-        return RunnerOutput(_sampled_tokens(plan, sampled), _scored_tokens(plan, order.inputs, scored))
+        sampled, scored = on_host(launched.result.sampled), on_host(launched.result.scored)
+        return RunnerOutput(_sampled_tokens(launched.plan, sampled),
+                            _scored_tokens(launched.plan, launched.inputs, launched.scored_counts, scored))
 
     def order(self, plan: SchedulerOutput) -> StepOrder:
         """What running `plan` takes, on the host."""
         return StepOrder(_pairs(plan.swap_out), _pairs(plan.block_copies), _pairs(plan.swap_in),
                          self._inputs(plan) if plan.scheduled else None)
 
-    def run(self, order: StepOrder) -> StepResult | None:
-        """Make the order's block moves and run its step: its outputs (backend tensors, as the
-        executor returns them), or None when the step neither samples nor scores anything."""
+    def run(self, order: StepOrder, feed: TokenFeed | None = None) -> StepResult | None:
+        """Make the order's block moves and run its step (its `feed` tokens taken from the previous step's
+        samples on the device): its outputs (backend tensors, as the executor returns them), or None when
+        the step neither samples nor scores anything."""
         self._move_blocks(order)
         if order.inputs is None:
             return None
-        result, self.caches = self.executor.run(order.inputs, self.caches)
+        if feed is None:
+            result, self.caches = self.executor.run(order.inputs, self.caches)
+        elif not self._executor_takes_feed:  # written before steps were scheduled ahead: tokens on the host
+            inputs = replace(order.inputs, token_ids=feed.filled_on_host(self.backend, order.inputs.token_ids))
+            result, self.caches = self.executor.run(inputs, self.caches)
+        else:
+            result, self.caches = self.executor.run(order.inputs, self.caches, feed)
         if result.sampled is None and result.scored is None:
             self.backend.evaluate(self.caches)
             return None
@@ -165,16 +206,38 @@ def _sampled_tokens(plan: SchedulerOutput, host) -> list[SampledToken]:
     return tokens
 
 
-def _scored_tokens(plan: SchedulerOutput, inputs: StepInputs, host) -> dict[int, list[ScoredToken]]:
-    """The scored rows, which `_inputs` laid out item after item, handed back to their items."""
+def _token_feed(plan: SchedulerOutput, inputs: StepInputs, previous: LaunchedStep | None) -> TokenFeed | None:
+    """Where the step's pending tokens are among its tokens, and which of `previous`'s sampled rows each is."""
+    positions, rows, start = [], [], 0
+    row_of = None
+    for item in plan.scheduled:
+        seq = item.seq
+        if seq.num_pending_tokens:
+            if previous is None or previous.result is None:
+                raise RuntimeError(f"{seq} has a pending token but no step before this one sampled it")
+            if row_of is None:
+                row_of = {s.seq_id: row for row, (_, s) in enumerate(previous.plan.sampled)}
+            first = seq.num_tokens - seq.num_pending_tokens
+            for position in range(max(first, seq.num_computed_tokens), seq.num_computed_tokens + item.num_tokens):
+                positions.append(start + position - seq.num_computed_tokens)
+                rows.append(row_of[seq.seq_id])
+        start += item.num_tokens
+    if not positions:
+        return None
+    return TokenFeed(previous.result.sampled.token_ids, np.array(positions, np.int32), np.array(rows, np.int32))
+
+
+def _scored_tokens(plan: SchedulerOutput, inputs: StepInputs, counts: tuple[int, ...],
+                   host) -> dict[int, list[ScoredToken]]:
+    """The scored rows, which `_inputs` laid out item after item (`counts` of them each), handed back to
+    their items."""
     if host is None:
         return {}
     logprobs, ranks, top_ids, top_logprobs = host
     targets, row = inputs.scoring.targets, 0
     scored = {}
-    for item_index, item in enumerate(plan.scheduled):
+    for item_index, (item, count) in enumerate(zip(plan.scheduled, counts)):
         seq = item.seq
-        count = len(_positions_to_score(seq, seq.num_computed_tokens, item.num_tokens))
         if not count:
             continue
         k = seq.params.prompt_logprobs

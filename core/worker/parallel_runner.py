@@ -34,6 +34,8 @@ class ParallelModelRunner(ModelRunner):
     """Rank 0's model runner: every call that runs the model, or that every rank must make, is
     broadcast to the other ranks first."""
 
+    schedules_ahead = False  # the other ranks would need the pending tokens: steps wait for them
+
     def __init__(self, model, communicator, num_blocks: int, block_size: int, kv_cache_dtype: DType,
                  find_dead_rank: Callable[[], str | None] = lambda: None) -> None:
         """`find_dead_rank` names a rank that is gone, if any: a failed collective is reported as that."""
@@ -53,7 +55,10 @@ class ParallelModelRunner(ModelRunner):
         self._tell("release_cached_memory", None)
         super().release_cached_memory()
 
-    def run(self, order: StepOrder):
+    def run(self, order: StepOrder, feed=None):
+        if feed is not None:
+            raise RuntimeError("a tensor-parallel step cannot take its tokens from the previous step's on the "
+                               "device: every rank would need them")
         self._tell("step", order)
         try:
             return super().run(order)
