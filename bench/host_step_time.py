@@ -68,11 +68,30 @@ def timed_engine(llm: LLM) -> PhaseTimer:
     timer.wrap(core.scheduler, "schedule", "schedule")
     timer.wrap(core.runner, "order", "inputs")
     timer.wrap(core.runner.executor, "run", "run")
-    timer.wrap(core.runner.backend, "fetch", "fetch")
+    timed_fetch(timer, core.runner.backend)
     timer.wrap(core.scheduler, "update_from_output", "update")
     timer.wrap(core, "_outputs", "outputs")
     timer.wrap(core, "step", "core")
     return timer
+
+
+def timed_fetch(timer: PhaseTimer, backend) -> None:
+    """The wait in each step's fetch, begun by `start_fetch` and finished by the function it returns."""
+    start_fetch = backend.start_fetch
+
+    def started(*tensors):
+        finish = start_fetch(*tensors)
+
+        def waited():
+            start = time.perf_counter()
+            try:
+                return finish()
+            finally:
+                timer.seconds["fetch"] += time.perf_counter() - start
+
+        return waited
+
+    backend.start_fetch = started
 
 
 def measure(llm: LLM, timer: PhaseTimer, concurrency: int, args, rng) -> list[str]:

@@ -12,7 +12,7 @@ from candelabra.core.requests.sampling_params import SamplingParams, StructuredO
 from candelabra.core.requests.sequence import PENDING_TOKEN, Sequence, sample_rng
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
-from candelabra.core.worker.model_runner import _token_feed
+from candelabra.core.worker.model_runner import ModelRunner, _token_feed
 from support import available_backends
 
 PROMPTS = [[5, 9, 23, 42, 7, 11], [3, 4, 5], list(range(2, 40)), [7] * 20, [12, 13], [7] * 20]
@@ -208,3 +208,48 @@ def test_the_step_feeds_each_pending_token_from_its_row_in_the_step_before(tiny_
     assert feed.rows.tolist() == [rows[item.seq.seq_id] for item in plan.scheduled]
     assert feed.positions.tolist() == list(range(len(plan.scheduled)))
     assert np.all(inputs.token_ids[feed.positions] == PENDING_TOKEN)
+
+
+def engine_over(llm, **options):
+    """A fresh engine over `llm`'s model, with `options` for its EngineConfig."""
+    from candelabra.core.engine.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(**{"block_size": 16, "num_blocks": 64, **options})
+    return LLMEngine(ModelRunner(llm.model, config.num_blocks, config.block_size), llm.tokenizer, config)
+
+
+def run_all(engine, prompts, params, arrivals) -> list:
+    finished, step, waiting = {}, 0, sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    while waiting or engine.has_unfinished_requests():
+        while waiting and arrivals[waiting[0]] <= step:
+            i = waiting.pop(0)
+            engine.add_request(str(i), prompts[i], params)
+        finished.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+        step += 1
+    return [finished[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("options", [dict(num_blocks=10, num_host_blocks=40, preemption="swap"),
+                                     dict(num_blocks=10, preemption="recompute"),
+                                     dict(prefill_chunk_size=5, max_num_batched_tokens=24)],
+                         ids=["preempt-swap", "preempt-recompute", "chunked-prefill"])
+def test_preempted_and_chunked_requests_get_what_they_get_in_turn(tiny_llm, options):
+    """Preemptions (by swap and by recompute) of requests whose tokens are pending, and prefills in chunks
+    beside decodes: the same tokens either way, and every block back at the end."""
+    llm = tiny_llm(seed=5, dtype="float32")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 160, int(n)).tolist() for n in rng.integers(20, 45, 8)]
+    arrivals = sorted(rng.integers(0, 12, len(prompts)).tolist())
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[int(rng.integers(2, 160))])
+    results, engines = [], []
+    for ahead in (False, True):
+        engine = engine_over(llm, async_scheduling=ahead, **options)
+        results.append(run_all(engine, prompts, params, arrivals))
+        engines.append(engine)
+    assert results[1] == results[0]
+    for engine in engines:
+        blocks = engine.core.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks and blocks.num_free_host_blocks == blocks.num_host_blocks
+    if "preemption" in options:
+        mode = options["preemption"]
+        assert engines[1].core.scheduler.num_preemptions[mode] > 0

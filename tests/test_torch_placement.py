@@ -34,3 +34,17 @@ def test_a_device_returns_its_results_in_one_packed_copy_that_unpacks_to_the_sam
         assert got.dtype == expected.dtype and got.shape == expected.shape
         np.testing.assert_array_equal(got, expected)
     assert placement.kv_cache_fraction == 0.5 and not placement.kv_cache_committed_on_write
+
+
+def test_a_fetch_begun_on_a_device_keeps_the_values_it_began_with():
+    """`start_fetch` copies at once (queued behind the step on a GPU): a later step that overwrites the
+    tensors before the host reads them changes nothing it returns."""
+    backend = TorchBackend()
+    placement = DevicePlacement(torch.device("cpu"), "gloo")
+    tokens, logprobs = torch.arange(6, dtype=torch.int32), torch.linspace(-3, 0, 6)
+    finish = placement.start_fetch(backend.to_host, [tokens, logprobs])
+    tokens.fill_(-1)
+    logprobs.zero_()
+    got_tokens, got_logprobs = finish()
+    np.testing.assert_array_equal(got_tokens, np.arange(6, dtype=np.int32))
+    np.testing.assert_array_equal(got_logprobs, np.linspace(-3, 0, 6, dtype=np.float32))

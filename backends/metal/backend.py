@@ -9,6 +9,7 @@ import psutil
 from candelabra.core.contract.attention_layout import gather_groups
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
+from candelabra.core.contract.executor import StepExecutor, StepInputs, TokenFeed
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
@@ -106,7 +107,12 @@ class MetalBackend(Backend):
         mx.synchronize()
 
     def evaluate(self, *values) -> None:
-        mx.eval(*values)
+        # Queued, not waited for: whatever reads the values (fetch, to_host) waits for them, and meanwhile the
+        # host goes on, with --async-scheduling building the next step.
+        mx.async_eval(*values)
+
+    def step_executor(self, model) -> StepExecutor:
+        return MetalStepExecutor(self, model)
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
         caches = [KVCache(self.zeros(spec.block_shape, spec.dtype), self.zeros(spec.value_block_shape, spec.dtype))
@@ -164,3 +170,14 @@ def _set_rows(array, rows, values):
     handle sees the update, as with numpy, and MLX can reuse the buffer."""
     array[rows] = values
     return array
+
+
+class MetalStepExecutor(StepExecutor):
+    """The default executor, but the tokens a step takes from the step before (scheduled ahead) are written
+    into its token ids inside MLX's graph, so that building the step does not wait for the one before."""
+
+    def token_ids(self, inputs: StepInputs, feed: TokenFeed | None):
+        ids = mx.array(inputs.token_ids)
+        if feed is not None:
+            ids[mx.array(feed.positions)] = feed.source[mx.array(feed.rows)].astype(ids.dtype)
+        return ids

@@ -164,12 +164,12 @@ class DevicePlacement:
         function returned waits for that copy alone (not for work queued after it) and unpacks it."""
         flat = [t.detach().contiguous().reshape(-1) for t in tensors]
         packed = torch.cat([t.view(torch.uint8) for t in flat])
-        if not self.pins_host_memory:
-            host, done = packed.to("cpu"), None
+        done = self._event() if self.pins_host_memory else None
+        if done is None:
+            host = packed.to("cpu")
         else:
             host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(packed, non_blocking=True)
-            done = torch.Event(device=self.torch_device)
             done.record()
 
         def finish() -> tuple[np.ndarray, ...]:
@@ -183,6 +183,13 @@ class DevicePlacement:
             return tuple(out)
 
         return finish
+
+    def _event(self):
+        """An event on the device's stream, or None where its torch build has none (a copy then waits)."""
+        try:
+            return torch.Event(device=self.torch_device)
+        except (RuntimeError, ValueError, TypeError):
+            return None
 
     def kv_cache(self, spec: KVCacheSpec) -> list[KVCache]:
         dtype = torch_dtype(spec.storage_dtype)
