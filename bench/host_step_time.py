@@ -21,7 +21,8 @@ decode steps are timed, each phase by wrapping the engine's own methods:
     outputs         the core's per-request outputs
     text            detokenizing and stop strings (LLMEngine.step around the core's step)
 and the host's total: the whole step less `run` and `fetch` (on a GPU, what the device waits for
-between steps, which asynchronous scheduling would hide).
+between steps, which asynchronous scheduling would hide), and the longest step (a stall: a full garbage
+collection took 110 to 140 ms before LLM froze the loaded objects out of them).
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def measure(llm: LLM, timer: PhaseTimer, concurrency: int, args, rng) -> list[st
     for _ in range(4):  # past the first decode steps (graphs, compiles)
         engine.step()
     timer.seconds.clear()
-    start = time.perf_counter()
+    start = worst = time.perf_counter()
+    longest = 0.0
     for _ in range(args.steps):
         engine.step()
+        longest, worst = max(longest, time.perf_counter() - worst), time.perf_counter()
     whole = (time.perf_counter() - start) / args.steps
     per_step = {phase: seconds / args.steps for phase, seconds in timer.seconds.items()}
     while engine.has_unfinished_requests():
@@ -116,7 +119,7 @@ def measure(llm: LLM, timer: PhaseTimer, concurrency: int, args, rng) -> list[st
     per_step["text"] = whole - per_step.pop("core")
     host = whole - per_step["run"] - per_step.get("fetch", 0.0)
     return [str(concurrency), *(f"{per_step.get(phase, 0) * 1e3:.3f}" for phase in PHASES),
-            f"{host * 1e3:.3f}", f"{whole * 1e3:.3f}"]
+            f"{host * 1e3:.3f}", f"{whole * 1e3:.3f}", f"{longest * 1e3:.1f}"]
 
 
 def main() -> None:
@@ -151,7 +154,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         rows = [measure(llm, timer, concurrency, args, rng) for concurrency in args.concurrency]
     print(f"{args.backend}: ms per decode step, {args.prompt_tokens}-token prompts, temperature {args.temperature}")
-    print(format_table(("sequences", *PHASES, "host", "whole step"), rows))
+    print(format_table(("sequences", *PHASES, "host", "whole step", "longest step"), rows))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class LLM:
             checkpoint.release_pages()
             self.tokenizer = Tokenizer.from_checkpoint(checkpoint, self.model.config.eos_token_ids)
             self.engine = self._engine(kv_cache_dtype, kvcache_mem_gpu, kv_fraction, kvcache_mem_cpu, engine_options)
+            _freeze_what_is_loaded()
         except BaseException:
             self._stop(tell_the_ranks=False)
             raise
@@ -161,6 +163,7 @@ class LLM:
         finally:
             if self.backend is not None:
                 self.backend.restore_thread_settings()
+            gc.unfreeze()  # what this model leaves behind may be collected again
 
     def _leave_the_group(self, workers: WorkerProcesses, tell_the_ranks: bool) -> None:
         try:
@@ -212,3 +215,14 @@ class LLM:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         ids = self.tokenizer.chat_token_ids(messages, **template_kwargs)
         return self.generate([ids], params, progress=False)[0]
+
+
+def _freeze_what_is_loaded() -> None:
+    """Keep what exists once the engine is built out of Python's full collections. A full collection scans
+    every object the collector tracks, over a million once torch and a model are loaded: one stalled a
+    decode step for 110 to 140 ms (once in 1,500 steps of the tiny model here, more often where a step
+    allocates more). Those objects live as long as the engine does; garbage is collected first, so that
+    none is kept."""
+    gc.collect()
+    gc.freeze()
+
