@@ -213,14 +213,17 @@ def _token_feed(plan: SchedulerOutput, inputs: StepInputs, previous: LaunchedSte
     for item in plan.scheduled:
         seq = item.seq
         if seq.num_pending_tokens:
-            if previous is None or previous.result is None:
-                raise RuntimeError(f"{seq} has a pending token but no step before this one sampled it")
+            # The step before this one is the only one in flight: its token is the one pending, the last.
+            if seq.num_pending_tokens > 1 or previous is None or previous.result is None:
+                raise RuntimeError(f"{seq} has {seq.num_pending_tokens} pending tokens, which only the step "
+                                   "launched before this one may have sampled: one")
             if row_of is None:
                 row_of = {s.seq_id: row for row, (_, s) in enumerate(previous.plan.sampled)}
-            first = seq.num_tokens - seq.num_pending_tokens
-            for position in range(max(first, seq.num_computed_tokens), seq.num_computed_tokens + item.num_tokens):
-                positions.append(start + position - seq.num_computed_tokens)
-                rows.append(row_of[seq.seq_id])
+            offset = seq.num_tokens - 1 - seq.num_computed_tokens
+            if not 0 <= offset < item.num_tokens:
+                raise RuntimeError(f"{seq}: its pending token is not among the step's {item.num_tokens} for it")
+            positions.append(start + offset)
+            rows.append(row_of[seq.seq_id])
         start += item.num_tokens
     if not positions:
         return None
