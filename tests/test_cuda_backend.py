@@ -123,7 +123,10 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     reference = tiny_llm(seed=13).generate(prompts, params, progress=False)
 
-    llm = tiny_llm(seed=13, backend=CudaBackend, dtype="float32", async_scheduling=scheduled_ahead)
+    # Scheduled ahead, the long prompt is prefilled in chunks beside the others' decodes: those mixed steps run
+    # op by op and take their pending tokens on the device too.
+    ahead = dict(async_scheduling=True, prefill_chunk_size=8, max_num_batched_tokens=16) if scheduled_ahead else {}
+    llm = tiny_llm(seed=13, backend=CudaBackend, dtype="float32", **ahead)
     executor = CudaGraphExecutor(llm.backend, llm.model, capture=False)
     fed = []
     if scheduled_ahead:
@@ -140,8 +143,9 @@ def test_decodes_through_the_graph_buffers_generate_what_the_reference_does(tiny
     ours = llm.generate(prompts, params, progress=False)
 
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
-    if scheduled_ahead:  # every decode step took its three tokens from the step before
-        assert [len(feed.positions) for feed in fed if feed is not None] == [3] * (params.max_tokens - 1)
+    if scheduled_ahead:  # every token after a sequence's first came from the step before, some beside a chunk
+        counts = [len(feed.positions) for feed in fed if feed is not None]
+        assert sum(counts) == len(prompts) * (params.max_tokens - 1) and min(counts) < len(prompts) < max(counts) + 1
 
     def logprobs(outputs):
         return np.array([[entry.logprob for entry in o.outputs[0].logprobs] for o in outputs])
