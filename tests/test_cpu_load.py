@@ -18,12 +18,14 @@ linux_only = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs L
 
 @linux_only
 def test_a_child_spinning_a_cpu_is_seen_as_busy_elsewhere():
-    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
-    child = subprocess.Popen([sys.executable, "-c", spin])
+    """The child spins from the moment it says so until it is stopped, so the second watched covers only
+    its spinning, however long it took to start on a loaded machine."""
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.2)  # past its start-up
+        assert child.stdout.readline().strip() == "spinning"
         busy_elsewhere = watch_others()
-        time.sleep(1.0)
+        time.sleep(1.0)  # the interval the load is averaged over
         assert busy_elsewhere() >= 0.6
     finally:
         child.kill()

@@ -20,6 +20,7 @@ from candelabra.core.requests.tokens import SampledToken, ScoredToken
 from candelabra.core.scheduling.block_manager import BlockManager
 from candelabra.core.scheduling.scheduler import Scheduler
 from candelabra.core.worker.model_runner import LaunchedStep, ModelRunner
+from candelabra.core.worker.sampling_inputs import reads_its_tokens
 
 
 @dataclass
@@ -151,8 +152,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)  # block moves happen even when nothing runs
         if not plan.scheduled:
-            if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
-                raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
+            self._check_progress(plan)
             return []
         self.stats["steps"] += 1
         for child in plan.forked:
@@ -176,12 +176,16 @@ class EngineCore:
             for child in plan.forked:
                 self.requests[child.request_id].sequences.append(child)
             self._in_flight = launched
-        elif previous is None and not outputs and self.scheduler.has_unfinished() and not plan.preempted \
-                and not plan.swap_in:
-            raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
+        elif previous is None and not outputs:  # nothing ran, nothing came back
+            self._check_progress(plan)
         if previous is not None:
             outputs = self._resolved(previous)
         return outputs
+
+    def _check_progress(self, plan) -> None:
+        """A plan that runs nothing while requests wait, and moves no blocks to make room, never will."""
+        if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
+            raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
 
     def _resolved(self, launched: LaunchedStep) -> list[EngineOutput]:
         output = self.runner.finish(launched)
@@ -210,10 +214,8 @@ class EngineCore:
 
 
 def _next_step_needs_its_tokens(launched: LaunchedStep) -> bool:
+    """Whether a step launched after `launched` needs its tokens on the host: to score the prompt on from
+    where it stopped, or to build a sampling row from a sequence's tokens."""
     if launched.inputs is not None and launched.inputs.scoring is not None:
         return True
-    for _, seq in launched.plan.sampled:
-        p = seq.params
-        if seq.grammar is not None or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
-            return True
-    return False
+    return any(reads_its_tokens(seq) for _, seq in launched.plan.sampled)

@@ -78,13 +78,23 @@ def _forbid_unless_alone(row: np.ndarray, token_ids) -> None:
         bits[:] = kept
 
 
+def reads_its_tokens(seq: Sequence) -> bool:
+    """Whether the sequence's sampling row is built from its tokens so far: its penalties count them, or
+    its structured output's mask follows them."""
+    return seq.grammar is not None or _penalises_repetition(seq.params) or _counts_outputs(seq.params)
+
+
 def _repetition_window(seq: Sequence) -> list[int]:
     """The tokens the repetition penalty looks at: none when it is off, else all of them or the
     last repeat_last_n."""
-    last_n = seq.params.repeat_last_n
-    if seq.params.repetition_penalty == 1 or last_n == 0:
+    if not _penalises_repetition(seq.params):
         return []
+    last_n = seq.params.repeat_last_n
     return seq.token_ids if last_n is None else seq.token_ids[-last_n:]
+
+
+def _penalises_repetition(params) -> bool:
+    return params.repetition_penalty != 1 and params.repeat_last_n != 0
 
 
 def _counts_outputs(params) -> bool:
