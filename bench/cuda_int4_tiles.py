@@ -36,16 +36,20 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
 
 
 def candidates(kernel) -> dict[str, object]:
-    """Label to TileConfig (split_k left at 1; the sweep sets it): GEMV tilings that give a thread 16 to 128
-    bytes of weight a step, and the two best tensor-core tilings of the [K / 2, N] layout's sweep."""
+    """Label to TileConfig (split_k left at 1; the sweep sets it): GEMV tilings 256 or 512 deep along K at 2
+    or 4 warps that give a thread 32 to 128 bytes of weight a step (shallower tiles and fewer bytes gave a
+    thread fewer outputs to share its x with, and more instructions a weight), each loading the next step's
+    weight ahead of its math (s2) or not (s1), and the two best tensor-core tilings of the [K / 2, N]
+    layout's sweep."""
     TileConfig = kernel.TileConfig
     tilings = {}
     for block_n in (16, 32, 64, 128):
-        for block_k in (128, 256, 512):
-            for warps in (2, 4, 8):
-                if 16 <= block_n * block_k // 2 // (32 * warps) <= 128:
-                    tilings[f"gemv n{block_n} k{block_k} w{warps}"] = TileConfig(
-                        1, block_n, block_k, num_warps=warps, num_stages=3)
+        for block_k in (256, 512):
+            for warps in (2, 4):
+                if 32 <= block_n * block_k // 2 // (32 * warps) <= 128:
+                    for stages in (1, 2):
+                        tilings[f"gemv n{block_n} k{block_k} w{warps} s{stages}"] = TileConfig(
+                            1, block_n, block_k, num_warps=warps, num_stages=stages)
     for block_n, warps in ((32, 2), (64, 4)):
         tilings[f"dot n{block_n} k128 w{warps} s3"] = TileConfig(16, block_n, 128, num_warps=warps, num_stages=3)
     return tilings

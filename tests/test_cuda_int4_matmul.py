@@ -79,17 +79,18 @@ def test_split_k_and_grouped_row_tiles(dtype, scale_after_dot):
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("stages", [1, 2], ids=["in-turn", "next-step-ahead"])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("dtype", [*DTYPES, "bfloat16"])
-def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k):
-    # ragged columns, K = 1024 in 8 steps of 128; three rows, a program column each
+def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k, stages):
+    # ragged columns, K = 1024 in 8 steps of 128 (2 a split in four); three rows, a program column each
     rng = np.random.default_rng(11)
     torch_dtype = {**DTYPES, "bfloat16": torch.bfloat16}[dtype]
     weight, x, expected = _case(rng, "Q4_1", "float32", 3, 200, 1024)
     kept = Int4CudaWeight.from_quantized(weight, torch_dtype, DEVICE)
     x = x.to(torch_dtype)
     expected = float64_values(x) @ weight.dequantize().astype(np.float64).T
-    config = TileConfig(block_m=1, block_n=64, block_k=128, split_k=split_k)
+    config = TileConfig(block_m=1, block_n=64, block_k=128, split_k=split_k, num_stages=stages)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert out.dtype == x.dtype
     # bfloat16: its scales, zeros and output rounded to 8 bits
@@ -162,6 +163,9 @@ def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
         kept.matmul(torch.ones(1, 64, dtype=torch.float32, device=DEVICE))
     with pytest.raises(ValueError, match="has 32 features; the weight is 8 x 64"):
         kept.matmul(torch.ones(1, 32, dtype=torch.float16, device=DEVICE))
+    shifted = torch.zeros(kept.packed.numel() + 2, dtype=torch.uint8, device=DEVICE)[2:].view(kept.packed.shape)
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        int4_matmul(torch.ones(1, 64, dtype=torch.float16, device=DEVICE), shifted, kept.scales, kept.zeros)
 
 
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 151936, 896), (8, 14336, 4864), (64, 896, 4864),

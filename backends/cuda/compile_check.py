@@ -18,7 +18,10 @@ where the backend offers it). What is compiled is what those wrappers would laun
 TRITON_INTERPRET unset: under the interpreter nothing is compiled.
 
 A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
-or needs more shared memory than one block may have on the target.
+needs more shared memory than one block may have on the target, or, where a kernel is bound by the
+instructions it issues (`INSTRUCTION_BUDGETS`: the int4 GEMV), its innermost loop issues more machine
+instructions per unit of work than its docstring allows (counted in the SASS that the nvdisasm inside
+Triton's wheel prints from the cubin).
 
 The specialization of a launch is computed the way `JITFunction.run` computes it, through Triton's own
 binder and `_pack_args`, which are internal to Triton 3.5 and 3.6 (the versions the `cuda` extra allows).
@@ -31,6 +34,7 @@ import contextlib
 import io
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,6 +85,29 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
     "_down_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
     "_latent_attention_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16 CODES=none", "DOT_DTYPE=fp16 CODES=none"),
                                                "kernels/latent_attention.py choose_latent_tiling"),
+}
+
+
+@dataclass(frozen=True)
+class InstructionBudget:
+    """A kernel's docstring says its innermost loop issues at most `most` SASS instructions a thread per
+    unit of work (a weight, for the int4 GEMV) in these variants on this target."""
+
+    target: str
+    markers: tuple[str, ...]  # as SpillFreeClaim's
+    most: float
+    unit: str
+    units: Callable[[dict, int], float]  # (constexprs by name, warps) -> units a thread takes per trip of the loop
+    where: str
+
+
+# In the time HBM delivers an int4 weight, an H200 issues about four instructions a thread and an H100 six
+# (kernels/int4_matmul.py): past that the GEMV is bound by issue, not bytes. Tiles 512 deep along K are
+# what Llama-class shapes get; narrower K (a 0.5B model's 896) takes shallower tiles and more per weight.
+INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
+    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), 4.5, "weight",
+                                           lambda constexprs, warps: constexprs["BLOCK_N"] * constexprs["BLOCK_K"]
+                                           / (32 * warps), "kernels/int4_matmul.py GEMV_CONFIG"),
 }
 
 
@@ -346,6 +373,7 @@ class Compiled:
     spilled: int | None = None  # bytes stored to local memory for spills
     shared: int | None = None
     mma: str = "-"
+    per_unit: float | None = None  # innermost loop's instructions a unit of work, where a budget applies
     seconds: float = 0.0
     error: str | None = None
     models: list[str] = field(default_factory=list)
@@ -362,7 +390,23 @@ class Compiled:
         limit = TARGETS[self.target].shared_memory_per_block
         if self.shared is not None and self.shared > limit:
             found.append(f"needs {self.shared} bytes of shared memory, more than the {limit} a block may have")
+        budget = self.budget
+        if budget and not self.error:
+            if self.per_unit is None:
+                found.append(f"its loop's instructions a {budget.unit} were not counted (no nvdisasm in Triton's "
+                             f"wheel), where {budget.where} says at most {budget.most}")
+            elif self.per_unit > budget.most:
+                found.append(f"issues {self.per_unit:.2f} instructions a {budget.unit} in its loop, where "
+                             f"{budget.where} says at most {budget.most}")
         return found
+
+    @property
+    def budget(self) -> InstructionBudget | None:
+        budget = INSTRUCTION_BUDGETS.get(self.kernel)
+        if budget and budget.target == self.target and (
+                not budget.markers or any(marker in self.variant for marker in budget.markers)):
+            return budget
+        return None
 
 
 @dataclass
@@ -436,7 +480,47 @@ def compile_launch(launch: Launch, spec: Specialization, target: Target) -> Comp
     ptx = kernel.asm["ptx"]
     compiled.mma = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "-"
     compiled.registers, compiled.spilled = parse_ptxas_report(report.getvalue())
+    budget = compiled.budget
+    if budget:
+        sass = disassemble(kernel.asm["cubin"])
+        if sass is not None:
+            names = list(spec.signature)
+            constants = {names[path[0]]: value for path, value in spec.constexprs.items() if len(path) == 1}
+            compiled.per_unit = longest_loop(sass) / budget.units(constants, spec.options.num_warps)
     return compiled
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """The SASS of a cubin, from the nvdisasm inside Triton's wheel; None where the wheel has none."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def longest_loop(sass: str) -> int:
+    """Instructions from a label to the furthest branch back to it: the longest loop body in the SASS
+    (the innermost one, where loops do not nest)."""
+    instructions = 0
+    labels: dict[str, int] = {}
+    longest = 0
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = instructions
+            continue
+        if not re.search(r"/\*[0-9a-f]{4}\*/", line):
+            continue
+        instructions += 1
+        branch = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
+        if branch and branch.group(1) in labels:
+            longest = max(longest, instructions - labels[branch.group(1)])
+    return longest
 
 
 def parse_ptxas_report(report: str) -> tuple[int | None, int | None]:
@@ -503,20 +587,28 @@ def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, 
     return results
 
 
-HEADERS = ("kernel", "variant", "target", "registers", "spilled B", "shared B", "mma", "models")
+HEADERS = ("kernel", "variant", "target", "registers", "spilled B", "shared B", "mma", "loop instructions",
+           "models")
 
 
 def table_rows(results: list[Compiled]) -> list[list[str]]:
     return [[r.kernel, r.variant, r.target, _or_dash(r.registers), _or_dash(r.spilled), _or_dash(r.shared), r.mma,
-             ", ".join(r.models)] for r in sorted(results, key=lambda r: (r.kernel, r.target, r.variant))]
+             _per_unit(r), ", ".join(r.models)] for r in sorted(results, key=lambda r: (r.kernel, r.target, r.variant))]
 
 
-SUMMARY_HEADERS = ("kernel", "target", "variants", "registers", "most spilled B", "most shared B", "mma")
+def _per_unit(result: Compiled) -> str:
+    budget = result.budget
+    return "-" if result.per_unit is None or budget is None else f"{result.per_unit:.2f} a {budget.unit}"
+
+
+SUMMARY_HEADERS = ("kernel", "target", "variants", "registers", "most spilled B", "most shared B", "mma",
+                   "most loop instructions")
 
 
 def summary_rows(results: list[Compiled]) -> list[list[str]]:
     """Per kernel and target: how many variants, their registers (least to most), the most any spilled
-    and the most shared memory any needs, and the matrix instructions seen."""
+    and the most shared memory any needs, the matrix instructions seen, and where a budget applies, the
+    most loop instructions a unit any variant under it issues."""
     grouped: dict[tuple[str, str], list[Compiled]] = {}
     for result in results:
         grouped.setdefault((result.kernel, result.target), []).append(result)
@@ -526,7 +618,9 @@ def summary_rows(results: list[Compiled]) -> list[list[str]]:
         rows.append([kernel, target, str(len(group)),
                      f"{min(registers)}-{max(registers)}" if registers else "-",
                      str(max((r.spilled or 0) for r in group)), str(max((r.shared or 0) for r in group)),
-                     ", ".join(sorted({r.mma for r in group}))])
+                     ", ".join(sorted({r.mma for r in group})),
+                     _per_unit(max((r for r in group if r.per_unit is not None), key=lambda r: r.per_unit,
+                                   default=group[0]))])
     return rows
 
 

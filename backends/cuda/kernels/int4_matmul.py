@@ -1,19 +1,30 @@
 """x @ W.T for W stored as int4 groups of 32 along K, each with a scale and a zero, in one Triton launch.
 
 The weight's nibbles are packed two to a byte as uint8 [N, K / 2], each output's K contiguous (see
-`pack_nibbles`), the scales and zeros as [N, K / 32]. A nibble becomes q - 8 with two bit operations and
-a subtraction, no integer-to-float conversion: ORed into the mantissa of a float with the right exponent it
-is that float plus q (1024 + q in float16, 128 + q in bfloat16, 8388608 + q in float32), and subtracting
-the float plus 8 leaves q - 8 exactly. Each group's dot with the raw q - 8 then takes its scale and zero:
+`pack_nibbles`), the scales and zeros as [N, K / 32]. In the tensor-core kernel a nibble becomes q - 8
+with two bit operations and a subtraction, no integer-to-float conversion: ORed into the mantissa of a
+float with the right exponent it is that float plus q (1024 + q in float16, 128 + q in bfloat16,
+8388608 + q in float32), and subtracting the float plus 8 leaves q - 8 exactly. Each group's dot with the
+raw q - 8 then takes its scale and zero:
 
     sum_k x[k] w[k] = scale * sum_k x[k] (q[k] - 8) + zero * sum_k x[k]
 
-One row (a batch-1 decode) is a GEMV on the FMA units (`_int4_gemv_kernel`): each thread loads 16
-contiguous bytes, one whole group of one output, and sums its 32 products in registers, so the weight
-streams in wide loads and nothing moves between threads until the end. On the tensor cores a dot needs
-16 rows, 15 of them zeros for a decode, and its operands pass through shared memory: measured on an H200
-at Llama-3-8B's shapes with the weight laid out [K / 2, N], no tiling of that kernel streamed more than
-19% of the copy bandwidth at one row (bench/cuda_int4_tiles.py).
+One row (a batch-1 decode) is a GEMV on the FMA units (`_int4_gemv_kernel`), where what bounds the time
+can be the instructions a weight as much as the bytes: in the time its HBM delivers a weight (0.625
+bytes with its group's scale and zero), an H200 issues about four instructions a thread, an H100 six.
+It reads the nibbles as uint32 words, each thread a group's 16 bytes of one output a load, and turns a
+nibble into a float with one shift and one LOP3: moved to the top of 1.0f's mantissa, it reads
+1 + q / 16. The dot of a group then takes the constant part off once per group:
+
+    sum_k x[k] (q[k] - 8) = 16 * sum_k x[k] (1 + q[k] / 16) - 24 * sum_k x[k]
+
+so a weight costs a shift, a LOP3 and an FMA (4.3 instructions a weight in all on sm_90a, where the
+byte-at-a-time form took eight: compile_check counts them). A thread keeps several outputs at the same
+group, so the x values it converts serve them all, and it can load the next step's words before it
+multiplies this step's. On the tensor cores a dot needs 16 rows, 15 of them zeros for a decode, and its
+operands pass through shared memory: measured on an H200 at Llama-3-8B's shapes with the weight laid
+out [K / 2, N], no tiling of that kernel streamed more than 19% of the copy bandwidth at one row
+(bench/cuda_int4_tiles.py).
 
 More rows (`_int4_matmul_kernel`): decode-sized tiles multiply x by the raw q - 8 per group on the tensor
 cores and apply scale and zero to each group's dot; larger tiles, where a weight's dot work is shared by
@@ -60,6 +71,8 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_after_dot: bool = True  # per group of 32: dot with q - 8, then scale and zero; else dequantize first
+    # num_stages: Triton's pipelining depth for the tensor-core kernel. Triton does not pipeline the GEMV's
+    # loop (no dot reads its loads): there, 2 or more loads the next step's weight before this step's math.
 
 
 # Under the interpreter every program runs in numpy, so few, large tiles keep tests fast; block_n
@@ -68,10 +81,12 @@ INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, split_k=1, 
 INTERPRETER_GEMV_CONFIG = TileConfig(block_m=1, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
 # Rows up to which each row is a GEMV of its own: past one, each reads the weight again (from L2 at best).
 GEMV_ROWS = 1
-# A GEMV program's step: [block_n, block_k / 2] bytes, 64 a thread at 2 warps, K split for 4 programs an SM.
-# The fastest single tiling for all of Llama-3-8B's shapes on an H200 (bench/cuda_int4_tiles.py): a step's
-# int4 GEMMs 3.32 ms, against 3.67 for 32 x 256 at 4 warps, 2 an SM; each shape's own best gave 3.28.
-GEMV_CONFIG = TileConfig(block_m=1, block_n=16, block_k=512, num_warps=2, num_stages=3)
+# A GEMV program's step: [block_n, block_k / 2] bytes, 128 a thread at 2 warps (a group of 8 outputs), the
+# next step's loaded ahead, K split for 4 programs an SM. Chosen without a GPU, from the instructions ptxas
+# gives its loop (4.3 a weight on sm_90a, 255 registers: 4 programs an SM, as the split plans); the byte-
+# at-a-time kernel before it ran fastest at 16 x 512 (bench/cuda_int4_tiles.py on an H200, its step's int4
+# GEMMs 3.32 ms), which this kernel would give a thread 4 outputs of a group (4.8 instructions a weight).
+GEMV_CONFIG = TileConfig(block_m=1, block_n=32, block_k=512, num_warps=2, num_stages=2)
 GEMV_PROGRAMS_PER_SM = 4
 # Rows up to which a batch is a decode: time goes to reading the int4 bytes, not to the dots.
 DECODE_ROWS = 64
@@ -177,6 +192,32 @@ def _int4_matmul_kernel(
             partials_split_stride, SPLIT)
 
 
+# A nibble q ORed into the top four bits of 1.0f's mantissa (bits 19 to 22) makes the float 1 + q / 16.
+# Passed to the GEMV as an argument: as an immediate, ptxas spends a second LOP3 a nibble on the OR.
+ONE_BITS = 0x3F800000
+
+
+@triton.jit
+def _nibble_floats(words, SHIFT: tl.constexpr, one_bits):
+    """1 + q / 16 in float32 for the nibble q at bits SHIFT to SHIFT + 3 of each uint32 word: one shift
+    and one LOP3 a weight."""
+    if SHIFT <= 19:
+        moved = words << (19 - SHIFT)
+    else:
+        moved = words >> (SHIFT - 19)
+    return ((moved & 0x780000) | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quarters(values, GROUPS: tl.constexpr):
+    """[GROUPS, 4, 4] values to the four [GROUPS, 4] slices along the last axis, in order."""
+    pairs = tl.reshape(values, (GROUPS, 4, 2, 2))
+    even, odd = tl.split(pairs)
+    first, third = tl.split(even)
+    second, fourth = tl.split(odd)
+    return first, second, third, fourth
+
+
 # K is a loop bound only; the grid's third axis is the row.
 @triton.jit(do_not_specialize=["steps_per_split"])
 def _int4_gemv_kernel(
@@ -194,9 +235,11 @@ def _int4_gemv_kernel(
     scale_row_stride,
     out_row_stride,
     partials_split_stride,
+    one_bits,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -205,30 +248,53 @@ def _int4_gemv_kernel(
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     groups = tl.arange(0, GROUPS)
-    halves = tl.arange(0, 16)
-    # [BLOCK_N, GROUPS, 16] bytes a step: a group's 16 bytes are contiguous, the last axis in one thread
-    byte_offsets = cols[:, None, None] * packed_row_stride + groups[None, :, None] * 16 + halves[None, None, :]
-    byte_mask = col_mask[:, None, None]
-    # x's K offsets of the values in those bytes' low nibbles; the high nibbles' are 16 on
-    x_offsets = groups[:, None] * 32 + halves[None, :]
-    group_offsets = cols[:, None] * scale_row_stride + groups[None, :]
+    quads = tl.arange(0, 4)
+    # A step is [GROUPS, BLOCK_N, 4] uint32 words: a group's 16 bytes of one output in one thread, whose
+    # other outputs (groups lead the layout) are at the same group, so the x it converts serves them all.
+    words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32))
+    word_offsets = groups[:, None, None] * 4 + cols[None, :, None] * (packed_row_stride // 4) + quads[None, None, :]
+    word_mask = col_mask[None, :, None]
+    group_offsets = groups[:, None] + cols[None, :] * scale_row_stride
+    group_mask = col_mask[None, :]
+    # K offsets of the low nibbles of word w's four bytes, 4w to 4w + 3 in the group; the high ones' are 16 on
+    x_offsets = groups[:, None, None] * 32 + quads[None, :, None] * 4 + quads[None, None, :]
     x_row = x_ptr + row * x_row_stride
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    k_start = split * steps_per_split * BLOCK_K
+    acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    k = split * steps_per_split * BLOCK_K
+    words = tl.load(words_ptr + k // 8 + word_offsets, mask=word_mask, other=0)
+    scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=group_mask, other=0.0)
+    zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=group_mask, other=0.0)
     for step in range(steps_per_split):
-        k = k_start + step * BLOCK_K
-        packed = tl.load(packed_ptr + k // 2 + byte_offsets, mask=byte_mask, other=0).to(tl.uint32)
+        more = step + 1 < steps_per_split
+        if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
+            next_words = tl.load(words_ptr + (k + BLOCK_K) // 8 + word_offsets, mask=word_mask & more, other=0)
+            next_scale = tl.load(scales_ptr + (k + BLOCK_K) // 32 + group_offsets, mask=group_mask & more, other=0.0)
+            next_zero = tl.load(zeros_ptr + (k + BLOCK_K) // 32 + group_offsets, mask=group_mask & more, other=0.0)
         x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
         x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
-        # float32's magic number: exact whatever x's dtype, and the products are float32 anyway
-        low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        dots = tl.sum(low * x_low[None, :, :] + high * x_high[None, :, :], axis=2)
-        x_sums = tl.sum(x_low + x_high, axis=1)
-        scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        acc += dots * scale + x_sums[None, :] * zero
-    result = tl.sum(acc, axis=1)[None, :]
+        low0, low1, low2, low3 = _quarters(x_low, GROUPS)
+        high0, high1, high2, high3 = _quarters(x_high, GROUPS)
+        # byte j of a word holds value 4w + j in bits 8j to 8j + 3 and value 16 + 4w + j above them
+        dots = _nibble_floats(words, 0, one_bits) * low0[:, None, :]
+        dots += _nibble_floats(words, 4, one_bits) * high0[:, None, :]
+        dots += _nibble_floats(words, 8, one_bits) * low1[:, None, :]
+        dots += _nibble_floats(words, 12, one_bits) * high1[:, None, :]
+        dots += _nibble_floats(words, 16, one_bits) * low2[:, None, :]
+        dots += _nibble_floats(words, 20, one_bits) * high2[:, None, :]
+        dots += _nibble_floats(words, 24, one_bits) * low3[:, None, :]
+        dots += _nibble_floats(words, 28, one_bits) * high3[:, None, :]
+        x_sums = tl.sum(tl.sum(x_low + x_high, axis=2), axis=1)
+        # sum x (1 + q / 16) = sum x + sum x q / 16, so sum x (q - 8) = 16 * that - 24 * sum x
+        scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+        acc += tl.sum(dots, axis=2) * (16.0 * scale) + x_sums[:, None] * (zero - 24.0 * scale)
+        k += BLOCK_K
+        if PREFETCH:
+            words, scale, zero = next_words, next_scale, next_zero
+        else:
+            words = tl.load(words_ptr + k // 8 + word_offsets, mask=word_mask & more, other=0)
+            scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=group_mask & more, other=0.0)
+            zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=group_mask & more, other=0.0)
+    result = tl.sum(acc, axis=0)[None, :]
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n
     _finish(result, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0, col_mask, N,
@@ -289,6 +355,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
             or not all(tensor.is_contiguous() for tensor in (packed, scales, zeros))):
         raise ValueError(f"x [{rows}, {width}] does not match an int4 weight of contiguous packed "
                          f"{list(packed.shape)}, scales {list(scales.shape)} and zeros {list(zeros.shape)}")
+    if packed.data_ptr() % 4:
+        raise ValueError("the packed int4 weight must start at a multiple of 4 bytes: the GEMV reads it as "
+                         "uint32 words")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
@@ -309,9 +378,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
     if config.block_m == 1:
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
-            x, packed, scales, zeros, out, partials, arrivals, columns, steps // split_k, *strides,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            x, packed, scales, zeros, out, partials, arrivals, columns, steps // split_k, *strides, ONE_BITS,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1, PREFETCH=config.num_stages > 1,
+            num_warps=config.num_warps, num_stages=1,
         )  # fmt: skip
         return out
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
