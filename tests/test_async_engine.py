@@ -7,6 +7,7 @@ import time
 import pytest
 
 from candelabra.core.engine.async_engine import AsyncEngine
+from candelabra.core.engine.output_processor import Prefix
 from candelabra.core.requests.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 23, 42], [7, 11, 13], [40, 41, 42, 43, 44, 45]]
@@ -40,6 +41,46 @@ def test_concurrent_streams_match_offline_generation(llm):
     for (text, tokens, last), want in zip(results, expected):
         assert tokens == want.token_ids and text == want.text
         assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_streamed_outputs_keep_their_tokens_as_they_were_and_the_finished_one_holds_lists(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    engine = AsyncEngine(llm.engine)
+
+    async def consume():
+        seen = []
+        async for output in engine.generate("snapshots", PROMPTS[0], params):
+            sample = output.outputs[0]
+            seen.append((sample, list(sample.token_ids), list(sample.logprobs)))
+        return seen
+
+    try:
+        seen = asyncio.run(consume())
+    finally:
+        engine.shutdown()
+    assert len(seen) > 2
+    for sample, tokens_then, logprobs_then in seen:  # read again once the request has finished
+        assert sample.token_ids == tokens_then and list(sample.logprobs) == logprobs_then
+        assert len(sample.logprobs) == len(sample.token_ids)
+    final = seen[-1][0]
+    assert type(final.token_ids) is list and type(final.logprobs) is list and len(final.token_ids) == 12
+    assert isinstance(seen[0][0].token_ids, Prefix)
+
+
+def test_a_prefix_reads_as_the_list_it_was_when_taken():
+    items = [3, 1, 4, 1, 5]
+    prefix = Prefix(items, 4)
+    items += [9, 2]
+    assert len(prefix) == 4 and list(prefix) == [3, 1, 4, 1] and prefix == [3, 1, 4, 1] == prefix
+    assert prefix != [3, 1, 4, 1, 5] and prefix != (3, 1, 4) and prefix == Prefix([3, 1, 4, 1, 7], 4)
+    assert prefix[-1] == 1 and prefix[0] == 3 and prefix[1:] == [1, 4, 1] and prefix[::-2] == [1, 1]
+    assert prefix[2:99] == [4, 1] and repr(prefix) == "[3, 1, 4, 1]" and prefix.count(1) == 2 and 5 not in prefix
+    with pytest.raises(IndexError):
+        prefix[4]
+    with pytest.raises(IndexError):
+        prefix[-5]
+    with pytest.raises(TypeError):
+        hash(prefix)
 
 
 def test_a_consumer_that_stops_early_aborts_its_request(llm):

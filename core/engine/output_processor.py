@@ -8,7 +8,10 @@ two more for it: those are dropped.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from candelabra.core.engine.core import EngineOutput, SampleUpdate
 from candelabra.core.engine.detokenizer import IncrementalDetokenizer
@@ -18,14 +21,55 @@ from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.tokens import SampledToken
 
+Item = TypeVar("Item")
+
+
+class Prefix(Sequence, Generic[Item]):
+    """The first `length` items of a list that only grows: a read-only snapshot that copies nothing.
+
+    A sample's outputs before it finishes hold their tokens and logprobs so, since copying every token so
+    far at every step costs a long answer's stream time in its length squared; the finished output holds
+    plain lists."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list[Item], length: int) -> None:
+        self._items, self._length = items, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step > 0:
+                return self._items[start:stop:step]
+            return [self._items[i] for i in range(start, stop, step)]
+        if not -self._length <= index < self._length:
+            raise IndexError(f"index {index} out of a prefix of {self._length}")
+        return self._items[index % self._length]
+
+    def __iter__(self) -> Iterator[Item]:
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Prefix | list | tuple):
+            return NotImplemented
+        return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=False))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
 
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list once the sample finished; a Prefix of the tokens so far before that
     finish_reason: str | None
-    logprobs: list[SampledToken] | None = None  # one per token, when asked for
+    logprobs: Sequence[SampledToken] | None = None  # one per token, when asked for; a Prefix before the end
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
@@ -75,9 +119,10 @@ class _Sample:
     def output(self, index: int, with_logprobs: bool) -> CompletionOutput:
         text_done, tokens_done = self.reported
         self.reported = (len(self.text), len(self.token_ids))
-        return CompletionOutput(index=index, text=self.text, token_ids=list(self.token_ids),
+        snapshot = list if self.finish_reason else lambda items: Prefix(items, len(items))
+        return CompletionOutput(index=index, text=self.text, token_ids=snapshot(self.token_ids),
                                 finish_reason=self.finish_reason,
-                                logprobs=list(self.logprobs) if with_logprobs else None,
+                                logprobs=snapshot(self.logprobs) if with_logprobs else None,
                                 delta_text=self.text[text_done:], delta_token_ids=self.token_ids[tokens_done:])
 
 
