@@ -177,8 +177,9 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     kernels = {entry["kernel"] for entry in compiled}
     assert kernels >= {"_attention_tile_kernel", "_merge_segments_kernel", "_rms_norm_kernel", "_gated_kernel",
                        "_elementwise_kernel", "_rotary_kernel", "_write_kv_kernel", "_sample_rows",
-                       "_int4_matmul_kernel", "_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel",
-                       "_down_kernel", "_sum_picks_kernel", "_latent_attention_kernel"}
+                       "_chunk_statistics_kernel", "_int4_matmul_kernel", "_count_picks_kernel",
+                       "_place_picks_kernel", "_gate_up_kernel", "_down_kernel", "_sum_picks_kernel",
+                       "_latent_attention_kernel"}
     assert all(entry["registers"] for entry in compiled)
     attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}

@@ -170,6 +170,23 @@ def test_greedy_takes_the_lowest_id_among_equal_maxima(dtype):
     _run_and_compare(logits, _metadata(rng, rows, vocab, "greedy", 3))
 
 
+@pytest.mark.parametrize("mode", ["greedy", "top_p", "combined"])
+def test_rows_split_into_many_statistics_chunks_sample_as_the_oracle_does(monkeypatch, mode):
+    """Blocks of 64 make a row of 1,000 eight programs' chunks of 128 (the last one partial): equal
+    maxima in several chunks, a chunk of -inf, a row whose maximum is in the last chunk, a row all -inf
+    but one token."""
+    monkeypatch.setattr(sampling_kernel, "ROW_BLOCK", 64)
+    rng = np.random.default_rng([14, len(mode)])
+    rows, vocab = 6, 1000
+    logits = _logits(rng, rows, vocab, "float32", tied=True)
+    logits[0, [70, 300, 640, 999]] = 30.0
+    logits[1, 128:256] = float("-inf")
+    logits[2, 990] = 40.0
+    logits[3] = float("-inf")
+    logits[3, 517] = 1.0
+    _run_and_compare(logits, _metadata(rng, rows, vocab, mode, 5))
+
+
 def test_zero_probability_tokens_are_never_drawn():
     """A draw of exactly 0 takes the first token with any probability, not a -inf one before it."""
     rng = np.random.default_rng(9)

@@ -1,15 +1,18 @@
-"""Token sampling as one Triton program per logit row (semantics: `Ops.sample`).
+"""Token sampling in two Triton launches (semantics: `Ops.sample`).
 
-Logit bias and penalties are sparse scatters left to torch. The kernel streams each row to find
-its maximum, log-sum-exp and greedy choice; rows that draw at random then find their top-k and
-top-p thresholds and draw by inverse CDF in increasing id order.
+Logit bias and penalties are sparse scatters left to torch. The first launch splits each row into
+chunks, a program each, that find the chunk's maximum, its first id, and its sum of exponentials;
+then one program a row combines them into the row's maximum, log-sum-exp and greedy choice, and
+rows that draw at random find their top-k and top-p thresholds and draw by inverse CDF in increasing
+id order.
 
 In a batch of up to CANDIDATE_ROWS rows, a row with a top-k or top-p filter first looks among its
 CANDIDATES most probable tokens (torch.topk, before the kernel): when the filter's threshold lies
 strictly above the least of them, every token it keeps is among them, and the threshold and the draw
 take a few passes over them alone. Otherwise the row searches its whole vocabulary: a many-way search
 over probability values instead of a sort, each pass a stream over the row. On an H200 at a 152k
-vocabulary, top-p 0.9 took 0.81 ms a row searching the whole row, 0.31 among candidates; greedy 0.09.
+vocabulary, top-p 0.9 took 0.81 ms a row searching the whole row, 0.31 among candidates; greedy 0.09,
+when one program a row also walked the row for its statistics (not yet measured split).
 Nothing here waits for the device.
 """
 
@@ -24,6 +27,11 @@ from candelabra.core.contract.ops import SampleResult
 
 # Elements per step of the passes that touch each element once (row statistics, the draw).
 ROW_BLOCK = 2048
+# The row statistics (maximum, greedy choice, log-sum-exp) are one pass split over programs of this
+# many row blocks each, their results combined by _sample_rows: one program walking a 152k row alone
+# waited on 75 loads one after another (0.09 ms a step on an H200, greedy).
+STATISTICS_BLOCKS = 2
+STATISTICS_WARPS = 4
 # Most probable tokens a filtered row looks among first (a power of two); a vocabulary no larger
 # than this goes straight to the whole-row search.
 CANDIDATES = 1024
@@ -49,12 +57,14 @@ _BELOW_ANY_LOGIT = tl.constexpr(-1e30)  # below any logit but -inf, and far from
 
 
 @triton.jit
-def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr, scale, SCALED_SUM: tl.constexpr):
-    """The row's maximum, the lowest id holding it, its minimum, log(sum(exp(x))), and with
-    SCALED_SUM sum(exp((x - max) * scale / log2(e))): the weights' total at the row's temperature.
+def _chunk_statistics(row_ptr, start, VOCAB: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, scale,
+                      SCALED_SUM: tl.constexpr):
+    """Over ids start .. start + CHUNK - 1 of the row: the maximum, the lowest id holding it, the
+    minimum, sum(exp(x - max)), and with SCALED_SUM sum(exp((x - max) * scale / log2(e))) (the weights'
+    total at the row's temperature, in float64).
 
     Each lane keeps its own running maximum, first id and rescaled sums across the blocks, so
-    that the row is reduced across lanes once, at the end.
+    that the chunk is reduced across lanes once, at the end.
     """
     offsets = tl.arange(0, BLOCK)
     # A finite floor keeps every difference below finite, also in lanes that only see -inf.
@@ -63,8 +73,8 @@ def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr, scale, SC
     lane_id = tl.zeros([BLOCK], tl.int32)
     lane_sum = tl.zeros([BLOCK], tl.float32)  # sum of exp(x - lane_max)
     lane_scaled_sum = tl.zeros([BLOCK], tl.float32)  # sum of exp2((x - lane_max) * scale)
-    for start in range(0, VOCAB, BLOCK):
-        ids = start + offsets
+    for step in tl.static_range(0, CHUNK, BLOCK):
+        ids = start + step + offsets
         x = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
         lane_sum = lane_sum * tl.exp2((lane_max - new_max) * _LOG2E) + tl.exp2((x - new_max) * _LOG2E)
@@ -74,16 +84,62 @@ def _row_statistics(row_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr, scale, SC
         lane_id = tl.where(x > lane_max, ids, lane_id)  # strictly greater: a lane keeps its first maximum
         lane_max = new_max
         lane_min = tl.minimum(lane_min, tl.where(ids < VOCAB, x, float("inf")))
-    row_max = tl.max(lane_max, axis=0)
-    row_max_id = tl.min(tl.where(lane_max == row_max, lane_id, _NO_ID), axis=0)
+    chunk_max = tl.max(lane_max, axis=0)
+    chunk_max_id = tl.min(tl.where(lane_max == chunk_max, lane_id, _NO_ID), axis=0)
+    chunk_sum = tl.sum(lane_sum * tl.exp2((lane_max - chunk_max) * _LOG2E), axis=0)
+    scaled_sum = 0.0
+    if SCALED_SUM:
+        scaled_sum = tl.sum((lane_scaled_sum * tl.exp2((lane_max - chunk_max) * scale)).to(tl.float64), axis=0)
+    return chunk_max, chunk_max_id, tl.min(lane_min, axis=0), chunk_sum, scaled_sum
+
+
+@triton.jit
+def _chunk_statistics_kernel(
+    logits_ptr, row_stride, temperature_ptr,
+    chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr,
+    VOCAB: tl.constexpr, ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+    ANY_RANDOM: tl.constexpr, SCALED_SUM: tl.constexpr,
+):
+    """A (row, chunk) program: its chunk's statistics, for _sample_rows to combine."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temperature = 0.0
+    if ANY_RANDOM:
+        temperature = tl.load(temperature_ptr + row)
+    scale = tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    chunk_max, chunk_max_id, chunk_min, chunk_sum, scaled_sum = _chunk_statistics(
+        row_ptr, chunk * CHUNK, VOCAB, ROW_BLOCK, CHUNK, scale, SCALED_SUM)
+    at = row * CHUNKS + chunk
+    tl.store(chunk_max_ptr + at, chunk_max)
+    tl.store(chunk_max_id_ptr + at, chunk_max_id)
+    tl.store(chunk_min_ptr + at, chunk_min)
+    tl.store(chunk_sum_ptr + at, chunk_sum)
+    if SCALED_SUM:
+        tl.store(chunk_scaled_sum_ptr + at, scaled_sum)
+
+
+@triton.jit
+def _row_statistics(row, chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr,
+                    scale, CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, SCALED_SUM: tl.constexpr):
+    """The row's maximum, the lowest id holding it, its minimum, log(sum(exp(x))), and with
+    SCALED_SUM the weights' total at the row's temperature: its chunks' statistics combined."""
+    chunks = tl.arange(0, CHUNKS_POW2)
+    held = chunks < CHUNKS
+    at = row * CHUNKS + chunks
+    chunk_max = tl.load(chunk_max_ptr + at, mask=held, other=_BELOW_ANY_LOGIT)
+    row_max = tl.max(chunk_max, axis=0)
+    row_max_id = tl.min(tl.where(held & (chunk_max == row_max),
+                                 tl.load(chunk_max_id_ptr + at, mask=held, other=_NO_ID), _NO_ID), axis=0)
     # NaN equals no maximum: such a row keeps id 0 rather than read past its end.
     row_max_id = tl.where(row_max_id == _NO_ID, 0, row_max_id)
-    lane_share = lane_sum * tl.exp2((lane_max - row_max) * _LOG2E)
+    row_min = tl.min(tl.load(chunk_min_ptr + at, mask=held, other=float("inf")), axis=0)
+    shares = tl.load(chunk_sum_ptr + at, mask=held, other=0.0) * tl.exp2((chunk_max - row_max) * _LOG2E)
     scaled_total = 0.0
     if SCALED_SUM:
-        scaled_total = tl.sum((lane_scaled_sum * tl.exp2((lane_max - row_max) * scale)).to(tl.float64), axis=0)
-    return (row_max, row_max_id, tl.min(lane_min, axis=0), row_max + tl.log(tl.sum(lane_share, axis=0)),
-            scaled_total)
+        scaled_total = tl.sum(tl.load(chunk_scaled_sum_ptr + at, mask=held, other=0.0)
+                              * tl.exp2((chunk_max - row_max) * scale).to(tl.float64), axis=0)
+    return row_max, row_max_id, row_min, row_max + tl.log(tl.sum(shares, axis=0)), scaled_total
 
 
 @triton.jit
@@ -216,7 +272,9 @@ def _sample_rows(
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniform_ptr,
     token_ids_ptr, logprobs_ptr, normaliser_ptr,
     by_weight_ptr, by_id_ptr, candidate_ids_ptr,
+    chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr,
     VOCAB: tl.constexpr, ROW_BLOCK: tl.constexpr, NUM_ROW_BLOCKS: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
     PIVOTS: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, CANDIDATES: tl.constexpr,
     ANY_RANDOM: tl.constexpr, ANY_RANK_FILTER: tl.constexpr, USE_CANDIDATES: tl.constexpr,
 ):
@@ -226,8 +284,9 @@ def _sample_rows(
     if ANY_RANDOM:
         temperature = tl.load(temperature_ptr + row)
     scale = tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
-    row_max, chosen, row_min, normaliser, scaled_total = _row_statistics(row_ptr, VOCAB, ROW_BLOCK, scale,
-                                                                         USE_CANDIDATES)
+    row_max, chosen, row_min, normaliser, scaled_total = _row_statistics(
+        row, chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr, scale, CHUNKS,
+        CHUNKS_POW2, USE_CANDIDATES)
     if ANY_RANDOM:
         if temperature > 0:
             # The smallest weight: every token is a candidate until a filter raises the threshold.
@@ -284,15 +343,28 @@ def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
             by_weight, by_weight_ids = torch.topk(x, CANDIDATES, dim=1)
             candidate_ids, order = torch.sort(by_weight_ids, dim=1)
             by_id = torch.gather(by_weight, 1, order)
+        chunk = STATISTICS_BLOCKS * row_block
+        chunks = triton.cdiv(vocab, chunk)
+        statistics = [torch.empty(rows, chunks, dtype=dtype, device=device)
+                      for dtype in (torch.float32, torch.int32, torch.float32, torch.float32, torch.float64)]
+        _chunk_statistics_kernel[(rows, chunks)](
+            x, x.stride(0), params.temperature, *statistics,
+            VOCAB=vocab, ROW_BLOCK=row_block, CHUNK=chunk, CHUNKS=chunks,
+            ANY_RANDOM=params.random_rows is not None, SCALED_SUM=use_candidates,
+            num_warps=STATISTICS_WARPS,
+        )
         _sample_rows[(rows,)](
             x, x.stride(0),
             params.temperature, params.top_k, params.top_p, params.min_p, params.uniform,
             token_ids, logprobs, normaliser,
             by_weight, by_id, candidate_ids,
+            *statistics,
             VOCAB=vocab,
             ROW_BLOCK=row_block,
             NUM_ROW_BLOCKS=triton.next_power_of_2(triton.cdiv(vocab, row_block)),
             SEARCH_BLOCK=min(SEARCH_BLOCK, triton.next_power_of_2(vocab)),
+            CHUNKS=chunks,
+            CHUNKS_POW2=triton.next_power_of_2(chunks),
             PIVOTS=PIVOTS,
             MAX_SEARCH_PASSES=MAX_SEARCH_PASSES,
             CANDIDATES=CANDIDATES,
