@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from candelabra.core.weights.default_model import default_cache_dir
 from candelabra.plugins import installed_plugins
 from support import interpret_the_kernels_without_a_gpu
 
@@ -12,6 +13,10 @@ from support import interpret_the_kernels_without_a_gpu
 # the cores, so teams outnumber cores; waiting threads then sleep at once instead of spinning on a core
 # another team needs. Set before any test imports torch; children inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Kernels chosen while the suite's workers load every core are timed under that load; their tables go
+# to a folder of the suite's own, not to the one `candelabra serve` reads (kernel_choice.tables_folder).
+os.environ.setdefault("CANDELABRA_KERNEL_TABLES", str(default_cache_dir() / "kernels-tests"))
 
 # Files in order of their time on 2 cores, longest first (pytest --durations), collected before the
 # rest so that under README's `-n auto --dist loadfile --no-loadscope-reorder` each worker takes a long

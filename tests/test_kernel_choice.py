@@ -414,3 +414,19 @@ def test_weights_another_process_measured_meanwhile_are_kept_when_the_table_is_w
     later = chooser(tmp_path, FakeTimes(ALL_FAST))
     assert {(t.format, t.shape) for t in later.timings} == {("Q5_0", SHAPE), ("Q8_0", SHAPE)}
     assert set(later.looks) == {("Q5_0", SHAPE), ("Q8_0", SHAPE)}
+
+
+def test_the_tables_live_in_the_caches_kernels_folder_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CANDELABRA_KERNEL_TABLES", raising=False)
+    assert kernel_choice.tables_folder() == tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
+    assert kernel_choice.tables_folder() == tmp_path / "tables"
+    monkeypatch.setattr(kernel_choice, "_CHOOSERS", {})
+    assert kernel_choice.chooser_for("bfloat16", 2).path.parent == tmp_path / "tables"
+
+
+def test_the_suite_keeps_its_tables_apart_from_the_ones_serving_reads():
+    from candelabra.core.weights.default_model import default_cache_dir
+
+    assert kernel_choice.tables_folder() != default_cache_dir() / "kernels"

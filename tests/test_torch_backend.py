@@ -108,6 +108,7 @@ def test_probe_explains_a_missing_torch():
 @pytest.mark.parametrize("format", ["Q4_K", "Q4_0", "Q5_0"])
 def test_a_quantized_weight_is_kept_in_the_form_measured_fastest_here(format, tmp_path, monkeypatch):
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
+    monkeypatch.delenv("CANDELABRA_KERNEL_TABLES")  # the suite's own folder, which serving never reads
     weight = random_quantized(np.random.default_rng(3), format, 64, 256)
     backend = TorchBackend()
     kept = backend.upload_weight("w", WeightRole.LINEAR, weight, "bfloat16")

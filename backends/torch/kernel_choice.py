@@ -363,11 +363,20 @@ def cache_key(dtype: str, threads: int) -> dict[str, str]:
     }
 
 
-def cache_file(key: dict[str, str], folder: Path | None = None) -> Path:
+def tables_folder() -> Path:
+    """$CANDELABRA_KERNEL_TABLES, else the cache's kernels/. The test suite keeps its tables apart: it
+    measures while its workers load every core, and entries measured under load three times are kept
+    (Looks), which would leave a server started later on a quiet machine with the suite's timings."""
     from candelabra.core.weights.default_model import default_cache_dir
 
+    if os.environ.get("CANDELABRA_KERNEL_TABLES"):
+        return Path(os.environ["CANDELABRA_KERNEL_TABLES"]).expanduser()
+    return default_cache_dir() / "kernels"
+
+
+def cache_file(key: dict[str, str], folder: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return (folder or default_cache_dir() / "kernels") / f"{key['dtype']}-{digest}.json"
+    return (folder or tables_folder()) / f"{key['dtype']}-{digest}.json"
 
 
 Entry = tuple[str, tuple[int, int]]  # a weight's format and shape [N, K]
@@ -574,9 +583,7 @@ def _shown_ms(timing: Timing) -> str:
 
 def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list[Timing]]]:
     """Every table cached for this CPU, flags and torch (any dtype or thread count)."""
-    from candelabra.core.weights.default_model import default_cache_dir
-
-    folder = folder or default_cache_dir() / "kernels"
+    folder = folder or tables_folder()
     mine = {k: v for k, v in cache_key("-", 0).items() if k not in ("dtype", "threads")}
     tables = []
     for path in sorted(folder.glob("*.json")):
@@ -596,9 +603,7 @@ _CHOOSERS: dict[tuple[str, int, Path], KernelChooser] = {}
 def chooser_for(dtype: str, threads: int) -> KernelChooser:
     """One chooser per compute dtype, thread count and cache folder in a process, so that its budget is
     spent once."""
-    from candelabra.core.weights.default_model import default_cache_dir
-
-    folder = default_cache_dir() / "kernels"
+    folder = tables_folder()
     if (dtype, threads, folder) not in _CHOOSERS:
         _CHOOSERS[(dtype, threads, folder)] = KernelChooser(dtype, threads, folder=folder)
     return _CHOOSERS[(dtype, threads, folder)]
