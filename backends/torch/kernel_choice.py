@@ -58,9 +58,12 @@ ENTRY_SHARE = 0.25
 # that multiplies row by row only falls further behind as rows grow.
 PRUNE_RATIO = 20.0
 # A call this slow is timed once: its time is not in doubt, and a second look costs as much again.
-# Faster calls are timed twice, the best kept: on 2 cores one call in a few is preempted for 5 to 15 ms,
-# which made a 0.3 ms kernel look 50 times slower at one band than at the next.
+# Faster calls are timed three times, the best kept: on 2 cores one call in a few is preempted for 5 to
+# 15 ms, which made a 0.3 ms kernel look 50 times slower at one band than at the next; and with two, a
+# quiet start on the Intel VM kept int8_mm on a Q6_K 896 x 4864 weight at 7.99 ms (0.42 in 60 calls
+# after), so the weight went to blocks_float at 1.0 ms for good.
 SLOW_CALL_S = 0.05
+TIMED_CALLS = 3
 # Largest NMSE of a kernel's output against the float64 product of its form's values, per compute
 # dtype: the conformance suite's general limits, far above a correct kernel's rounding (about 1e-14
 # in float32, 1e-6 in bfloat16) and far below a wrong one's.
@@ -251,7 +254,7 @@ class Stopwatch:
 
 def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate], dtype: str,
             stopwatch: Callable[[str, str, Kernel, object], float], seconds_left: Callable[[], float],
-            repeats: int = 2, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
+            repeats: int = TIMED_CALLS, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
     """Every candidate form built and every kernel of it timed at one row, then at the other bands in
     MEASURING_ORDER while `seconds_left()` is positive (a band begun is finished); with the forms that
     were built. A kernel is timed `repeats` times, the first call's
