@@ -70,6 +70,8 @@ SASS = """
 
 def test_the_longest_loop_runs_from_a_label_to_the_furthest_branch_back_to_it():
     assert longest_loop(SASS) == 5
+    past_64k = SASS.replace("/*00", "/*1ff")  # addresses of five hex digits, as a large kernel's are
+    assert "/*1ff30*/" in past_64k and longest_loop(past_64k) == 5
     assert longest_loop(SASS.replace("@P2 BRA `(.L_x_1)", "NOP")) == 2
     assert longest_loop("") == 0
 

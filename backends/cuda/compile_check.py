@@ -515,7 +515,7 @@ def longest_loop(sass: str) -> int:
         if label:
             labels[label.group(1)] = instructions
             continue
-        if not re.search(r"/\*[0-9a-f]{4}\*/", line):
+        if not re.search(r"/\*[0-9a-f]{4,}\*/", line):  # an instruction's address: /*0a30*/, /*10a30*/
             continue
         instructions += 1
         branch = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
