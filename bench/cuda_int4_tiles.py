@@ -35,14 +35,13 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "lm_head": (config["vocab_size"], hidden)}
 
 
-def candidates(kernel, rows: int = 1) -> dict[str, object]:
+def candidates(kernel) -> dict[str, object]:
     """Label to TileConfig (split_k left at 1; the sweep sets it): GEMV tilings 256 or 512 deep along K at 2
     or 4 warps that give a thread 32 to 128 bytes of weight a step (shallower tiles and fewer bytes gave a
     thread fewer outputs to share its x with, and more instructions a weight), each loading the next step's
     weight ahead of its math (s2) or not (s1), and the two best tensor-core tilings of the [K / 2, N]
-    layout's sweep. Up to the GEMV's rows, its tiles hold every row (block_m the next power of two)."""
+    layout's sweep, each dequantizing before its dot or dotting the raw q - 8 per group."""
     TileConfig = kernel.TileConfig
-    gemv_rows = 1 << (max(rows, 1) - 1).bit_length()
     tilings = {}
     for block_n in (16, 32, 64, 128):
         for block_k in (256, 512):
@@ -50,9 +49,11 @@ def candidates(kernel, rows: int = 1) -> dict[str, object]:
                 if 32 <= block_n * block_k // 2 // (32 * warps) <= 128:
                     for stages in (1, 2):
                         tilings[f"gemv n{block_n} k{block_k} w{warps} s{stages}"] = TileConfig(
-                            min(gemv_rows, kernel.GEMV_ROWS), block_n, block_k, num_warps=warps, num_stages=stages)
+                            1, block_n, block_k, num_warps=warps, num_stages=stages)
     for block_n, warps in ((32, 2), (64, 4)):
-        tilings[f"dot n{block_n} k128 w{warps} s3"] = TileConfig(16, block_n, 128, num_warps=warps, num_stages=3)
+        for dequantized in (True, False):
+            tilings[f"dot n{block_n} k128 w{warps} s3 {'dequantized' if dequantized else 'raw q-8'}"] = TileConfig(
+                16, block_n, 128, num_warps=warps, num_stages=3, scale_after_dot=not dequantized)
     return tilings
 
 
@@ -123,7 +124,7 @@ def main() -> None:
     sm_count = multiprocessor_count(device)
     bandwidth = copy_bandwidth(torch)
     generator = torch.Generator(device=device).manual_seed(0)
-    tilings = candidates(kernel, args.rows)
+    tilings = candidates(kernel)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}, "
           f"{args.rows} row(s), x in bfloat16")
     results: dict[str, dict[str, dict]] = {shape: {} for shape in shapes}

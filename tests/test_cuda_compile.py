@@ -81,14 +81,13 @@ def test_a_gemv_variant_fails_over_its_instruction_budget_or_where_they_were_not
     variant = "BLOCK_N=32 BLOCK_K=512 SPLIT=True PREFETCH=True bf16/fp32/i32/u8 w2s1"
     assert Compiled("_int4_gemv_kernel", variant, "sm_90a", per_unit=budget.most).problems == []
     over = Compiled("_int4_gemv_kernel", variant, "sm_90a", per_unit=budget.most + 0.01).problems
-    assert len(over) == 1 and "instructions a weight and row in its loop, where kernels/int4_matmul.py" in over[0]
+    assert len(over) == 1 and "instructions a weight in its loop, where kernels/int4_matmul.py" in over[0]
     assert "were not counted" in Compiled("_int4_gemv_kernel", variant, "sm_90a").problems[0]
     # shallow K-tiles and other targets are not held to it; a variant that does not compile says only that
     assert Compiled("_int4_gemv_kernel", variant.replace("512", "128"), "sm_90a", per_unit=6.0).problems == []
     assert Compiled("_int4_gemv_kernel", variant, "sm_80", per_unit=6.0).problems == []
     assert Compiled("_int4_gemv_kernel", variant, "sm_90a", error="E: x").problems == ["does not compile: E: x"]
-    assert budget.units({"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 512}, 2) == 256
-    assert budget.units({"BLOCK_M": 4, "BLOCK_N": 16, "BLOCK_K": 512}, 2) == 512
+    assert budget.units({"BLOCK_N": 32, "BLOCK_K": 512}, 2) == 256
 
 
 def test_the_recorder_refuses_to_run_under_the_interpreter():
@@ -194,8 +193,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
                  if f"CODES={code} " in entry["variant"]}
         assert codes == {"int8", "fp8"}, f"{kernel} was not built over int8 and fp8 KV caches"
     assert not set(SPILL_FREE) - kernels
-    # Llama-3-8B's int4 GEMVs of 1, 2 and 4 rows in bfloat16 are held to their instruction budget on sm_90a
+    # Llama-3-8B's batch-1 int4 GEMV, the bfloat16 one, is held to its instruction budget on sm_90a
     gemv = [entry for entry in compiled if entry["kernel"] == "_int4_gemv_kernel" and entry["target"] == "sm_90a"
             and "BLOCK_K=512" in entry["variant"] and "bf16" in entry["variant"]]
-    assert {f"BLOCK_M={rows}" for rows in (1, 2, 4)} <= {entry["variant"].split()[0] for entry in gemv}
-    assert all(entry["per_unit"] is not None for entry in gemv)
+    assert gemv and all(entry["per_unit"] is not None for entry in gemv)

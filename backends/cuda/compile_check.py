@@ -105,10 +105,9 @@ class InstructionBudget:
 # (kernels/int4_matmul.py): past that the GEMV is bound by issue, not bytes. Tiles 512 deep along K are
 # what Llama-class shapes get; narrower K (a 0.5B model's 896) takes shallower tiles and more per weight.
 INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
-    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), 4.5, "weight and row",
-                                           lambda constexprs, warps: constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
-                                           * constexprs["BLOCK_K"] / (32 * warps),
-                                           "kernels/int4_matmul.py GEMV_CONFIG"),
+    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), 4.5, "weight",
+                                           lambda constexprs, warps: constexprs["BLOCK_N"] * constexprs["BLOCK_K"]
+                                           / (32 * warps), "kernels/int4_matmul.py GEMV_CONFIG"),
 }
 
 
