@@ -67,12 +67,20 @@ DEFAULT_CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
 
 
 @dataclass(frozen=True)
-class SpillFreeClaim:
-    """A kernel's docstring says ptxas builds these variants without spills on this target."""
+class Claim:
+    """What a kernel's docstring says of some of its variants on one target."""
 
     target: str
     markers: tuple[str, ...]  # a variant is claimed when its description holds one of them; () for all
     where: str  # the docstring that says so
+
+    def covers(self, target: str, variant: str) -> bool:
+        return self.target == target and (not self.markers or any(marker in variant for marker in self.markers))
+
+
+@dataclass(frozen=True)
+class SpillFreeClaim(Claim):
+    """ptxas builds these variants without spills."""
 
 
 # Spills are reported for every variant and fail the check where a docstring claims there are none.
@@ -89,25 +97,22 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
 
 
 @dataclass(frozen=True)
-class InstructionBudget:
-    """A kernel's docstring says its innermost loop issues at most `most` SASS instructions a thread per
-    unit of work (a weight, for the int4 GEMV) in these variants on this target."""
+class InstructionBudget(Claim):
+    """The claimed variants' innermost loop issues at most `most` SASS instructions a thread per unit of
+    work (a weight, for the int4 GEMV)."""
 
-    target: str
-    markers: tuple[str, ...]  # as SpillFreeClaim's
     most: float
     unit: str
     units: Callable[[dict, int], float]  # (constexprs by name, warps) -> units a thread takes per trip of the loop
-    where: str
 
 
 # In the time HBM delivers an int4 weight, an H200 issues about four instructions a thread and an H100 six
 # (kernels/int4_matmul.py): past that the GEMV is bound by issue, not bytes. Tiles 512 deep along K are
 # what Llama-class shapes get; narrower K (a 0.5B model's 896) takes shallower tiles and more per weight.
 INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
-    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), 4.5, "weight",
-                                           lambda constexprs, warps: constexprs["BLOCK_N"] * constexprs["BLOCK_K"]
-                                           / (32 * warps), "kernels/int4_matmul.py GEMV_CONFIG"),
+    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), "kernels/int4_matmul.py GEMV_CONFIG",
+                                           4.5, "weight", lambda constexprs, warps: constexprs["BLOCK_N"]
+                                           * constexprs["BLOCK_K"] / (32 * warps)),
 }
 
 
@@ -384,8 +389,7 @@ class Compiled:
         if self.error:
             found.append(f"does not compile: {self.error}")
         claim = SPILL_FREE.get(self.kernel)
-        if self.spilled and claim and claim.target == self.target and (
-                not claim.markers or any(marker in self.variant for marker in claim.markers)):
+        if self.spilled and claim and claim.covers(self.target, self.variant):
             found.append(f"spills {self.spilled} bytes, where {claim.where} says it does not")
         limit = TARGETS[self.target].shared_memory_per_block
         if self.shared is not None and self.shared > limit:
@@ -403,10 +407,7 @@ class Compiled:
     @property
     def budget(self) -> InstructionBudget | None:
         budget = INSTRUCTION_BUDGETS.get(self.kernel)
-        if budget and budget.target == self.target and (
-                not budget.markers or any(marker in self.variant for marker in budget.markers)):
-            return budget
-        return None
+        return budget if budget and budget.covers(self.target, self.variant) else None
 
 
 @dataclass

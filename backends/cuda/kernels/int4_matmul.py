@@ -211,6 +211,16 @@ def _nibble_floats(words, SHIFT: tl.constexpr, one_bits):
 
 
 @triton.jit
+def _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask, held):
+    """The GEMV's step at K offset k: its uint32 words [GROUPS, BLOCK_N, 4] and its scales and zeros
+    [GROUPS, BLOCK_N]; zeros where `held` is false or past the last column."""
+    words = tl.load(words_ptr + k // 8 + word_offsets, mask=col_mask[None, :, None] & held, other=0)
+    scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=col_mask[None, :] & held, other=0.0)
+    zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=col_mask[None, :] & held, other=0.0)
+    return words, scale, zero
+
+
+@triton.jit
 def _quarters(values, GROUPS: tl.constexpr):
     """[GROUPS, 4, 4] values to the four [GROUPS, 4] slices along the last axis, in order."""
     pairs = tl.reshape(values, (GROUPS, 4, 2, 2))
@@ -255,23 +265,19 @@ def _int4_gemv_kernel(
     # other outputs (groups lead the layout) are at the same group, so the x it converts serves them all.
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32))
     word_offsets = groups[:, None, None] * 4 + cols[None, :, None] * (packed_row_stride // 4) + quads[None, None, :]
-    word_mask = col_mask[None, :, None]
     group_offsets = groups[:, None] + cols[None, :] * scale_row_stride
-    group_mask = col_mask[None, :]
     # K offsets of the low nibbles of word w's four bytes, 4w to 4w + 3 in the group; the high ones' are 16 on
     x_offsets = groups[:, None, None] * 32 + quads[None, :, None] * 4 + quads[None, None, :]
     x_row = x_ptr + row * x_row_stride
     acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
-    words = tl.load(words_ptr + k // 8 + word_offsets, mask=word_mask, other=0)
-    scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=group_mask, other=0.0)
-    zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=group_mask, other=0.0)
+    words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
+                                      steps_per_split > 0)
     for step in range(steps_per_split):
         more = step + 1 < steps_per_split
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
-            next_words = tl.load(words_ptr + (k + BLOCK_K) // 8 + word_offsets, mask=word_mask & more, other=0)
-            next_scale = tl.load(scales_ptr + (k + BLOCK_K) // 32 + group_offsets, mask=group_mask & more, other=0.0)
-            next_zero = tl.load(zeros_ptr + (k + BLOCK_K) // 32 + group_offsets, mask=group_mask & more, other=0.0)
+            next_words, next_scale, next_zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k + BLOCK_K,
+                                                             word_offsets, group_offsets, col_mask, more)
         x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
         x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
         low0, low1, low2, low3 = _quarters(x_low, GROUPS)
@@ -293,9 +299,8 @@ def _int4_gemv_kernel(
         if PREFETCH:
             words, scale, zero = next_words, next_scale, next_zero
         else:
-            words = tl.load(words_ptr + k // 8 + word_offsets, mask=word_mask & more, other=0)
-            scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=group_mask & more, other=0.0)
-            zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=group_mask & more, other=0.0)
+            words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets,
+                                              col_mask, more)
     result = tl.sum(acc, axis=0)[None, :]
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n

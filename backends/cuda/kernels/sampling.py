@@ -57,6 +57,16 @@ _BELOW_ANY_LOGIT = tl.constexpr(-1e30)  # below any logit but -inf, and far from
 
 
 @triton.jit
+def _temperature_scale(temperature_ptr, row, ANY_RANDOM: tl.constexpr):
+    """The row's temperature (0 where no row draws at random) and what multiplies x - max into the
+    exponent of 2 of its weights: log2(e) / temperature, or log2(e) for a greedy row."""
+    temperature = 0.0
+    if ANY_RANDOM:
+        temperature = tl.load(temperature_ptr + row)
+    return temperature, tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
+
+
+@triton.jit
 def _chunk_statistics(row_ptr, start, VOCAB: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, scale,
                       SCALED_SUM: tl.constexpr):
     """Over ids start .. start + CHUNK - 1 of the row: the maximum, the lowest id holding it, the
@@ -103,10 +113,7 @@ def _chunk_statistics_kernel(
     """A (row, chunk) program: its chunk's statistics, for _sample_rows to combine."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    temperature = 0.0
-    if ANY_RANDOM:
-        temperature = tl.load(temperature_ptr + row)
-    scale = tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
+    _, scale = _temperature_scale(temperature_ptr, row, ANY_RANDOM)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     chunk_max, chunk_max_id, chunk_min, chunk_sum, scaled_sum = _chunk_statistics(
         row_ptr, chunk * CHUNK, VOCAB, ROW_BLOCK, CHUNK, scale, SCALED_SUM)
@@ -280,10 +287,7 @@ def _sample_rows(
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    temperature = 0.0
-    if ANY_RANDOM:
-        temperature = tl.load(temperature_ptr + row)
-    scale = tl.where(temperature > 0, _LOG2E / tl.maximum(temperature, 1e-30), _LOG2E)
+    temperature, scale = _temperature_scale(temperature_ptr, row, ANY_RANDOM)
     row_max, chosen, row_min, normaliser, scaled_total = _row_statistics(
         row, chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr, scale, CHUNKS,
         CHUNKS_POW2, USE_CANDIDATES)
@@ -346,7 +350,10 @@ def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
         chunk = STATISTICS_BLOCKS * row_block
         chunks = triton.cdiv(vocab, chunk)
         statistics = [torch.empty(rows, chunks, dtype=dtype, device=device)
-                      for dtype in (torch.float32, torch.int32, torch.float32, torch.float32, torch.float64)]
+                      for dtype in (torch.float32, torch.int32, torch.float32, torch.float32)]
+        # the weights' totals at the rows' temperatures, which only the draw among candidates reads
+        statistics.append(torch.empty(rows, chunks, dtype=torch.float64, device=device) if use_candidates
+                          else statistics[-1])
         _chunk_statistics_kernel[(rows, chunks)](
             x, x.stride(0), params.temperature, *statistics,
             VOCAB=vocab, ROW_BLOCK=row_block, CHUNK=chunk, CHUNKS=chunks,
