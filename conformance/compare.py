@@ -83,6 +83,8 @@ MODEL_NMSE_THRESHOLDS = {"float32": NMSE_THRESHOLDS["float32"], "float16": 2e-5,
 # token's logits then move far: Mixtral's tiny case on the torch backend in bfloat16 measured a median
 # of 3e-5 but up to 8.8e-4 over 31 seeds, its greedy tokens matching up to a tie. The same model with
 # its expert weights not renormalized measured 7e-3 to 1.2e-2 (and fails float32's limit by far).
+# Such positions are now found and left out (expert_ties.py; a flip at one position of gguf-deepseek-v3-f16
+# measured 4.0e-3 over all positions, 3.3e-5 without it); the room stays for a tie the nudges miss.
 MOE_MODEL_NMSE_THRESHOLDS = {"float32": NMSE_THRESHOLDS["float32"], "float16": 2e-4, "bfloat16": 3e-3}
 
 # Largest NMSE accepted for `linear` on a quantized weight, against the oracle on its dequantized

@@ -62,9 +62,16 @@ MODEL_HEADERS = ("model case", "architecture", "status", "logits NMSE", "greedy 
 
 
 def model_table(results: list[dict]) -> str:
-    rows = [(r["case"], r["architecture"], r["status"], "" if r["nmse"] is None else f"{r['nmse']:.2e}", r["greedy"])
-            for r in results]
+    rows = [(r["case"], r["architecture"], r["status"], nmse_cell(r), r["greedy"]) for r in results]
     return format_table(MODEL_HEADERS, rows)
+
+
+def nmse_cell(result: dict) -> str:
+    """A models-level NMSE, and how many prompt positions it left out as routed at an expert tie."""
+    if result["nmse"] is None:
+        return ""
+    tied = result.get("tied_positions", 0)
+    return f"{result['nmse']:.2e}" + (f" ({tied} at an expert tie left out)" if tied else "")
 
 
 ENGINE_HEADERS = ("engine case", "status", "detail")

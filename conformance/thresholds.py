@@ -16,6 +16,7 @@ from candelabra.conformance.compare import (
     QUANTIZED_NMSE_THRESHOLDS,
     ROUNDING_FLIP_SHARE,
 )
+from candelabra.conformance.expert_ties import NUDGE_UNITS, NUDGES
 from candelabra.core.text_table import format_table
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -68,6 +69,9 @@ def threshold_table() -> str:
         "hold the logits to the larger of the dtype's limit and the cache's.",
         kv_cache,
         models,
+        "A mixture of experts' logits are compared at the prompt positions where transformers' routers do not choose "
+        f"within the dtype's rounding of a tie (their input nudged by up to {NUDGE_UNITS} units in the last place "
+        f"changes no choice in {NUDGES} draws); at the others a correct backend may choose other experts.",
         "engine level: every request's greedy tokens equal the numpy reference backend's, and its logprobs within "
         "the model limit of the dtype (over a quantized KV cache: the tokens it gets alone at that cache dtype).",
     ])
