@@ -95,6 +95,32 @@ def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: f
     return median_ms(lambda: backend.ops.sample(logits, prepared), on_gpu)
 
 
+# How the cuda backend may find a batch's top-k and top-p thresholds, as the module settings that pick
+# each: among torch.topk's candidates, one program searching each row alone, or passes split over programs.
+SEARCH_PATHS = {
+    "candidates": {"CANDIDATE_ROWS": 1 << 30},
+    "one program a row": {"CANDIDATE_ROWS": 0, "SEARCH_CHUNK": 1 << 30},
+    "split passes": {"CANDIDATE_ROWS": 0},
+}
+
+
+def time_search_paths(llm: LLM, vocab: int, batch: int, on_gpu: bool) -> dict[str, float]:
+    """Top-p 0.9 timed (as time_sampling) down each of the cuda backend's SEARCH_PATHS."""
+    from candelabra.backends.cuda.kernels import sampling
+
+    times = {}
+    for path, settings in SEARCH_PATHS.items():
+        saved = {name: getattr(sampling, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(sampling, name, value)
+            times[path] = time_sampling(llm, vocab, batch, 0.9, 1.0, on_gpu)
+        finally:
+            for name, value in saved.items():
+                setattr(sampling, name, value)
+    return times
+
+
 def median_ms(call, on_gpu: bool = True, repeats: int = 50) -> float:
     """Median ms of `call()` over `repeats` calls after 3 warm-ups: CUDA events on a GPU, else wall time."""
     import torch
@@ -158,10 +184,14 @@ def main() -> None:
         for batch in args.batches:
             greedy = time_sampling(llm, vocab, batch, 1.0, 0.0, on_gpu)
             top_p = time_sampling(llm, vocab, batch, 0.9, 1.0, on_gpu)
-            sampling.append({"vocab": vocab, "batch": batch, "greedy_ms": greedy, "top_p_ms": top_p})
+            paths = time_search_paths(llm, vocab, batch, on_gpu) if llm.backend.name == "cuda" else {}
+            sampling.append({"vocab": vocab, "batch": batch, "greedy_ms": greedy, "top_p_ms": top_p,
+                             "top_p_ms_by_path": paths})
     if sampling:
-        print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms"),
-                           [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}")
+        print(format_table(("vocab", "batch", "greedy ms", "top-p 0.9 ms", *(f"{path} ms" for path in SEARCH_PATHS)),
+                           [(s["vocab"], s["batch"], f"{s['greedy_ms']:.3f}", f"{s['top_p_ms']:.3f}",
+                             *(f"{s['top_p_ms_by_path'][path]:.3f}" if s["top_p_ms_by_path"] else ""
+                               for path in SEARCH_PATHS))
                             for s in sampling]))
     (args.out / "profile.json").write_text(json.dumps({"device": llm.backend.probe().detail, "steps": steps,
                                                        "sampling": sampling}, indent=2) + "\n")

@@ -187,6 +187,62 @@ def test_rows_split_into_many_statistics_chunks_sample_as_the_oracle_does(monkey
     _run_and_compare(logits, _metadata(rng, rows, vocab, mode, 5))
 
 
+def _split_search_forced(monkeypatch) -> list:
+    """Every batch with a top-k or top-p filter searches in split passes, 128 logits a program; the
+    list returned counts the searches."""
+    monkeypatch.setattr(sampling_kernel, "CANDIDATE_ROWS", 0)
+    monkeypatch.setattr(sampling_kernel, "SEARCH_CHUNK", 128)
+    searches, search = [], sampling_kernel._split_search
+    monkeypatch.setattr(sampling_kernel, "_split_search", lambda *args: searches.append(1) or search(*args))
+    return searches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["top_k", "top_p", "combined"])
+def test_batches_past_the_candidates_search_in_split_passes_as_the_oracle_samples(monkeypatch, dtype, mode):
+    """Rows of 1,000 in eight programs' chunks of 128 (the last one partial), among them a row of equal
+    logits, a tie of 200 at the top, a top-k past the vocabulary and greedy rows."""
+    searches = _split_search_forced(monkeypatch)
+    rng = np.random.default_rng([15, len(mode), list(DTYPES).index(dtype)])
+    rows, vocab = 8, 1000
+    logits = _logits(rng, rows, vocab, dtype, tied=mode == "top_k")
+    logits[6] = 0.5
+    logits[7, :200] = 12.0
+    meta = _metadata(rng, rows, vocab, mode, 3)
+    if mode != "top_p":
+        meta.top_k[[1, 6]] = [vocab + 5, 300]
+    _run_and_compare(logits, meta)
+    assert searches == [1]
+
+
+def _thresholds(values: np.ndarray, temperature: float, top_k: int, top_p: float) -> float:
+    """In float64: among the weights top-k keeps, the largest at or above which they reach top_p of
+    their sum."""
+    weights = np.sort(np.exp((values - values.max()) / temperature))[::-1]
+    kept = weights[:top_k] if 0 < top_k < len(weights) else weights
+    if top_p >= 1:
+        return kept[-1]
+    return kept[np.searchsorted(np.cumsum(kept), top_p * kept.sum())]
+
+
+def test_a_split_search_finds_the_threshold_a_float64_sort_finds(monkeypatch):
+    rng = np.random.default_rng(16)
+    rows, vocab = 6, 2000
+    logits = _logits(rng, rows, vocab, "float32")
+    meta = _metadata(rng, rows, vocab, "combined", 0, temperature=np.full(rows, 0.9))
+    meta.top_k[:2] = 0  # top-p alone
+    meta.top_p[2:4] = 1.0  # top-k alone
+    params = TorchSampling.prepare(meta, DEVICE)
+    _split_search_forced(monkeypatch)
+
+    statistics = sampling_kernel._chunk_statistics_of(logits, params, ROW_BLOCK, scaled_sum=False)
+    found = sampling_kernel._split_search(logits, params, statistics).cpu().numpy().view(np.float32)
+
+    expected = [_thresholds(float64_values(logits)[row], 0.9, int(meta.top_k[row]), float(meta.top_p[row]))
+                for row in range(rows)]
+    np.testing.assert_allclose(found, expected, rtol=1e-5)
+
+
 def test_zero_probability_tokens_are_never_drawn():
     """A draw of exactly 0 takes the first token with any probability, not a -inf one before it."""
     rng = np.random.default_rng(9)
@@ -199,10 +255,13 @@ def test_zero_probability_tokens_are_never_drawn():
     np.testing.assert_array_equal(result.token_ids.cpu().numpy(), 3)
 
 
-@pytest.mark.parametrize("mode", ["greedy", "combined"])
-def test_rows_of_nan_choose_an_id_inside_the_vocabulary(mode):
+@pytest.mark.parametrize("mode", ["greedy", "combined", "combined, split search"])
+def test_rows_of_nan_choose_an_id_inside_the_vocabulary(monkeypatch, mode):
     """A NaN row (conformance poisons inputs with them; on a GPU, an overflowed model makes them)
     matches no maximum: it must still pick an id inside the row, never read past it."""
+    if mode.endswith("split search"):
+        _split_search_forced(monkeypatch)
+        mode = "combined"
     rng = np.random.default_rng(12)
     rows, vocab = 6, 3000
     logits = _logits(rng, rows, vocab, "float32")
@@ -251,9 +310,12 @@ def _host_synchronisation_forbidden():
             setattr(owner, name, value)
 
 
-@pytest.mark.parametrize("candidates", [64, sampling_kernel.CANDIDATES])
+@pytest.mark.parametrize("candidates", [64, sampling_kernel.CANDIDATES, "split search"])
 def test_sampling_never_reads_a_device_value_back_to_the_host(monkeypatch, candidates):
-    monkeypatch.setattr(sampling_kernel, "CANDIDATES", candidates)
+    if candidates == "split search":
+        searches = _split_search_forced(monkeypatch)
+    else:
+        monkeypatch.setattr(sampling_kernel, "CANDIDATES", candidates)
     rng = np.random.default_rng(11)
     meta = _metadata(rng, 6, 1000, "penalties", 5, top_k=rng.integers(1, 50, 6), top_p=np.full(6, 0.8),
                      min_p=np.full(6, 0.05))
@@ -264,6 +326,7 @@ def test_sampling_never_reads_a_device_value_back_to_the_host(monkeypatch, candi
             torch.ones(2).sum().item()  # the guard itself works
         result = sample(logits, params)
     assert result.token_ids.shape == (6,)
+    assert candidates != "split search" or searches == [1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -271,10 +271,11 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     if w.experts:
         launch_experts(w, compute)
 
-    sampling_rows = 4
-    logits = torch.empty(sampling_rows, w.vocab, dtype=torch.float32)
-    for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (0.7, 0.9)):
-        sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_p))
+    # a batch that draws among candidates and one past them, which searches in split passes
+    for sampling_rows in (4, sampling.CANDIDATE_ROWS + 1):
+        logits = torch.empty(sampling_rows, w.vocab, dtype=torch.float32)
+        for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 0, 0.9), (0.7, 40, 0.9)):
+            sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
 
     for columns, width in w.linear_shapes():
         if width % GROUP_SIZE:
@@ -358,13 +359,15 @@ def _cuda_step(query_lens: list[int]):
     return CudaStep.prepare(meta, torch.device("cpu"))
 
 
-def _sampling(rows: int, vocab: int, temperature: float, top_p: float):
+def _sampling(rows: int, vocab: int, temperature: float, top_k: int, top_p: float):
     import torch
 
     from candelabra.backends.torch.sampling import TorchSampling
     from candelabra.core.contract.step_metadata import plain_sampling
 
-    return TorchSampling.prepare(plain_sampling(temperature, top_p, np.full(rows, 0.5)), torch.device("cpu"))
+    meta = plain_sampling(temperature, top_p, np.full(rows, 0.5))
+    meta.top_k[:] = top_k
+    return TorchSampling.prepare(meta, torch.device("cpu"))
 
 
 # Compiling a launch.
