@@ -2,9 +2,16 @@
 # The cuda backend on a machine with an NVIDIA GPU, from this checkout, in named steps, each sized to end
 # inside 9 minutes from a cold Triton cache (sized from the work each does; no GPU has timed them yet):
 #
-#   bash bench/gpu_check.sh STEP [STEP ...]      in the order given; `all` is every step in order
+#   bash bench/gpu_check.sh [--out FOLDER] [--budget SECONDS] [--pack FILE] STEP [STEP ...]
 #
-#   env                 nvidia-smi, versions, `candelabra backends`, the sm_90a compile table
+# runs the steps in the order given; `all` is every step in order, `first` the ones a device session of
+# 15 minutes runs first, most telling first (FIRST below). With --budget each step runs under what is
+# left of SECONDS and a step that would start with under 20 s left is skipped; with --pack the output
+# folder is written again as one gzipped tar after every step (a caller that takes back a few files
+# alone, as this workplace's device tool, gets everything so, even when it stops the call).
+#
+#   env                 nvidia-smi, versions, `candelabra backends`
+#   compile             the sm_90a compile table of Llama-3-8B's kernels
 #   ops                 conformance ops level at every dtype the backend declares (bfloat16, float16,
 #                       float32), at the suite's real shapes
 #   models-fp16         conformance models level in float16
@@ -36,15 +43,23 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-ahead bench-transformers profile profile-int4
-       int4-tiles host)
+STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-ahead bench-transformers profile
+       profile-int4 int4-tiles host)
+# The new kernels' correctness, then the goals: int4 batch 1 against bfloat16 (bench-int4), batch 1 of the
+# roofline and batch 64 with the host's work hidden (bench-ahead), the int4 GEMV's tiling, sampling's
+# search paths, transformers on the same machine for the batch-64 ratio, then the levels that passed before.
+FIRST=(env ops bench-int4 bench-ahead int4-tiles profile bench-transformers bench-bf16 models-bf16 engine)
 
 results=${OUT:-./gpu-check}
+budget=0 pack=""
 steps=()
 while (($#)); do
     case "$1" in
         --out) results=$2; shift 2 ;;
+        --budget) budget=$2; shift 2 ;;
+        --pack) pack=$2; shift 2 ;;
         all) steps+=("${STEPS[@]}"); shift ;;
+        first) steps+=("${FIRST[@]}"); shift ;;
         *)
             if [[ " ${STEPS[*]} " != *" $1 "* ]]; then
                 echo "unknown step '$1'; the steps are: ${STEPS[*]} (or all)" >&2
@@ -54,10 +69,16 @@ while (($#)); do
     esac
 done
 if ((${#steps[@]} == 0)); then
-    echo "usage: bash bench/gpu_check.sh [--out FOLDER] STEP [STEP ...]; the steps are: ${STEPS[*]} (or all)" >&2
+    echo "usage: bash bench/gpu_check.sh [--out FOLDER] [--budget SECONDS] [--pack FILE] STEP [STEP ...];" \
+         "the steps are: ${STEPS[*]} (or all, or first)" >&2
+    exit 2
+fi
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "--budget takes whole seconds, not '$budget'" >&2
     exit 2
 fi
 mkdir -p "$results"
+results=$(cd "$results" && pwd)
 
 if ! python3 -c "import candelabra.backends.cuda" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
@@ -83,7 +104,8 @@ run_step() {
             nvidia-smi
             python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__)"
-            candelabra backends
+            candelabra backends ;;
+        compile)
             python3 -m candelabra.backends.cuda.compile_check --quiet --target sm_90a --dtype bfloat16 \
                 --config bench/configs/llama-3-8b --json "$results/compile-sm_90a.json" ;;
         ops)
@@ -119,13 +141,33 @@ run_step() {
     esac
 }
 
+packed() {
+    [[ -z $pack ]] || { tar -czf "$pack.part" -C "$results" . && mv "$pack.part" "$pack"; }
+}
+
 status=0
 for step in "${steps[@]}"; do
     started=$SECONDS
-    echo "== $step"
-    run_step "$step" 2>&1 | tee "$results/$step.log"
-    code=${PIPESTATUS[0]}
-    echo "== $step: exit $code after $((SECONDS - started)) s" | tee -a "$results/$step.log"
+    left=$((budget - SECONDS))
+    if ((budget && left < 20)); then
+        echo "== $step: skipped, ${left} s of the ${budget} s budget left" | tee -a "$results/skipped.log"
+        continue
+    fi
+    if ((budget)); then
+        # the step in a shell of its own (writing its own log), so that the time limit stops all it started
+        timeout --kill-after=10 "$left" bash "$0" --out "$results" "$step"
+        code=$?
+        if ((code == 124 || code == 137)); then
+            echo "== $step: stopped at the budget, after $((SECONDS - started)) s" | tee -a "$results/$step.log"
+        fi
+    else
+        echo "== $step"
+        run_step "$step" 2>&1 | tee "$results/$step.log"
+        code=${PIPESTATUS[0]}
+        echo "== $step: exit $code after $((SECONDS - started)) s" | tee -a "$results/$step.log"
+    fi
     ((code)) && status=$code
+    packed
 done
+packed
 exit $status
