@@ -51,13 +51,13 @@ def test_matmul_matches_the_dequantized_product(format, dtype, shape):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("format", INT4_GROUP_FORMATS)
 def test_a_grouped_int4_weight_in_act_order_multiplies_x_in_its_own_column_order(format, rows):
-    """GPTQ's and AWQ's groups of 32 to 256, each run of 32 with its group's scale and zero, and the
-    stored columns a permutation of the weight's."""
+    """GPTQ's and AWQ's groups of 32 to 256, each with one scale and zero as the checkpoint keeps them,
+    and the stored columns a permutation of the weight's."""
     rng = np.random.default_rng([sum(map(ord, format)), rows])
     plain, x, _ = _case(rng, format, "float16", rows, 40, 512)
     weight = QuantizedTensor(format, plain.blocks, plain.shape, rng.permutation(512))
     kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
-    assert kept.scales.shape == (40, 512 // 32)
+    assert kept.scales.shape == (40, 512 // INT4_GROUP_FORMATS[format])
     expected = float64_values(x) @ weight.dequantize().astype(np.float64).T
     assert nmse(kept.matmul(x).float().cpu().numpy(), expected) <= THRESHOLDS["float16"]
 
@@ -108,6 +108,53 @@ def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_produc
     assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
 
 
+# Each of the kernels' paths, explicitly tiled: the GEMV in turn and with the next step ahead, split K;
+# tiles dotting the raw q - 8 per run (float32's) and dequantizing first (16-bit's).
+GROUP_PATHS = {
+    "gemv": (TileConfig(block_m=1, block_n=64, block_k=256, split_k=2, num_stages=1), "float32", 1),
+    "gemv-ahead": (TileConfig(block_m=1, block_n=64, block_k=256, split_k=2, num_stages=2), "float16", 1),
+    "scale-after-dot": (TileConfig(block_m=16, block_n=32, block_k=256, split_k=2), "float32", 5),
+    "dequantize-first": (TileConfig(block_m=16, block_n=32, block_k=256, scale_after_dot=False), "float16", 18),
+}
+
+
+@pytest.mark.parametrize("path", GROUP_PATHS)
+@pytest.mark.parametrize("format", ["INT4_G64", "INT4_G128", "INT4_G256"])
+def test_a_scale_covering_several_runs_of_32_multiplies_on_every_path(format, path):
+    """A group of 64 to 256 keeps one scale and zero (4.25 bits a weight at 128, where repeating them
+    for each run of 32 took 5): each run finds its group's, across steps and splits of K."""
+    config, dtype, rows = GROUP_PATHS[path]
+    rng = np.random.default_rng([sum(map(ord, format)), len(path)])
+    weight, x, expected = _case(rng, format, dtype, rows, 72, 1024)
+    kept = Int4CudaWeight.from_quantized(weight, DTYPES[dtype], DEVICE)
+    assert kept.scales.shape == (72, 1024 // INT4_GROUP_FORMATS[format])
+
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
+
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
+
+
+def test_a_tile_step_may_end_inside_a_scale_group_but_a_gemv_step_may_not():
+    rng = np.random.default_rng(13)
+    weight, x, expected = _case(rng, "INT4_G256", "float16", 2, 40, 512)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    for form in (True, False):  # steps of 64: four to a scale group
+        out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, TileConfig(16, 32, 64, scale_after_dot=form))
+        assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS["float16"]
+    with pytest.raises(ValueError, match="the GEMV's block_k 128 must be a multiple of the scales' group of 256"):
+        int4_matmul(x[:1], kept.packed, kept.scales, kept.zeros, TileConfig(1, 32, 128))
+    assert kernel.choose_config(1, 8, 512, DEVICE, torch.float16, 256).block_k % 256 == 0
+
+
+def test_scales_of_a_group_the_kernels_do_not_take_are_refused():
+    rng = np.random.default_rng(14)
+    kept = Int4CudaWeight.from_quantized(random_quantized(rng, "INT4_G128", 8, 512), torch.float16, DEVICE)
+    x = torch.ones(2, 512, dtype=torch.float16, device=DEVICE)
+    sixteens = kept.scales.repeat_interleave(8, dim=1)  # a scale per 16 values
+    with pytest.raises(ValueError, match="a scale covers one of 32, 64, 128, 256 values along K"):
+        int4_matmul(x, kept.packed, sixteens, sixteens.clone())
+
+
 def test_split_k_that_does_not_divide_the_steps_falls_back_to_one_that_does():
     rng = np.random.default_rng(8)
     weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 1
@@ -150,6 +197,8 @@ def test_nbytes_is_half_a_byte_a_weight_plus_scales_and_zeros(dtype):
     assert kept.shape == (48, 512) and kept.dtype == dtype
     assert kept.packed.dtype == torch.uint8 and kept.packed.numel() == 48 * 512 // 2
     assert kept.nbytes == 48 * 512 // 2 + 2 * (48 * 512 // 32) * item
+    grouped = Int4CudaWeight.from_quantized(random_quantized(rng, "INT4_G128", 48, 512), dtype, DEVICE)
+    assert grouped.nbytes == 48 * 512 // 2 + 2 * (48 * 512 // 128) * item
 
 
 def test_formats_and_inputs_it_does_not_take_are_refused_clearly():

@@ -121,6 +121,10 @@ INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_LENGTHS = (2, 5, 17, 100, 2048)
 INT4_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048)
+# A scale group of several runs of 32 changes no tiling, only where a run finds its scale: its variants
+# are built for the GEMV, a decode tile and a prefill tile.
+GPTQ_GROUP = 128
+GPTQ_INT4_ROWS = (1, 16, 2048)
 BLOCK_SIZE = 16
 
 
@@ -277,13 +281,15 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
         for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 0, 0.9), (0.7, 40, 0.9)):
             sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
 
-    for columns, width in w.linear_shapes():
-        if width % GROUP_SIZE:
-            continue
-        packed = torch.empty(columns, width // 2, dtype=torch.uint8)
-        scales = torch.empty(columns, width // GROUP_SIZE, dtype=compute)
-        for rows in INT4_ROWS:
-            int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
+    # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each
+    for group, batches in ((GROUP_SIZE, INT4_ROWS), (GPTQ_GROUP, GPTQ_INT4_ROWS)):
+        for columns, width in w.linear_shapes():
+            if width % group:
+                continue
+            packed = torch.empty(columns, width // 2, dtype=torch.uint8)
+            scales = torch.empty(columns, width // group, dtype=compute)
+            for rows in batches:
+                int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
 
 
 def launch_experts(workload: Workload, compute) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul, pack_nibbles
+from candelabra.backends.cuda.kernels.int4_matmul import SCALE_GROUPS, int4_matmul, pack_nibbles
 from candelabra.backends.torch.quantized import INT4_FORMATS, int4_group_size, int4_groupwise
 from candelabra.core.contract.weights import QuantizedTensor
 
@@ -28,14 +28,15 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class Int4CudaWeight:
-    """A [N, K] weight as int4 groups of 32 along K, for x @ W.T: w = (q - 8) * scale + zero, its columns
-    in the stored order `column_order` gives (None: the weight's own)."""
+    """A [N, K] weight as int4 groups along K (the checkpoint's own: 32 for GGUF, 32 to 256 for GPTQ and
+    AWQ), for x @ W.T: w = (q - 8) * scale + zero, its columns in the stored order `column_order` gives
+    (None: the weight's own)."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  column_order: torch.Tensor | None = None) -> None:
         self.packed = packed  # uint8 [N, K / 2], the layout of `pack_nibbles`
-        self.scales = scales  # compute dtype [N, K / 32]
-        self.zeros = zeros  # compute dtype [N, K / 32]
+        self.scales = scales  # compute dtype [N, K / group]
+        self.zeros = zeros  # compute dtype [N, K / group]
         self.column_order = column_order  # int64 [K]: stored column j is weight column column_order[j]
         self.shape = (int(packed.shape[0]), int(packed.shape[1]) * 2)
 
@@ -48,8 +49,11 @@ class Int4CudaWeight:
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Int4CudaWeight computes in {', '.join(map(str, COMPUTE_DTYPES))}, not {dtype}")
         nibbles, scales, zeros = int4_groupwise(weight)
-        runs = int4_group_size(weight) // GROUP_SIZE
-        scales, zeros = np.repeat(scales, runs, axis=1), np.repeat(zeros, runs, axis=1)
+        group = int4_group_size(weight)
+        # a group the kernels take keeps its one scale; any other is repeated over the largest they take
+        # that divides it
+        kept = max(size for size in SCALE_GROUPS if group % size == 0)
+        scales, zeros = np.repeat(scales, group // kept, axis=1), np.repeat(zeros, group // kept, axis=1)
         order = None if weight.column_order is None else _on(weight.column_order, torch.int64, device)
         return cls(_on(pack_nibbles(nibbles), torch.uint8, device),
                    _on(scales, dtype, device), _on(zeros, dtype, device), order)

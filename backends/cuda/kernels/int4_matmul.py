@@ -1,7 +1,8 @@
-"""x @ W.T for W stored as int4 groups of 32 along K, each with a scale and a zero, in one Triton launch.
+"""x @ W.T for W stored as int4 groups along K, each with a scale and a zero, in one Triton launch.
 
 The weight's nibbles are packed two to a byte as uint8 [N, K / 2], each output's K contiguous (see
-`pack_nibbles`), the scales and zeros as [N, K / 32]. In the tensor-core kernel a nibble becomes q - 8
+`pack_nibbles`), in runs of 32; the scales and zeros as [N, K / G], a group G of one to eight runs (32
+for GGUF, GPTQ's and AWQ's 64 to 256 as their checkpoints keep them). In the tensor-core kernel a nibble becomes q - 8
 with two bit operations and a subtraction, no integer-to-float conversion: ORed into the mantissa of a
 float with the right exponent it is that float plus q (1024 + q in float16, 128 + q in bfloat16,
 8388608 + q in float32), and subtracting the float plus 8 leaves q - 8 exactly. Each group's dot with the
@@ -47,7 +48,10 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import interpreting, multiprocessor_count
 
-GROUP_SIZE = 32
+GROUP_SIZE = 32  # values along K a packing run covers; a scale and zero may cover several runs
+# The values a scale and zero cover (GROUP_SIZE times a power of two): GGUF's 32, GPTQ's and AWQ's 64 to
+# 256 as their checkpoints keep them, so that a group of 128 stores 4.25 bits a weight, not 5.
+SCALE_GROUPS = (32, 64, 128, 256)
 # Byte row h of a group's 16 holds the group's value h in its low nibble and value h + 16 in its
 # high nibble (GGUF's own order within a Q4_0 block), so a group's low and high nibbles are each a
 # plain [16, BLOCK_N] operand and need no interleaving in registers.
@@ -128,6 +132,7 @@ def _int4_matmul_kernel(
     MAGIC_PLUS_8: tl.constexpr,
     BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RUNS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,7 +170,7 @@ def _int4_matmul_kernel(
                 dot = tl.dot(x_low, low.to(x_low.dtype), input_precision=DOT_PRECISION)
                 dot = tl.dot(x_high, high.to(x_low.dtype), dot, input_precision=DOT_PRECISION)
                 x_sum = tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)
-                group_offsets = cols * scale_row_stride + k // 32
+                group_offsets = cols * scale_row_stride + k // (32 * RUNS)
                 scale = tl.load(scales_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
                 zero = tl.load(zeros_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
                 acc += dot * scale[None, :] + x_sum[:, None] * zero[None, :]
@@ -179,8 +184,8 @@ def _int4_matmul_kernel(
             k = k_start + step * BLOCK_K
             packed = tl.load(packed_ptr + cols[None, :] * packed_row_stride + (k // 2 + byte_rows)[:, None],
                              mask=weight_mask, other=0).to(BITS)
-            # one scale and zero per group, loaded once and repeated over its 16 byte rows in registers
-            group_offsets = cols[None, :] * scale_row_stride + (k // 32 + groups)[:, None]
+            # one scale and zero per run of 32, loaded once and repeated over its 16 byte rows in registers
+            group_offsets = cols[None, :] * scale_row_stride + ((k // 32 + groups) // RUNS)[:, None]
             scale = _repeat_rows(tl.load(scales_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
             zero = _repeat_rows(tl.load(zeros_ptr + group_offsets, mask=weight_mask, other=0.0), GROUPS, 16, BLOCK_N)
             x_low = tl.load(x_rows + (k + low_k)[None, :], mask=row_mask[:, None], other=0.0)
@@ -211,12 +216,13 @@ def _nibble_floats(words, SHIFT: tl.constexpr, one_bits):
 
 
 @triton.jit
-def _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask, held):
-    """The GEMV's step at K offset k: its uint32 words [GROUPS, BLOCK_N, 4] and its scales and zeros
+def _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask, held,
+                 RUNS: tl.constexpr):
+    """The GEMV's step at K offset k: its uint32 words [GROUPS, BLOCK_N, 4] and each run's scale and zero
     [GROUPS, BLOCK_N]; zeros where `held` is false or past the last column."""
     words = tl.load(words_ptr + k // 8 + word_offsets, mask=col_mask[None, :, None] & held, other=0)
-    scale = tl.load(scales_ptr + k // 32 + group_offsets, mask=col_mask[None, :] & held, other=0.0)
-    zero = tl.load(zeros_ptr + k // 32 + group_offsets, mask=col_mask[None, :] & held, other=0.0)
+    scale = tl.load(scales_ptr + k // (32 * RUNS) + group_offsets, mask=col_mask[None, :] & held, other=0.0)
+    zero = tl.load(zeros_ptr + k // (32 * RUNS) + group_offsets, mask=col_mask[None, :] & held, other=0.0)
     return words, scale, zero
 
 
@@ -252,6 +258,7 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    RUNS: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -265,19 +272,20 @@ def _int4_gemv_kernel(
     # other outputs (groups lead the layout) are at the same group, so the x it converts serves them all.
     words_ptr = packed_ptr.to(tl.pointer_type(tl.uint32))
     word_offsets = groups[:, None, None] * 4 + cols[None, :, None] * (packed_row_stride // 4) + quads[None, None, :]
-    group_offsets = groups[:, None] + cols[None, :] * scale_row_stride
+    # a run's scale group (a step starts one: BLOCK_K is a multiple of 32 * RUNS)
+    group_offsets = (groups // RUNS)[:, None] + cols[None, :] * scale_row_stride
     # K offsets of the low nibbles of word w's four bytes, 4w to 4w + 3 in the group; the high ones' are 16 on
     x_offsets = groups[:, None, None] * 32 + quads[None, :, None] * 4 + quads[None, None, :]
     x_row = x_ptr + row * x_row_stride
     acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
     words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
-                                      steps_per_split > 0)
+                                      steps_per_split > 0, RUNS)
     for step in range(steps_per_split):
         more = step + 1 < steps_per_split
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_words, next_scale, next_zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k + BLOCK_K,
-                                                             word_offsets, group_offsets, col_mask, more)
+                                                             word_offsets, group_offsets, col_mask, more, RUNS)
         x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
         x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
         low0, low1, low2, low3 = _quarters(x_low, GROUPS)
@@ -300,7 +308,7 @@ def _int4_gemv_kernel(
             words, scale, zero = next_words, next_scale, next_zero
         else:
             words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets,
-                                              col_mask, more)
+                                              col_mask, more, RUNS)
     result = tl.sum(acc, axis=0)[None, :]
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n
@@ -354,14 +362,17 @@ def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 config: TileConfig | None = None) -> torch.Tensor:
     """x [M, K] (unit stride along K) @ W.T -> [M, N] in x's dtype, W given by `packed` uint8 [N, K / 2]
-    (`pack_nibbles`) and `scales`, `zeros` [N, K / 32] with W[n, k] = (q - 8) * scale + zero for the
-    nibble q of (n, k) and its group's scale and zero. `config` None picks one for the shape and device."""
+    (`pack_nibbles`) and `scales`, `zeros` [N, K / G] with W[n, k] = (q - 8) * scale + zero for the
+    nibble q of (n, k) and its group's scale and zero, G one of SCALE_GROUPS. `config` None picks one for
+    the shape and device; a config's block_k must be a multiple of G."""
     rows, width = x.shape
     columns = packed.shape[0]
-    if (packed.shape[1] * 2 != width or scales.shape != (columns, width // GROUP_SIZE) or zeros.shape != scales.shape
-            or not all(tensor.is_contiguous() for tensor in (packed, scales, zeros))):
+    group = width // scales.shape[1] if scales.ndim == 2 and scales.shape[1] else 0
+    if (packed.shape[1] * 2 != width or group not in SCALE_GROUPS or scales.shape != (columns, width // group)
+            or zeros.shape != scales.shape or not all(tensor.is_contiguous() for tensor in (packed, scales, zeros))):
         raise ValueError(f"x [{rows}, {width}] does not match an int4 weight of contiguous packed "
-                         f"{list(packed.shape)}, scales {list(scales.shape)} and zeros {list(zeros.shape)}")
+                         f"{list(packed.shape)}, scales {list(scales.shape)} and zeros {list(zeros.shape)} "
+                         f"(a scale covers one of {', '.join(map(str, SCALE_GROUPS))} values along K)")
     if packed.data_ptr() % 4:
         raise ValueError("the packed int4 weight must start at a multiple of 4 bytes: the GEMV reads it as "
                          "uint32 words")
@@ -372,9 +383,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         return out
     if width == 0:
         return out.zero_()
-    config = config or choose_config(rows, columns, width, x.device, x.dtype)
+    config = config or choose_config(rows, columns, width, x.device, x.dtype, group)
     if width % config.block_k:
         raise ValueError(f"block_k {config.block_k} does not divide K = {width}")
+    if config.block_m == 1 and config.block_k % group:
+        raise ValueError(f"the GEMV's block_k {config.block_k} must be a multiple of the scales' group of {group}")
     steps = width // config.block_k
     # every split takes the same number of steps
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if steps % split == 0)
@@ -387,7 +400,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
             x, packed, scales, zeros, out, partials, arrivals, columns, steps // split_k, *strides, ONE_BITS,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1, PREFETCH=config.num_stages > 1,
-            num_warps=config.num_warps, num_stages=1,
+            RUNS=group // GROUP_SIZE, num_warps=config.num_warps, num_stages=1,
         )  # fmt: skip
         return out
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
@@ -405,6 +418,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         BITS=_BITS[x.dtype],
         # tf32 is Triton's default and applies to float32 operands alone: float32 asks for exact products
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        RUNS=group // GROUP_SIZE,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -432,7 +446,7 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def choose_config(rows: int, columns: int, width: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+                  dtype: torch.dtype = torch.bfloat16, group: int = GROUP_SIZE) -> TileConfig:
     """The tiling for an [rows, width] @ [width, columns] product of x in `dtype` on `device` (a fixed one
     under the interpreter). Chosen for Hopper: one row is a GEMV; other decode batches stream the int4
     bytes with narrow tiles and split K; larger batches take the usual GEMM tiles with more warps. float32
@@ -441,7 +455,7 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
     16-bit for sm_80 too."""
     if interpreting():
         if rows <= GEMV_ROWS:
-            return _fitted(INTERPRETER_GEMV_CONFIG, width)
+            return _fitted(INTERPRETER_GEMV_CONFIG, width, group)
         # the tiles' form is the one a GPU gets in this dtype
         return _fitted(replace(INTERPRETER_CONFIG, scale_after_dot=dtype == torch.float32), width)
     if rows <= GEMV_ROWS:
@@ -460,7 +474,7 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
         config = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_after_dot=False)
     else:
         config = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_after_dot=False)
-    config = _fitted(config, width)
+    config = _fitted(config, width, group if config.block_m == 1 else GROUP_SIZE)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
     # the float32 partial sums are written and read back: 8 bytes an output per split, which should stay
     # within half the weight's int4 bytes, N * K / 2
@@ -470,10 +484,11 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
                          programs_per_sm * multiprocessor_count(device))
 
 
-def _fitted(config: TileConfig, width: int) -> TileConfig:
-    """`config` with block_k halved until it divides K (a multiple of 32, so 32 at worst)."""
-    block_k = config.block_k
-    while width % block_k and block_k > GROUP_SIZE:
+def _fitted(config: TileConfig, width: int, group: int = GROUP_SIZE) -> TileConfig:
+    """`config` with block_k halved until it divides K (a multiple of `group`, so `group` at worst), or
+    raised to `group`: a GEMV step covers whole scale groups, a tile's step whole runs of 32."""
+    block_k = max(config.block_k, group)
+    while width % block_k and block_k > group:
         block_k //= 2
     return replace(config, block_k=block_k)
 
