@@ -2,7 +2,8 @@
 
     python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
                                 [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
-                                [--parts bfloat16 int4 transformers] [--async-scheduling] [--json FILE]
+                                [--parts bfloat16 int4 transformers] [--int4-formats Q4_K INT4_G128]
+                                [--async-scheduling] [--json FILE]
 
 One run, one GPU, everything measured in it (--parts picks some of it, for runs of a few minutes each:
 bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 to compare with):
@@ -12,7 +13,8 @@ bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 
 - candelabra, `--load-format dummy` weights in bfloat16 in the config's shapes: decode tokens/s at
   each batch (requests of --prompt-tokens random ids, --output-tokens each, timed from the step
   after every prefill to the end), and the time to first token of one --ttft-prompt-token prompt;
-- the same with the linear weights as random Q4_K blocks (int4 on the GPU) at batch 1;
+- the same with the linear weights as random Q4_K blocks (int4 on the GPU) at batch 1, and with
+  --int4-formats INT4_G128 as GPTQ's and AWQ's usual groups of 128 load (one scale a group);
 - transformers' `generate` on the same GPU and batches, random weights from the same config in
   bfloat16, greedy: its decode tokens/s from two generate calls of different lengths.
 Then the goals of the cuda backend: batch 1 at >= 85% of the roofline, batch 64 >= 10x
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS
 from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
@@ -174,6 +177,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=float, default=16384)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="what to measure (default: all of it)")
+    parser.add_argument("--int4-formats", nargs="+", default=["Q4_K"], choices=["Q4_K", *INT4_GROUP_FORMATS],
+                        help="the int4 part's weight formats, each at batch 1 (default: Q4_K, the goal's)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="candelabra schedules each step before the one running has returned its tokens")
     parser.add_argument("--json", type=Path, help="also write every number here")
@@ -189,7 +194,7 @@ def main() -> None:
     if "bfloat16" in args.parts or "int4" in args.parts:
         bf16 = candelabra_run(args, None, args.batches if "bfloat16" in args.parts else [1], rng,
                               ttft="bfloat16" in args.parts)
-    int4 = candelabra_run(args, "Q4_K", [1], rng) if "int4" in args.parts else None
+    int4s = {fmt: candelabra_run(args, fmt, [1], rng) for fmt in args.int4_formats} if "int4" in args.parts else {}
     reference = transformers_speed(args, args.batches, rng) if "transformers" in args.parts else {}
 
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}; "
@@ -209,13 +214,14 @@ def main() -> None:
                         "candelabra/transformers"), rows))
     if bf16 and "ttft" in bf16:
         print(f"time to first token, {args.ttft_prompt}-token prompt: {bf16['ttft'] * 1e3:.0f} ms")
-    if int4:
+    for fmt, int4 in int4s.items():
         ratio = int4["decode"][1] / bf16["decode"][1]
-        print(f"int4 (Q4_K) batch 1: {int4['decode'][1]:.1f} tok/s, {int4['weight_bytes'] / 1e9:.2f} GB a step; "
+        print(f"int4 ({fmt}) batch 1: {int4['decode'][1]:.1f} tok/s, {int4['weight_bytes'] / 1e9:.2f} GB a step; "
               f"{ratio:.2f}x bfloat16 (goal 1.6x)")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
-                                         "config": args.config.name, "bfloat16": bf16, "int4": int4,
+                                         "config": args.config.name, "bfloat16": bf16,
+                                         "int4": int4s.get("Q4_K"), "int4_by_format": int4s,
                                          "transformers": reference, "async_scheduling": args.async_scheduling},
                                         indent=2))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS
 from candelabra.core.llm import LLM
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.text_table import format_table
@@ -150,8 +151,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 128256])
     parser.add_argument("--kv-cache-mb", type=float, default=8192)
-    parser.add_argument("--quantization", choices=["Q4_K"],
-                        help="dummy linear weights in this GGUF format (Q4_K: int4 on the GPU) instead of --dtype")
+    parser.add_argument("--quantization", choices=["Q4_K", *INT4_GROUP_FORMATS],
+                        help="dummy linear weights in this int4 format (Q4_K, or grouped as GPTQ and AWQ load: "
+                             "int4 on the GPU) instead of --dtype")
     parser.add_argument("--no-sampling", action="store_true", help="skip the sampling timings")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule each step before the one running has returned its tokens")

@@ -21,7 +21,7 @@
 #                       wherever torch sees one, the compile check for sm_90a and sm_80 among them
 #   bench-bf16          bench/cuda_decode.py: batch 1/16/64 decode beside the roofline measured in the
 #                       same run, TTFT at 2,048 tokens (Llama-3-8B shapes, dummy weights, bfloat16)
-#   bench-int4          bench/cuda_decode.py: Q4_K (int4) batch 1 against bfloat16 batch 1
+#   bench-int4          bench/cuda_decode.py: Q4_K (int4) and GPTQ-style INT4_G128 batch 1 against bfloat16 batch 1
 #   bench-ahead         bench/cuda_decode.py --async-scheduling: bench-bf16 and bench-int4 with each step
 #                       scheduled before the one running returns its tokens, then bench/cuda_profile.py so:
 #                       how much of a step's host time that hides (compare with bench-bf16 and profile)
@@ -122,7 +122,8 @@ run_step() {
         bench-bf16)
             python3 bench/cuda_decode.py --parts bfloat16 --json "$results/bench-bf16.json" ;;
         bench-int4)
-            python3 bench/cuda_decode.py --parts int4 --batches 1 --json "$results/bench-int4.json" ;;
+            python3 bench/cuda_decode.py --parts int4 --batches 1 --int4-formats Q4_K INT4_G128 \
+                --json "$results/bench-int4.json" ;;
         bench-ahead)
             python3 bench/cuda_decode.py --parts bfloat16 int4 --async-scheduling --json "$results/bench-ahead.json" &&
             python3 bench/cuda_profile.py --async-scheduling --no-sampling --out "$results/profile-ahead" ;;

@@ -179,7 +179,7 @@ def test_the_values_do_not_depend_on_how_many_threads_draw_them(tmp_path, monkey
 QUANTIZABLE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("format", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("format", ["Q4_K", "Q8_0", "INT4_G128"])
 def test_quantized_dummy_weights_reach_a_backend_that_keeps_the_format_quantized(tmp_path, format):
     checkpoint = DummyCheckpoint(write_config(tmp_path, **QUANTIZABLE), quantization=format.lower())
     backend = QuantizedCpuBackend()
@@ -259,7 +259,8 @@ def serve(capsys, *argv) -> tuple[int, str]:
 @pytest.mark.parametrize("argv, code, message", [
     (["--load-format", "bogus"], 2, "error: --load-format bogus is unknown; choose one of auto, dummy"),
     (["--load-format", "dummy", "--dummy-quantization", "Q9_9"], 2,
-     "error: --dummy-quantization Q9_9 is not a quantized GGUF format; choose one of Q8_0"),
+     "error: --dummy-quantization Q9_9 is not a quantized GGUF format or grouped int4 (GPTQ's, AWQ's); "
+     "choose one of Q8_0"),
     (["--dummy-quantization", "Q4_K"], 2, "error: --dummy-quantization Q4_K applies to --load-format dummy only"),
     (["--load-format", "dummy"], 1, "error: --load-format dummy: needs a config.json to shape the weights"),
 ])

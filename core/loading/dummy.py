@@ -24,7 +24,13 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from candelabra.core.contract.weights import GGUF_QUANTIZED_FORMATS, QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import (
+    INT4_GROUP_FORMATS,
+    QUANTIZABLE_ROLES,
+    QUANTIZED_FORMATS,
+    QuantizedTensor,
+    WeightRole,
+)
 from candelabra.core.loading.model_tensors import TensorSpec, model_tensors
 from candelabra.core.weights import Checkpoint, CheckpointError
 from candelabra.core.weights.safetensors import read_json_object
@@ -88,7 +94,8 @@ class DummyCheckpoint(Checkpoint):
         spec = self._spec(name)
         if self.quantization is None or spec.role not in QUANTIZABLE_ROLES:
             return None
-        values_per_block = GGML_QUANT_SIZES[GGMLQuantizationType[self.quantization]][0]
+        values_per_block = INT4_GROUP_FORMATS.get(self.quantization) or \
+            GGML_QUANT_SIZES[GGMLQuantizationType[self.quantization]][0]
         return self.quantization if spec.shape[1] % values_per_block == 0 else None
 
     def load_quantized(self, name: str) -> QuantizedTensor:
@@ -121,13 +128,14 @@ class DummyCheckpoint(Checkpoint):
 
 
 def check_dummy_quantization(quantization: str | None) -> str | None:
-    """The quantized GGUF format `quantization` names, in any case ("q4_k": "Q4_K"), or None;
-    ValueError in one line, saying which formats there are, for anything else."""
+    """The quantized format `quantization` names, in any case ("q4_k": "Q4_K"): a GGUF one, or the
+    grouped int4 GPTQ and AWQ checkpoints load as (INT4_G128, ...); None for None. ValueError in one
+    line, saying which formats there are, for anything else."""
     if quantization is None:
         return None
-    if quantization.upper() not in GGUF_QUANTIZED_FORMATS:
-        raise ValueError(f"--dummy-quantization {quantization} is not a quantized GGUF format; "
-                         f"choose one of {', '.join(GGUF_QUANTIZED_FORMATS)}")
+    if quantization.upper() not in QUANTIZED_FORMATS:
+        raise ValueError(f"--dummy-quantization {quantization} is not a quantized GGUF format or grouped int4 "
+                         f"(GPTQ's, AWQ's); choose one of {', '.join(QUANTIZED_FORMATS)}")
     return quantization.upper()
 
 

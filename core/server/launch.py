@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "folder's tokenizer if it has one, else a byte-level stand-in) (default: auto)")
     where.add_argument("--dummy-quantization", metavar="FORMAT",
                        help="with --load-format dummy: linear weights as random blocks of this GGUF format (Q4_K, "
-                            "Q8_0, ...), kept quantized by a backend that keeps it (default: dense)")
+                            "Q8_0, ...) or grouped int4 as GPTQ and AWQ checkpoints load (INT4_G128, ...), kept "
+                            "quantized by a backend that keeps it (default: dense)")
 
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to expose; default 127.0.0.1)")
