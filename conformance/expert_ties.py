@@ -1,7 +1,7 @@
 """The prompt positions where a mixture-of-experts reference chooses its experts within a dtype's
 rounding of a tie. A correct backend computing in that dtype may choose others there, and that
 position's logits then move far from the reference's: the models level leaves such positions out
-of its logits NMSE.
+of its logits NMSE, and greedy decoding that parts from transformers' at one parts on a tie.
 
 A position counts as tied when nudging some router's input, each element by its own random
 fraction of `NUDGE_UNITS` units in the dtype's last place, changes that router's set of experts in

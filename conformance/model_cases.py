@@ -280,33 +280,46 @@ def reference_logits(model, token_ids: np.ndarray) -> np.ndarray:
 
 class _IncrementalReference:
     """transformers decoding with its own KV cache, one token at a time, as its generate() does
-    (a cached key keeps the rotation it was written with, as in candelabra's paged cache)."""
+    (a cached key keeps the rotation it was written with, as in candelabra's paged cache). With
+    `tie_dtype` it also notes whether the newest position routes within that dtype's rounding of an
+    expert tie (expert_ties.py), where a correct backend may reach other logits."""
 
-    def __init__(self, model, prompt: np.ndarray) -> None:
+    def __init__(self, model, prompt: np.ndarray, tie_dtype: str | None = None) -> None:
         import torch
 
-        self.model, self.torch = model, torch
-        with quiet_reference():
-            output = model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True)
-        self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
+        self.model, self.torch, self.tie_dtype = model, torch, tie_dtype
+        self._run(lambda: model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True), len(prompt))
 
     def feed(self, token: int) -> None:
+        self._run(lambda: self.model(self.torch.tensor([[token]]), past_key_values=self.cache, use_cache=True), 1)
+
+    def _run(self, forward, positions: int) -> None:
         with quiet_reference():
-            output = self.model(self.torch.tensor([[token]]), past_key_values=self.cache, use_cache=True)
+            if self.tie_dtype is None:
+                output, tied = forward(), np.zeros(positions, dtype=bool)
+            else:
+                output, tied = positions_near_expert_ties(self.model, forward, positions, self.tie_dtype)
         self.cache, self.logits = output.past_key_values, output.logits[0, -1].double().numpy()
+        self.newest_at_expert_tie = bool(tied[-1])
 
 
-def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int], dtype: str) -> str:
+def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int], dtype: str,
+                      routes_experts: bool = False) -> str:
     """Decode one token per step through the paged cache while transformers, decoding with its
-    own cache, picks the same token. Returns how many matched ("16/16" when all did)."""
+    own cache, picks the same token. Returns how many matched ("16/16" when all did), and where they
+    parted, whether transformers' two best logits tied within the dtype's rounding or the position
+    routed at an expert tie."""
     tokens, next_token = list(prompt), first_token
-    expected_stream = _IncrementalReference(reference, prompt)
+    expected_stream = _IncrementalReference(reference, prompt, dtype if routes_experts else None)
     for step in range(GREEDY_TOKENS):
         expected_logits = expected_stream.logits
         if next_token != int(np.argmax(expected_logits)):
             second, best = np.sort(expected_logits)[-2:]
-            tie = best - second <= GREEDY_TIE_MARGINS[dtype] * max(1.0, abs(best))
-            return f"{step}/{GREEDY_TOKENS}, then a tie" if tie else f"{step}/{GREEDY_TOKENS}"
+            if best - second <= GREEDY_TIE_MARGINS[dtype] * max(1.0, abs(best)):
+                return f"{step}/{GREEDY_TOKENS}, then a tie"
+            if expected_stream.newest_at_expert_tie:
+                return f"{step}/{GREEDY_TOKENS}, then an expert tie"
+            return f"{step}/{GREEDY_TOKENS}"
         tokens.append(next_token)
         expected_stream.feed(next_token)
         if step + 1 < GREEDY_TOKENS:
@@ -419,7 +432,8 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
         expected, tied = reference_logits(reference, prompt), np.zeros(len(prompt), dtype=bool)
     error = nmse(logits[~tied], expected[~tied])
 
-    greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype)
+    greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype,
+                               routes_experts)
     passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie") or kv_dtype is not None
     passed_nmse = error <= threshold
     problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]) + (

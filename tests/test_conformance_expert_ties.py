@@ -11,7 +11,15 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.conformance.expert_ties import NUDGE_UNITS, UNIT_ROUNDOFF, positions_near_expert_ties
 from candelabra.conformance.harness import case_seed
-from candelabra.conformance.model_cases import MODEL_CASES, GGUFModelCase, make_reference, run_model_case
+from candelabra.conformance.model_cases import (
+    GREEDY_TIE_MARGINS,
+    MODEL_CASES,
+    GGUFModelCase,
+    _greedy_agreement,
+    _IncrementalReference,
+    make_reference,
+    run_model_case,
+)
 
 HIDDEN = 64
 
@@ -82,3 +90,50 @@ def test_the_deepseek_v3_case_ci_failed_on_an_expert_flip_passes():
 
     assert result.status == "passed", result.message
     assert 1 <= result.tied_positions <= 5 and result.nmse < 1e-4
+
+
+def tiny_mixtral_routed_at(prompt: np.ndarray, tie: bool):
+    """A two-layer Mixtral of two experts, one chosen a token, whose routers' logits are v.h and -v.h:
+    in the first layer v is orthogonal to the hidden state of the prompt's last position (an exact
+    tie there) when `tie`, else that hidden state itself; in the second, always its own input there."""
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=64)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    for layer in range(2):
+        router = model.model.layers[layer].mlp.gate
+        seen = []
+        handle = router.register_forward_hook(
+            lambda module, inputs, output, seen=seen: seen.append(inputs[0][-1].detach()))
+        with torch.no_grad():
+            model(torch.tensor(prompt)[None])
+        handle.remove()
+        h = seen[0].double()
+        v = h
+        if tie and layer == 0:
+            v = torch.randn(HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+            v -= (v @ h) / (h @ h) * h
+        with torch.no_grad():
+            router.weight.copy_(torch.stack([v, -v]).float())
+    with torch.no_grad():  # token 7 leads the last position's logits by 10, far from any tie of logits
+        final = model.model(torch.tensor(prompt)[None]).last_hidden_state[0, -1]
+        model.lm_head.weight[7] += 10 * final / (final @ final)
+    return model
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_greedy_tokens_that_part_where_the_reference_routes_at_an_expert_tie_part_on_a_tie(tie):
+    prompt = np.random.default_rng(5).integers(3, 64, 9)
+    model = tiny_mixtral_routed_at(prompt, tie)
+    stream = _IncrementalReference(model, prompt, "bfloat16")
+    assert stream.newest_at_expert_tie == tie
+    assert not _IncrementalReference(model, prompt).newest_at_expert_tie  # asked about no dtype
+    second, best = np.sort(stream.logits)[-2:]
+    assert best - second > GREEDY_TIE_MARGINS["bfloat16"] * max(1.0, abs(best))  # not a tie of logits
+
+    # a backend whose first token is not transformers' best parts at once, before it is asked anything
+    parted = _greedy_agreement(None, None, model, prompt, int(np.argmin(stream.logits)), [], "bfloat16",
+                               routes_experts=True)
+
+    assert parted == ("0/16, then an expert tie" if tie else "0/16")
