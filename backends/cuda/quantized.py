@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from candelabra.backends.cuda.kernels.int4_matmul import SCALE_GROUPS, int4_matmul, pack_nibbles
-from candelabra.backends.torch.quantized import INT4_FORMATS, int4_group_size, int4_groupwise
+from candelabra.backends.cuda.kernels.int4_matmul import int4_matmul, pack_nibbles
+from candelabra.backends.torch.quantized import INT4_FORMATS, int4_groupwise
 from candelabra.core.contract.weights import QuantizedTensor
 
 # Rounding scales and zeros to the compute dtype rather than keeping them in float32 saves 0.125 bytes a
@@ -48,12 +48,8 @@ class Int4CudaWeight:
                              f"dequantize other formats or keep them in a form of their own")
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Int4CudaWeight computes in {', '.join(map(str, COMPUTE_DTYPES))}, not {dtype}")
+        # every int4 format's group (GGUF's 32, GPTQ's and AWQ's 32 to 256) is one the kernels take
         nibbles, scales, zeros = int4_groupwise(weight)
-        group = int4_group_size(weight)
-        # a group the kernels take keeps its one scale; any other is repeated over the largest they take
-        # that divides it
-        kept = max(size for size in SCALE_GROUPS if group % size == 0)
-        scales, zeros = np.repeat(scales, group // kept, axis=1), np.repeat(zeros, group // kept, axis=1)
         order = None if weight.column_order is None else _on(weight.column_order, torch.int64, device)
         return cls(_on(pack_nibbles(nibbles), torch.uint8, device),
                    _on(scales, dtype, device), _on(zeros, dtype, device), order)
