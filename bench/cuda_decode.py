@@ -3,7 +3,7 @@
     python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
                                 [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
                                 [--parts bfloat16 int4 transformers] [--int4-formats Q4_K INT4_G128]
-                                [--async-scheduling] [--json FILE]
+                                [--no-async-scheduling] [--json FILE]
 
 One run, one GPU, everything measured in it (--parts picks some of it, for runs of a few minutes each:
 bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 to compare with):
@@ -123,7 +123,8 @@ def candelabra_run(args, quantization: str | None, batches: list[int], rng, ttft
               dummy_quantization=quantization, kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0,
               max_num_seqs=max(batches), max_num_batched_tokens=max(4096, args.ttft_prompt),
               prefill_chunk_size=max(2048, args.ttft_prompt), async_scheduling=args.async_scheduling)
-    result = {"weight_bytes": weight_bytes_read_per_step(llm.model)}
+    result = {"weight_bytes": weight_bytes_read_per_step(llm.model),
+              "async_scheduling": llm.engine.core.config.async_scheduling}
     decode_speed(llm, 1, 16, 8, rng)  # warm-up: kernel compilation, the batch-1 graph
     result["decode"] = {batch: decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
                         for batch in batches}
@@ -179,8 +180,9 @@ def main() -> None:
                         help="what to measure (default: all of it)")
     parser.add_argument("--int4-formats", nargs="+", default=["Q4_K"], choices=["Q4_K", *INT4_GROUP_FORMATS],
                         help="the int4 part's weight formats, each at batch 1 (default: Q4_K, the goal's)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="candelabra schedules each step before the one running has returned its tokens")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="candelabra schedules each step before the one running has returned its tokens "
+                             "(default: the engine's, on for cuda)")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
 
@@ -197,9 +199,11 @@ def main() -> None:
     int4s = {fmt: candelabra_run(args, fmt, [1], rng) for fmt in args.int4_formats} if "int4" in args.parts else {}
     reference = transformers_speed(args, args.batches, rng) if "transformers" in args.parts else {}
 
+    ahead = bf16["async_scheduling"] if bf16 else None
+    mode = {True: "; candelabra's steps scheduled ahead", False: "; candelabra's steps in turn (--no-async-scheduling)",
+            None: ""}[ahead]
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}; "
-          f"{args.prompt_tokens} tokens in, {args.output_tokens} out"
-          f"{'; candelabra scheduling ahead (--async-scheduling)' if args.async_scheduling else ''}")
+          f"{args.prompt_tokens} tokens in, {args.output_tokens} out{mode}")
     if bf16:
         print(f"in bfloat16 a decode step reads {bf16['weight_bytes'] / 1e9:.2f} GB of weights")
     rows = []
@@ -222,7 +226,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
                                          "config": args.config.name, "bfloat16": bf16,
                                          "int4": int4s.get("Q4_K"), "int4_by_format": int4s,
-                                         "transformers": reference, "async_scheduling": args.async_scheduling},
+                                         "transformers": reference, "async_scheduling": ahead},
                                         indent=2))
 
 

@@ -155,8 +155,9 @@ def main() -> None:
                         help="dummy linear weights in this int4 format (Q4_K, or grouped as GPTQ and AWQ load: "
                              "int4 on the GPU) instead of --dtype")
     parser.add_argument("--no-sampling", action="store_true", help="skip the sampling timings")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule each step before the one running has returned its tokens")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="schedule each step before the one running has returned its tokens (default: the "
+                             "engine's, on for cuda)")
     parser.add_argument("--out", type=Path, default=Path("."), help="where the traces and profile.json go")
     args = parser.parse_args()
     if args.steps < 1 or min(args.batches) < 1:
@@ -171,7 +172,7 @@ def main() -> None:
         and llm.backend.torch_device.type == "cuda"
     rng = np.random.default_rng(0)
     steps = [profile_decode(llm, batch, args.steps, rng, args.out, on_gpu) for batch in args.batches]
-    ahead = ", scheduled ahead (--async-scheduling)" if args.async_scheduling else ""
+    ahead = ", scheduled ahead" if llm.engine.core.config.async_scheduling else ", in turn"
     print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().detail}; {args.steps} decode steps profiled"
           f"{ahead}")
     print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms"),

@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh [--out FOLDER] [--budget SECONDS] [--pack FILE] STEP [STEP ...]
 #
 # runs the steps in the order given; `all` is every step in order, `first` the ones a device session of
-# 15 minutes runs first, most telling first (FIRST below). With --budget each step runs under what is
+# 15 minutes runs in its first call, most telling first (FIRST below), `second` those of its second call. With --budget each step runs under what is
 # left of SECONDS and a step that would start with under 20 s left is skipped; with --pack the output
 # folder is written again as one gzipped tar after every step (a caller that takes back a few files
 # alone, as this workplace's device tool, gets everything so, even when it stops the call).
@@ -22,9 +22,9 @@
 #   bench-bf16          bench/cuda_decode.py: batch 1/16/64 decode beside the roofline measured in the
 #                       same run, TTFT at 2,048 tokens (Llama-3-8B shapes, dummy weights, bfloat16)
 #   bench-int4          bench/cuda_decode.py: Q4_K (int4) and GPTQ-style INT4_G128 batch 1 against bfloat16 batch 1
-#   bench-ahead         bench/cuda_decode.py --async-scheduling: bench-bf16 and bench-int4 with each step
-#                       scheduled before the one running returns its tokens, then bench/cuda_profile.py so:
-#                       how much of a step's host time that hides (compare with bench-bf16 and profile)
+#   bench-in-turn       bench/cuda_decode.py --no-async-scheduling: bench-bf16 and bench-int4 with each step
+#                       waiting for the one before's tokens, then bench/cuda_profile.py so: what scheduling
+#                       ahead (the default) gains (compare with bench-bf16, bench-int4 and profile)
 #   bench-transformers  bench/cuda_decode.py: transformers' generate at batch 1/16/64
 #   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
 #                       top-p sampling against greedy at 152k and 128k vocabularies
@@ -43,12 +43,14 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-ahead bench-transformers profile
-       profile-int4 int4-tiles host)
-# The new kernels' correctness, then the goals: int4 batch 1 against bfloat16 (bench-int4), batch 1 of the
-# roofline and batch 64 with the host's work hidden (bench-ahead), the int4 GEMV's tiling, sampling's
-# search paths, transformers on the same machine for the batch-64 ratio, then the levels that passed before.
-FIRST=(env ops bench-int4 bench-ahead int4-tiles profile bench-transformers bench-bf16 models-bf16 engine)
+STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-in-turn bench-transformers
+       profile profile-int4 int4-tiles host)
+# The kernels' correctness, then the goals: int4 batch 1 against bfloat16 (bench-int4), the int4 GEMV's
+# tilings, batch 1 of the roofline and batch 64 (bench-bf16) against transformers on the same machine, a
+# step's profile and sampling's search paths (on an H200, 27 November: 437 s with the machine's start).
+# Then the levels that passed before and what scheduling ahead gains (254 s).
+FIRST=(env ops bench-int4 int4-tiles bench-bf16 bench-transformers profile)
+SECOND=(models-bf16 engine bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
@@ -60,9 +62,10 @@ while (($#)); do
         --pack) pack=$2; shift 2 ;;
         all) steps+=("${STEPS[@]}"); shift ;;
         first) steps+=("${FIRST[@]}"); shift ;;
+        second) steps+=("${SECOND[@]}"); shift ;;
         *)
             if [[ " ${STEPS[*]} " != *" $1 "* ]]; then
-                echo "unknown step '$1'; the steps are: ${STEPS[*]} (or all)" >&2
+                echo "unknown step '$1'; the steps are: ${STEPS[*]} (or all, first, second)" >&2
                 exit 2
             fi
             steps+=("$1"); shift ;;
@@ -70,7 +73,7 @@ while (($#)); do
 done
 if ((${#steps[@]} == 0)); then
     echo "usage: bash bench/gpu_check.sh [--out FOLDER] [--budget SECONDS] [--pack FILE] STEP [STEP ...];" \
-         "the steps are: ${STEPS[*]} (or all, or first)" >&2
+         "the steps are: ${STEPS[*]} (or all, first, second)" >&2
     exit 2
 fi
 if ! [[ $budget =~ ^[0-9]+$ ]]; then
@@ -124,9 +127,9 @@ run_step() {
         bench-int4)
             python3 bench/cuda_decode.py --parts int4 --batches 1 --int4-formats Q4_K INT4_G128 \
                 --json "$results/bench-int4.json" ;;
-        bench-ahead)
-            python3 bench/cuda_decode.py --parts bfloat16 int4 --async-scheduling --json "$results/bench-ahead.json" &&
-            python3 bench/cuda_profile.py --async-scheduling --no-sampling --out "$results/profile-ahead" ;;
+        bench-in-turn)
+            python3 bench/cuda_decode.py --parts bfloat16 int4 --no-async-scheduling --json "$results/bench-in-turn.json" &&
+            python3 bench/cuda_profile.py --no-async-scheduling --no-sampling --out "$results/profile-in-turn" ;;
         bench-transformers)
             python3 bench/cuda_decode.py --parts transformers --json "$results/bench-transformers.json" ;;
         profile)

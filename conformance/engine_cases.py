@@ -201,7 +201,7 @@ class _Harness:
         from candelabra.core.engine.engine import EngineConfig, LLMEngine
         from candelabra.core.worker.model_runner import ModelRunner
 
-        config = EngineConfig(**{"num_blocks": 64, "block_size": BLOCK_SIZE, **options})
+        config = EngineConfig(**{"num_blocks": 64, "block_size": BLOCK_SIZE, "async_scheduling": False, **options})
         runner = ModelRunner(self.model, config.num_blocks, config.block_size, self.kv_cache_dtype)
         return LLMEngine(runner, self.tokenizer, config)
 

@@ -30,14 +30,14 @@ def test_a_step_runs_inside_the_budget_and_the_ones_past_it_are_skipped_and_all_
     pack.parent.mkdir()
 
     ran = gpu_check("--out", str(results), "--budget", "300", "--pack", str(pack), "env")
-    late = gpu_check("--out", str(results), "--budget", "1", "--pack", str(pack), "first")
+    late = gpu_check("--out", str(results), "--budget", "1", "--pack", str(pack), "first", "second")
 
     assert ran.returncode == 0 and late.returncode == 0, ran.stderr + late.stderr
     assert "candelabra" in (results / "env.log").read_text()  # `candelabra backends` ran
     skipped = (results / "skipped.log").read_text().splitlines()
     assert [line.split(":")[0] for line in skipped] == [
-        f"== {step}" for step in ("env", "ops", "bench-int4", "bench-ahead", "int4-tiles", "profile",
-                                  "bench-transformers", "bench-bf16", "models-bf16", "engine")]
+        f"== {step}" for step in ("env", "ops", "bench-int4", "int4-tiles", "bench-bf16", "bench-transformers",
+                                  "profile", "models-bf16", "engine", "bench-in-turn")]
     with tarfile.open(pack) as packed:
         assert {Path(name).name for name in packed.getnames()} >= {"env.log", "skipped.log"}
     assert not pack.with_name("gpu-check.tgz.part").exists()

@@ -123,6 +123,45 @@ def test_a_runner_that_cannot_take_tokens_on_the_device_is_refused(tiny_llm):
                                         async_scheduling=True), frozenset())
 
 
+def test_a_runner_that_cannot_take_tokens_on_the_device_steps_in_turn_by_default(tiny_llm):
+    from candelabra.core.engine.core import EngineConfig, EngineCore
+
+    runner = tiny_llm(seed=5).engine.core.runner
+    runner.schedules_ahead = False
+    runner.backend.runs_apart_from_host = lambda: True
+    core = EngineCore(runner, EngineConfig(block_size=runner.kv_spec.block_size,
+                                           num_blocks=runner.kv_spec.num_blocks), frozenset())
+    assert core.config.async_scheduling is False
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends() if b in ("cpu", "torch")])
+def test_steps_are_scheduled_ahead_by_default_only_where_the_device_runs_apart_from_the_host(tiny_llm, backend):
+    """A CPU backend computes as it is called: in turn by default. The same backend saying its device runs
+    apart from the host (as cuda's does) gets its steps scheduled ahead, and the same tokens."""
+    llm = tiny_llm(seed=5, backend=backend, dtype="float32")
+    assert llm.backend.runs_apart_from_host() is False
+    assert llm.engine.core.config.async_scheduling is False
+
+    llm.backend.runs_apart_from_host = lambda: True
+    ahead, in_turn = engine_over(llm), engine_over(llm, async_scheduling=False)
+    assert ahead.core.config.async_scheduling is True and in_turn.core.config.async_scheduling is False
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(2, 160, int(n)).tolist() for n in rng.integers(5, 30, 5)]
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=9)
+    arrivals = [0, 0, 1, 3, 4]
+    assert run_all(ahead, prompts, params, arrivals) == run_all(in_turn, prompts, params, arrivals)
+    for engine in (ahead, in_turn):
+        engine.add_request("first", prompts[0], params)
+    # a step ahead returns the tokens of the step launched before it: the first returns none
+    assert ahead.step() == [] and [o.request_id for o in in_turn.step()] == ["first"]
+
+
+def test_a_torch_device_of_its_own_runs_apart_from_the_host():
+    from candelabra.backends.torch.placement import DevicePlacement, HostPlacement
+
+    assert DevicePlacement.runs_apart_from_host is True and HostPlacement.runs_apart_from_host is False
+
+
 # the books: pending tokens in the scheduler and the block manager
 
 

@@ -101,6 +101,14 @@ def test_good_values_pass_the_checks():
                                "--kv-fraction", "1", "--device-ids", "0", "--async-scheduling"))
 
 
+def test_async_scheduling_is_the_engine_default_unless_a_flag_says_otherwise():
+    assert serve_args().async_scheduling is None  # the engine's: ahead where the device runs apart
+    assert serve_args("--async-scheduling").async_scheduling is True
+    assert serve_args("--no-async-scheduling").async_scheduling is False
+    check_arguments(serve_args("--no-async-scheduling", "--device-ids", "0,1"))
+    check_arguments(serve_args("--device-ids", "0,1"))  # tensor parallelism steps in turn by default
+
+
 def test_candle_vllm_gcu_short_flags_are_the_long_ones():
     short = serve_args("--w", "/models/qwq", "--f", "qwq.gguf", "--m", "org/name", "--p", "2001", "--d", "0",
                        "--mem", "8192")

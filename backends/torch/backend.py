@@ -152,6 +152,9 @@ class TorchBackend(Backend):
     def kv_cache_committed_on_write(self) -> bool:
         return self.placement.kv_cache_committed_on_write
 
+    def runs_apart_from_host(self) -> bool:
+        return self.placement.runs_apart_from_host
+
     def max_num_batched_tokens(self) -> int:
         return self.placement.max_num_batched_tokens or super().max_num_batched_tokens()
 

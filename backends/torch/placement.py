@@ -34,6 +34,7 @@ class HostPlacement:
     kv_cache_fraction = 0.25
     # The caches are allocated untouched (see `kv_cache`): a block costs RAM once written.
     kv_cache_committed_on_write = True
+    runs_apart_from_host = False  # torch's CPU ops return computed
     # 512 on a CPU: 128 requests of the default model, 64 at a time, 64 words in and 64 tokens out,
     # peaked 165 MiB lower than at 2048, at 198 against 181 tokens/s.
     max_num_batched_tokens = 512
@@ -129,6 +130,7 @@ class DevicePlacement:
 
     kv_cache_fraction = 0.5
     kv_cache_committed_on_write = False
+    runs_apart_from_host = True  # a device's stream computes what the host queued
     max_num_batched_tokens = None  # the backend contract's default
     shares_host_memory = False
 

@@ -201,6 +201,13 @@ class Backend(ABC):
         else, less."""
         return 0.5
 
+    def runs_apart_from_host(self) -> bool:
+        """Whether a call returns before the device has computed it (a CUDA stream's queue), so that the
+        host can build the next step meanwhile. The engine then schedules each step ahead unless told not
+        to (`--no-async-scheduling`). Default: False, for a backend whose results are computed by the
+        host's own cores (numpy, torch on the CPU), where scheduling ahead overlaps nothing."""
+        return False
+
     def kv_cache_committed_on_write(self) -> bool:
         """Whether the KV cache's memory is taken from the system only where a block is first
         written (host RAM, allocated untouched). The engine then reuses written blocks, the prefix

@@ -9,7 +9,7 @@ and finishes a sample here when one of its stop strings appears.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,8 +38,9 @@ class EngineConfig:
     preemption: str = "auto"
     seed: int | None = None  # for requests that name none
     # Schedule and launch each step before the step in flight has returned its tokens, so that the host's work
-    # for a step overlaps the device's for the one before (see EngineCore.step).
-    async_scheduling: bool = False
+    # for a step overlaps the device's for the one before (see EngineCore.step). None: where the backend runs
+    # apart from the host and the runner can take a step's tokens from the step before on the device.
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,12 @@ class _Request:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+        if config.async_scheduling and not runner.schedules_ahead:
+            raise ValueError("async scheduling is not available with this model runner (tensor parallelism): its "
+                             "steps cannot take their tokens from the step before on the device")
+        if config.async_scheduling is None:
+            config = replace(config, async_scheduling=runner.schedules_ahead
+                             and runner.backend.runs_apart_from_host())
         self.runner, self.config, self.eos_token_ids = runner, config, eos_token_ids
         if config.block_size != runner.kv_spec.block_size or config.num_blocks != runner.kv_spec.num_blocks:
             raise ValueError("the engine's block size and count must be the model runner's")
@@ -101,9 +108,6 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0}
-        if config.async_scheduling and not runner.schedules_ahead:
-            raise ValueError("async scheduling is not available with this model runner (tensor parallelism): its "
-                             "steps cannot take their tokens from the step before on the device")
         self._in_flight: LaunchedStep | None = None
         runner.warm_up(config.max_num_seqs)
 

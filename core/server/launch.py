@@ -127,10 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens in one step at most (default: the backend's; 512 on a CPU with torch, else 2048)")
     engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, help="seed for requests that name none (default: random)")
-    engine.add_argument("--async-scheduling", action="store_true",
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="schedule and launch each step before the one running has returned its tokens, so "
                              "that the host's work for a step overlaps the device's for the one before (a request "
-                             "that ends computes one token for nothing; not with tensor parallelism)")
+                             "that ends computes one token for nothing; not with tensor parallelism). Default: "
+                             "on where the backend's device computes apart from the host (cuda), off on a CPU")
 
     sampling = parser.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float,
