@@ -6,8 +6,8 @@
 
 Each step holds one prefill chunk of --chunk tokens and --decodes sequences of one token, every
 sequence --context tokens long, in Llama-3-8B's attention shapes by default, over a random bfloat16 cache.
-Both ways run the same kernel on the same inputs and must agree; the time is the median of 50 calls
-timed with CUDA events.
+Both ways run the same kernel on the same inputs and must agree; the time is the GPU's a call
+(cuda_profile.median_ms: calls queued behind a busy GPU, timed with CUDA events).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ copies, sampling's launches, the engine), and the ten kernels that took the most
 written to --out as Chrome JSON (open it in chrome://tracing or ui.perfetto.dev).
 
 Then `Ops.sample` alone, on random logits of each --vocab at each batch: greedy, and temperature 1 with
-top-p 0.9, median of 50 calls timed with CUDA events. bench/gpu_check.sh's `profile` step runs this.
+top-p 0.9, the GPU's time a call (`median_ms`: calls queued behind a busy GPU, timed with CUDA events).
+bench/gpu_check.sh's `profile` step runs this.
 
 --backend torch runs the same on a CPU (no graphs, no CUDA events: wall time), to try the script out.
 """
@@ -122,24 +123,38 @@ def time_search_paths(llm: LLM, vocab: int, batch: int, on_gpu: bool) -> dict[st
     return times
 
 
-def median_ms(call, on_gpu: bool = True, repeats: int = 50) -> float:
-    """Median ms of `call()` over `repeats` calls after 3 warm-ups: CUDA events on a GPU, else wall time."""
+def median_ms(call, on_gpu: bool = True, repeats: int = 9, calls: int = 20) -> float:
+    """Median ms of one `call()` over `repeats` runs of `calls` back to back, after 3 warm-ups. On a GPU the
+    time between CUDA events around calls the host queued while the GPU was held busy beforehand, so that
+    it is the GPU's time alone, as in a step the host launches ahead of (a call timed by itself between
+    synchronizations also counts the GPU waiting on each of its launches); elsewhere wall time."""
     import torch
 
+    for _ in range(3):
+        call()
+    if on_gpu:
+        torch.cuda.synchronize()
     times = []
-    for _ in range(repeats + 3):
+    for _ in range(repeats):
         if on_gpu:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HOLD_CYCLES)
             start.record()
-            call()
+            for _ in range(calls):
+                call()
             stop.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
+            times.append(start.elapsed_time(stop) / calls)
         else:
             started = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - started) * 1e3)
-    return float(np.median(times[3:]))
+            for _ in range(calls):
+                call()
+            times.append((time.perf_counter() - started) * 1e3 / calls)
+    return float(np.median(times))
+
+
+# GPU clock cycles the GPU spins before a timed run (about 50 ms): time for the host to queue every call.
+HOLD_CYCLES = 100_000_000
 
 
 def main() -> None:
