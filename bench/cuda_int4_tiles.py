@@ -2,6 +2,7 @@
 weight fastest at a decode's few rows.
 
     python bench/cuda_int4_tiles.py [--config bench/configs/llama-3-8b] [--rows 1] [--json FILE]
+                                    [--save-table [FILE]] [--from-json FILE]
 
 For each linear shape of the model (qkv, attention out, gate/up, down, LM head) and each candidate tiling
 (the one `choose_config` picks, GEMV tilings, tensor-core tiles of 16 rows; each with K split for 2, 4
@@ -11,6 +12,11 @@ each shape's best tilings with their GB/s against the copy bandwidth measured in
 cuBLAS product of the same shape, and per tiling the GEMM time of one decode step (every layer's four
 products and the LM head). Each tiling's output is checked against the float32 product of the dequantized
 weight; a mismatch is printed and the tiling left out.
+
+At one row, --save-table writes each shape's fastest GEMV tiling as this GPU model's table (by default
+where the cuda backend looks for the user's own: backends/cuda/kernels/gemv_tilings.py), which the
+backend then takes for those shapes; --from-json derives it from an earlier run's --json file, without
+a GPU.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+from candelabra.backends.cuda.kernels import gemv_tilings
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3-8b"
 PAST_L2_BYTES = 256 * 2**20
+USER_TABLE = Path("the user's table for this GPU")  # --save-table's default, resolved once the GPU is known
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -106,8 +116,27 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="rows of x (the decode batch)")
     parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8], help="programs an SM to split K for")
     parser.add_argument("--json", type=Path, help="also write every number here")
+    parser.add_argument("--save-table", type=Path, nargs="?", const=USER_TABLE,
+                        help="write each shape's fastest GEMV tiling as this GPU's table (default: the user's "
+                             "table the cuda backend reads)")
+    parser.add_argument("--from-json", type=Path, help="take the timings from this earlier --json run instead")
     args = parser.parse_args()
+    if args.save_table and args.rows != 1:
+        parser.error("--save-table keeps GEMV tilings, which serve one row: measure with --rows 1")
+    shapes = linear_shapes(json.loads((args.config / "config.json").read_text()))
+    if args.from_json:
+        run = json.loads(args.from_json.read_text())
+        if set(run["results"]) != set(shapes) or run["rows"] != 1 and args.save_table:
+            raise SystemExit(f"{args.from_json} measured {sorted(run['results'])} at {run['rows']} row(s), not "
+                             f"{args.config.name}'s {sorted(shapes)} at one row")
+    else:
+        run = measure(args)
+    if args.save_table:
+        save_table(run, shapes, args.save_table)
 
+
+def measure(args) -> dict:
+    """Every timing of the run, printed as tables, as the --json file holds them."""
     import torch
     from cuda_decode import copy_bandwidth
 
@@ -190,11 +219,41 @@ def main() -> None:
     ranked = sorted(step.items(), key=lambda item: item[1])
     print(format_table(["one tiling for every shape", "step ms"], [[label, f"{ms:.2f}"] for label, ms in ranked[:10]]
                        + [[label, f"{ms:.2f}"] for label, ms in ranked if label == "chosen"]))
+    run = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "rows": args.rows, "cublas_us": cublas,
+           "results": results, "step_ms": step, "best_each_ms": best_each, "dense_step_ms": dense_step,
+           "config": args.config.name, "measured": time.strftime("%Y-%m-%d")}
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth,
-                                         "rows": args.rows, "cublas_us": cublas, "results": results,
-                                         "step_ms": step, "best_each_ms": best_each, "dense_step_ms": dense_step},
-                                        indent=1))
+        args.json.write_text(json.dumps(run, indent=1))
+    return run
+
+
+def fastest_gemv_tilings(run: dict, shapes: dict[str, tuple[int, int]]) -> dict[tuple[int, int], object]:
+    """Per [N, K], the GEMV tiling (block_m 1) of the run that took least time."""
+    fastest = {}
+    for shape, (columns, width) in shapes.items():
+        gemvs = [r for r in run["results"][shape].values() if r["tiling"]["block_m"] == 1]
+        if gemvs:
+            tiling = min(gemvs, key=lambda r: r["us"])["tiling"]
+            fastest[columns, width] = gemv_tilings.GemvTiling(*(tiling[field] for field in gemv_tilings.FIELDS))
+    return fastest
+
+
+def save_table(run: dict, shapes: dict[str, tuple[int, int]], path: Path) -> None:
+    from candelabra.core.text_table import format_table
+
+    if path is USER_TABLE:
+        path = gemv_tilings.table_file(gemv_tilings.user_tables(), run["device"])
+    fastest = fastest_gemv_tilings(run, shapes)
+    source = (f"{run.get('measured', 'undated')}, bench/cuda_int4_tiles.py at {run.get('config', 'these')} "
+              f"shapes, one row, x in bfloat16, scale groups of 32")
+    tilings = dict(gemv_tilings.read_table(path)) if path.is_file() else {}
+    tilings.update(fastest)
+    gemv_tilings.write_table(path, run["device"], tilings, source)
+    by_shape = {value: name for name, value in shapes.items()}
+    print(f"\n{run['device']}'s GEMV table, {path} ({len(fastest)} shapes written, {len(tilings)} in all):")
+    print(format_table(["shape", "N", "K", *gemv_tilings.FIELDS],
+                       [[by_shape.get(shape, "-"), *shape, *(getattr(t, f) for f in gemv_tilings.FIELDS)]
+                        for shape, t in sorted(fastest.items())]))
 
 
 if __name__ == "__main__":

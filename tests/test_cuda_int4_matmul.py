@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.cuda.availability import assume_multiprocessors
+from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles
 from candelabra.backends.cuda.quantized import Int4CudaWeight
@@ -222,7 +222,7 @@ def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
 def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
     monkeypatch.setattr(kernel, "interpreting", lambda: False)
     rows, columns, width = shape
-    with assume_multiprocessors(132):
+    with assume_multiprocessors(132), assume_gpu(None):
         config = kernel.choose_config(rows, columns, width, torch.device("cuda"))
     steps = width // config.block_k
     assert width % config.block_k == 0 and config.block_k % 32 == 0

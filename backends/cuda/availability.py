@@ -12,6 +12,7 @@ from collections.abc import Iterator
 INTERPRETER_VARIABLE = "TRITON_INTERPRET"
 # Set while launch code is run for a GPU that is not here (compile_check): the SM count it plans for.
 _assumed_multiprocessors: int | None = None
+_assumed_gpu: str | None = None  # "" inside assume_gpu(None)
 # What launch code on CPU tensors (the interpreter) plans for: an H100 SXM's SMs, so that the grids it
 # tests are the ones a GPU gets.
 NOMINAL_MULTIPROCESSORS = 132
@@ -84,3 +85,32 @@ def assume_multiprocessors(count: int) -> Iterator[None]:
         yield
     finally:
         _assumed_multiprocessors = previous
+
+
+def gpu_name(device) -> str | None:
+    """The model of the CUDA `device` (torch.cuda.get_device_name's), the one `assume_gpu` names, or None for
+    CPU tensors: what the measured kernel tables are looked up by."""
+    if _assumed_gpu is not None:
+        return _assumed_gpu or None
+    if device.type != "cuda":
+        return None
+    return _device_name(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
+
+
+@contextlib.contextmanager
+def assume_gpu(name: str | None) -> Iterator[None]:
+    """Launch code inside looks up measured tables as on a GPU of model `name` (None: none measured),
+    whatever the tensors' device."""
+    global _assumed_gpu
+    previous, _assumed_gpu = _assumed_gpu, name or ""
+    try:
+        yield
+    finally:
+        _assumed_gpu = previous

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from candelabra.backends.cuda.availability import assume_multiprocessors, interpreting
+from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors, interpreting
 from candelabra.core.contract.dtypes import KV_DTYPES
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.models.config import LatentAttentionConfig
@@ -56,11 +56,12 @@ class Target:
     capability: int  # 90, 80
     multiprocessors: int  # of the GPU the grids are planned for
     shared_memory_per_block: int  # bytes one block may use once it opts in
+    gpus: tuple[str, ...] = ()  # the GPU models of this target whose measured GEMV tables are built too
 
 
 # H100 SXM (132 SMs, 227 KiB per block) and A100 (108 SMs, 163 KiB per block).
 TARGETS = {
-    "sm_90a": Target("sm_90a", 90, 132, 227 * 1024),
+    "sm_90a": Target("sm_90a", 90, 132, 227 * 1024, gpus=("NVIDIA H200",)),
     "sm_80": Target("sm_80", 80, 108, 163 * 1024),
 }
 DEFAULT_CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
@@ -71,11 +72,13 @@ class Claim:
     """What a kernel's docstring says of some of its variants on one target."""
 
     target: str
-    markers: tuple[str, ...]  # a variant is claimed when its description holds one of them; () for all
+    markers: tuple[str, ...]  # a variant is claimed when its description holds every word of one; () for all
     where: str  # the docstring that says so
 
     def covers(self, target: str, variant: str) -> bool:
-        return self.target == target and (not self.markers or any(marker in variant for marker in self.markers))
+        words = set(variant.split())
+        return self.target == target and (not self.markers or any(set(marker.split()) <= words
+                                                                  for marker in self.markers))
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,16 @@ class InstructionBudget(Claim):
 
 
 # In the time HBM delivers an int4 weight, an H200 issues about four instructions a thread and an H100 six
-# (kernels/int4_matmul.py): past that the GEMV is bound by issue, not bytes. Tiles 512 deep along K are
-# what Llama-class shapes get; narrower K (a 0.5B model's 896) takes shallower tiles and more per weight.
+# (kernels/int4_matmul.py): past that the GEMV is bound by issue, not bytes. Tiles 32 x 512 are what
+# Llama-class shapes get on a GPU without a measured table; narrower K (a 0.5B model's 896) takes
+# shallower tiles and more per weight. A measured table's tilings are held to what they measured (16-wide
+# ones, at 4.5 to 4.8 instructions a weight, streamed gate/up and down fastest on an H200, and 32-wide ones
+# at 4 warps, 4.7 with groups of 128, the attention's output projection).
 INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
-    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_K=512",), "kernels/int4_matmul.py GEMV_CONFIG",
-                                           4.5, "weight", lambda constexprs, warps: constexprs["BLOCK_N"]
-                                           * constexprs["BLOCK_K"] / (32 * warps)),
+    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_N=32 BLOCK_K=512 w2s1",),
+                                           "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight",
+                                           lambda constexprs, warps: constexprs["BLOCK_N"] * constexprs["BLOCK_K"]
+                                           / (32 * warps)),
 }
 
 
@@ -225,11 +232,11 @@ class Workload:
 
 
 def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
-                    steps: list[list[int]] | None = None) -> None:
+                    steps: list[list[int]] | None = None, gpus: tuple[str, ...] = ()) -> None:
     """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses
     (its routed experts too, for a mixture-of-experts model), then sampling and the int4 GEMMs (inside
     `recording_launches`, nothing runs). `steps` (query lengths per sequence) replaces the step shapes
-    of attention and the cache write."""
+    of attention and the cache write; the int4 GEMV is launched again as each of `gpus` tiles it."""
     import torch
 
     from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
@@ -290,6 +297,9 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             scales = torch.empty(columns, width // group, dtype=compute)
             for rows in batches:
                 int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
+            for gpu in gpus:
+                with assume_gpu(gpu):
+                    int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales))
 
 
 def launch_experts(workload: Workload, compute) -> None:
@@ -579,7 +589,7 @@ def _check(workloads: list[Workload], targets: list[Target], dtypes: tuple[str, 
                 for dtype in dtypes:
                     start = len(launches)
                     caches = tuple(kv for kv in kv_dtypes if kv != "fp8" or fp8) if kv_dtypes else (dtype,)
-                    launch_workload(workload, dtype, kv_dtypes=caches, steps=steps)
+                    launch_workload(workload, dtype, kv_dtypes=caches, steps=steps, gpus=target.gpus)
                     for launch in launches[start:]:
                         if kernels is not None and launch.name not in kernels:
                             continue

@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from candelabra.backends.cuda.availability import interpreting, multiprocessor_count
+from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
+from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
 
 GROUP_SIZE = 32  # values along K a packing run covers; a scale and zero may cover several runs
 # The values a scale and zero cover (GROUP_SIZE times a power of two): GGUF's 32, GPTQ's and AWQ's 64 to
@@ -87,13 +88,13 @@ INTERPRETER_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, split_k=1, 
 INTERPRETER_GEMV_CONFIG = TileConfig(block_m=1, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=1)
 # Rows up to which each row is a GEMV of its own: past one, each reads the weight again (from L2 at best).
 GEMV_ROWS = 1
-# A GEMV program's step: [block_n, block_k / 2] bytes, 128 a thread at 2 warps (a group of 8 outputs), the
-# next step's loaded ahead, K split for 4 programs an SM. Chosen without a GPU, from the instructions ptxas
-# gives its loop (4.3 a weight on sm_90a, 255 registers: 4 programs an SM, as the split plans); the byte-
-# at-a-time kernel before it ran fastest at 16 x 512 (bench/cuda_int4_tiles.py on an H200, its step's int4
-# GEMMs 3.32 ms), which this kernel would give a thread 4 outputs of a group (4.8 instructions a weight).
-GEMV_CONFIG = TileConfig(block_m=1, block_n=32, block_k=512, num_warps=2, num_stages=2)
-GEMV_PROGRAMS_PER_SM = 4
+# A GEMV program's step where the GPU has no measured table (gemv_tilings): [block_n, block_k / 2] bytes,
+# 128 a thread at 2 warps (a group of 8 outputs), not loaded ahead, K split for 8 programs an SM. Of the
+# tilings bench/cuda_int4_tiles.py timed on an H200, the one tiling for every shape of Llama-3-8B whose
+# step's int4 GEMMs took least but 1% (2.38 ms; the one before this, loading ahead at 4 programs an SM,
+# 2.65; each shape's own best, its table, 2.22). Its loop issues 4.0 instructions a weight on sm_90a.
+GEMV_CONFIG = TileConfig(block_m=1, block_n=32, block_k=512, num_warps=2, num_stages=1)
+GEMV_PROGRAMS_PER_SM = 8
 # Rows up to which a batch is a decode: time goes to reading the int4 bytes, not to the dots.
 DECODE_ROWS = 64
 # Split K until there are about this many programs per SM: a decode's few output tiles alone
@@ -448,7 +449,8 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
 def choose_config(rows: int, columns: int, width: int, device: torch.device,
                   dtype: torch.dtype = torch.bfloat16, group: int = GROUP_SIZE) -> TileConfig:
     """The tiling for an [rows, width] @ [width, columns] product of x in `dtype` on `device` (a fixed one
-    under the interpreter). Chosen for Hopper: one row is a GEMV; other decode batches stream the int4
+    under the interpreter). One row is a GEMV, tiled as the GPU model's measured table has it for this
+    shape (gemv_tilings), else GEMV_CONFIG. Chosen for Hopper: other decode batches stream the int4
     bytes with narrow tiles and split K; larger batches take the usual GEMM tiles with more warps. float32
     x multiplies on the FMA units, whose operands take far more registers: tiles of at most 32 x 64. ptxas
     builds every tile here for sm_90a without spills (compile_check.SPILL_FREE holds it to that), and in
@@ -459,6 +461,12 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
         # the tiles' form is the one a GPU gets in this dtype
         return _fitted(replace(INTERPRETER_CONFIG, scale_after_dot=dtype == torch.float32), width)
     if rows <= GEMV_ROWS:
+        name = gpu_name(device)
+        measured = measured_tilings(name).get((columns, width)) if name else None
+        if measured is not None and measured.block_k % group == 0:
+            return TileConfig(block_m=1, block_n=measured.block_n, block_k=measured.block_k,
+                              split_k=measured.split_k, num_warps=measured.num_warps,
+                              num_stages=measured.num_stages)
         config = GEMV_CONFIG
     elif dtype == torch.float32:
         config = TileConfig(block_m=min(32, max(16, triton.next_power_of_2(rows))), block_n=64, block_k=64,
