@@ -15,10 +15,8 @@ from pathlib import Path
 from candelabra.conformance.engine_cases import ENGINE_CASES, EngineCase, EngineResult, _Harness, run_engine_case
 from candelabra.core.contract.backend import Backend
 
-# Steps scheduled ahead take their tokens on the device, which a tensor-parallel runner does not (yet).
 PARALLEL_ENGINE_CASES = [case for case in ENGINE_CASES
-                         if (not case.moe or case.check == "staggered-arrivals") and case.kv_cache_dtype is None
-                         and case.check != "scheduled-ahead"]
+                         if (not case.moe or case.check == "staggered-arrivals") and case.kv_cache_dtype is None]
 
 
 class _ParallelHarness(_Harness):
@@ -52,7 +50,7 @@ class _ParallelHarness(_Harness):
         from candelabra.core.engine.engine import EngineConfig, LLMEngine
         from candelabra.core.worker.parallel_runner import ParallelModelRunner
 
-        config = EngineConfig(**{"num_blocks": 64, "block_size": 16, **options})
+        config = EngineConfig(**{"num_blocks": 64, "block_size": 16, "async_scheduling": False, **options})
         runner = ParallelModelRunner(self.model, self.communicator, config.num_blocks, config.block_size,
                                      self.model.dtype, find_dead_rank=self.workers.find_dead)
         return LLMEngine(runner, self.tokenizer, config)

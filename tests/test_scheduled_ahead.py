@@ -117,7 +117,7 @@ def test_a_runner_that_cannot_take_tokens_on_the_device_is_refused(tiny_llm):
     from candelabra.core.engine.core import EngineConfig, EngineCore
 
     runner = tiny_llm(seed=5).engine.core.runner
-    runner.schedules_ahead = False  # as a tensor-parallel runner says
+    runner.schedules_ahead = False  # as a runner that cannot take tokens on the device would say
     with pytest.raises(ValueError, match="async scheduling is not available"):
         EngineCore(runner, EngineConfig(block_size=runner.kv_spec.block_size, num_blocks=runner.kv_spec.num_blocks,
                                         async_scheduling=True), frozenset())
@@ -292,3 +292,11 @@ def test_preempted_and_chunked_requests_get_what_they_get_in_turn(tiny_llm, opti
     if "preemption" in options:
         mode = options["preemption"]
         assert engines[1].core.scheduler.num_preemptions[mode] > 0
+
+
+def test_a_rank_fed_tokens_of_a_step_that_sampled_nothing_says_the_ranks_are_out_of_step():
+    from candelabra.core.worker.parallel_runner import ParallelFailure, fed_tokens
+
+    assert fed_tokens(None, None, None) is None
+    with pytest.raises(ParallelFailure, match="sampled nothing on this rank"):
+        fed_tokens(None, (np.array([0], np.int32), np.array([0], np.int32)), None)

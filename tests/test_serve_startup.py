@@ -85,7 +85,6 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--num-experts-offload-per-rank", "-1"], "--num-experts-offload-per-rank must be at least 1 to keep experts"),
     (["--num-experts-offload-per-rank", "4", "--expert-cache-slots", "5"],
      "--expert-cache-slots must be between 1 and --num-experts-offload-per-rank (4), not 5"),
-    (["--async-scheduling", "--device-ids", "0,1"], "--async-scheduling is not available with tensor parallelism"),
     (["--expert-cache-slots", "2"], "--expert-cache-slots sizes the device's cache of experts kept in host memory: "
                                     "give --num-experts-offload-per-rank too"),
 ])
@@ -105,8 +104,7 @@ def test_async_scheduling_is_the_engine_default_unless_a_flag_says_otherwise():
     assert serve_args().async_scheduling is None  # the engine's: ahead where the device runs apart
     assert serve_args("--async-scheduling").async_scheduling is True
     assert serve_args("--no-async-scheduling").async_scheduling is False
-    check_arguments(serve_args("--no-async-scheduling", "--device-ids", "0,1"))
-    check_arguments(serve_args("--device-ids", "0,1"))  # tensor parallelism steps in turn by default
+    check_arguments(serve_args("--async-scheduling", "--device-ids", "0,1"))  # tensor parallelism too
 
 
 def test_candle_vllm_gcu_short_flags_are_the_long_ones():

@@ -92,8 +92,8 @@ class _Request:
 class EngineCore:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         if config.async_scheduling and not runner.schedules_ahead:
-            raise ValueError("async scheduling is not available with this model runner (tensor parallelism): its "
-                             "steps cannot take their tokens from the step before on the device")
+            raise ValueError(f"async scheduling is not available with this model runner ({type(runner).__name__}): "
+                             "its steps cannot take their tokens from the step before on the device")
         if config.async_scheduling is None:
             config = replace(config, async_scheduling=runner.schedules_ahead
                              and runner.backend.runs_apart_from_host())

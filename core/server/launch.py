@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="schedule and launch each step before the one running has returned its tokens, so "
                              "that the host's work for a step overlaps the device's for the one before (a request "
-                             "that ends computes one token for nothing; not with tensor parallelism). Default: "
+                             "that ends computes one token for nothing). Default: "
                              "on where the backend's device computes apart from the host (cuda), off on a CPU")
 
     sampling = parser.add_argument_group("sampling defaults (a request's own values win)")
@@ -195,9 +195,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     parse_quant(args.quant, args.isq)
     check_load_format(args.load_format, args.dummy_quantization)
-    if args.async_scheduling and topology_of(args).world_size > 1:
-        raise ValueError("--async-scheduling is not available with tensor parallelism (--device-ids with more "
-                         "than one device, or --num-nodes): its ranks would need each step's tokens")
     topology_of(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0 to 65535 (0 picks a free port), not {args.port}")

@@ -2,14 +2,20 @@
 every rank must make together (the KV cache's size, warm-up, swap space, giving cached memory back
 when idle, stopping), to the other ranks through the backend's communicator before running it
 itself. The other ranks' side is `rank_process`; starting and watching them is `worker_processes`.
+
+A step scheduled ahead takes its pending tokens from the step before's samples on the device. Every
+rank samples the same logits, but rank 0's tokens are the ones its scheduler goes on with, so at such
+a step every rank gathers every rank's sampled ids and feeds rank 0's (`rank_zero_tokens`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from candelabra.core.contract.dtypes import DType
+from candelabra.core.contract.executor import TokenFeed
 from candelabra.core.worker.failure import EngineFailure
 from candelabra.core.worker.model_runner import ModelRunner, StepOrder
 
@@ -34,7 +40,6 @@ class ParallelModelRunner(ModelRunner):
     """Rank 0's model runner: every call that runs the model, or that every rank must make, is
     broadcast to the other ranks first."""
 
-    schedules_ahead = False  # the other ranks would need the pending tokens: steps wait for them
 
     def __init__(self, model, communicator, num_blocks: int, block_size: int, kv_cache_dtype: DType,
                  find_dead_rank: Callable[[], str | None] = lambda: None) -> None:
@@ -55,13 +60,12 @@ class ParallelModelRunner(ModelRunner):
         self._tell("release_cached_memory", None)
         super().release_cached_memory()
 
-    def run(self, order: StepOrder, feed=None):
-        if feed is not None:
-            raise RuntimeError("a tensor-parallel step cannot take its tokens from the previous step's on the "
-                               "device: every rank would need them")
-        self._tell("step", order)
+    def run(self, order: StepOrder, feed: TokenFeed | None = None):
+        self._tell("step", (order, None if feed is None else (feed.positions, feed.rows)))
         try:
-            return super().run(order)
+            if feed is not None:
+                feed = replace(feed, source=rank_zero_tokens(self.communicator, feed.source))
+            return super().run(order, feed)
         except Exception as exc:
             raise self._failure("a tensor-parallel step failed", exc) from exc
 
@@ -81,3 +85,19 @@ class ParallelModelRunner(ModelRunner):
     def _failure(self, context: str, exc: Exception) -> ParallelFailure:
         dead = self.find_dead_rank()
         return ParallelFailure(f"{dead}, so the ranks are out of step" if dead else f"{context}: {exc}")
+
+
+def rank_zero_tokens(communicator, sampled_ids: Any) -> Any:
+    """Rank 0's sampled token ids (int32 [R] on the device), on every rank: each passes its own."""
+    return communicator.all_gather(sampled_ids, dim=0)[: sampled_ids.shape[0]]
+
+
+def fed_tokens(communicator, feed_rows: tuple | None, previous: Any) -> TokenFeed | None:
+    """A rank other than 0: the feed of a step rank 0 ordered with `feed_rows` (positions, rows or None),
+    from `previous`, this rank's result of the step before."""
+    if feed_rows is None:
+        return None
+    if previous is None or previous.sampled is None:
+        raise ParallelFailure("rank 0 fed a step tokens of a step before that sampled nothing on this rank")
+    positions, rows = feed_rows
+    return TokenFeed(rank_zero_tokens(communicator, previous.sampled.token_ids), positions, rows)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from candelabra.core.contract.dtypes import DType
 from candelabra.core.worker.model_runner import ModelRunner
-from candelabra.core.worker.parallel_runner import COLLECTIVE_TIMEOUT_SECONDS, ParallelFailure
+from candelabra.core.worker.parallel_runner import COLLECTIVE_TIMEOUT_SECONDS, ParallelFailure, fed_tokens
 from candelabra.core.worker.topology import Topology
 
 log = logging.getLogger("candelabra")
@@ -56,13 +56,13 @@ class WorkerSpec:
 
 def serve_orders(model, communicator) -> None:
     """A rank other than 0: run what rank 0 broadcasts, in order, until it says stop."""
-    runner = None
+    runner = previous = None  # previous: this rank's result of the last step, whose tokens the next may take
     while True:
         order, value = communicator.broadcast_object(None, src=0)
         if order == "stop":
             return
         if order == "cache":
-            runner = ModelRunner(model, value.num_blocks, value.block_size, value.kv_cache_dtype)
+            runner, previous = ModelRunner(model, value.num_blocks, value.block_size, value.kv_cache_dtype), None
         elif order == "warm_up":
             runner.warm_up(value)
         elif order == "swap_space":
@@ -70,7 +70,8 @@ def serve_orders(model, communicator) -> None:
         elif order == "release_cached_memory":
             model.backend.release_cached_memory()
         elif order == "step":
-            runner.run(value)
+            step, feed_rows = value
+            previous = runner.run(step, fed_tokens(communicator, feed_rows, previous))
         else:
             raise ParallelFailure(f"rank 0 sent an order this rank does not know: {order!r}")
 
