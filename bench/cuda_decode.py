@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -185,6 +186,8 @@ def main() -> None:
                              "(default: the engine's, on for cuda)")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
+    # the engine's start-up lines (the graphs' capture, the GEMV's tilings measured), as a server logs them
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import torch
 

@@ -69,35 +69,7 @@ def candidates(kernel) -> dict[str, object]:
 
 def split_for(kernel, config, rows: int, columns: int, width: int, programs_per_sm: int, sm_count: int):
     """`config` fitted to K and split for about `programs_per_sm` programs an SM."""
-    import triton
-
-    config = kernel._fitted(config, width)
-    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    return kernel._with_split_k(config, tiles, width // config.block_k, kernel.MAX_SPLIT_K, programs_per_sm * sm_count)
-
-
-def graph_median_us(torch, calls, repeats: int = 7) -> float:
-    """Median µs of one call, from replays of a CUDA graph holding every call in `calls` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles and warms up outside the graph
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return kernel.split_for_programs(config, rows, columns, width, programs_per_sm * sm_count)
 
 
 def dequantized(torch, packed, scales, zeros):
@@ -141,6 +113,7 @@ def measure(args) -> dict:
     from cuda_decode import copy_bandwidth
 
     from candelabra.backends.cuda.availability import multiprocessor_count
+    from candelabra.backends.cuda.gemv_tuning import graph_median_us
     from candelabra.backends.cuda.kernels import int4_matmul as kernel
     from candelabra.core.text_table import format_table
 
@@ -170,7 +143,7 @@ def measure(args) -> dict:
         expected = x.float() @ dequantized(torch, *weights[0])
         dense = [torch.randn(columns, width, device=device, generator=generator, dtype=torch.bfloat16)
                  for _ in range(max(1, math.ceil(PAST_L2_BYTES / (2 * width * columns))))]
-        cublas[shape] = graph_median_us(torch, [lambda w=w, x=x: x @ w.T for w in dense])
+        cublas[shape] = graph_median_us([lambda w=w, x=x: x @ w.T for w in dense])
         del dense
         chosen = kernel.choose_config(args.rows, columns, width, device, torch.bfloat16)
         trials = {"chosen": chosen}
@@ -184,7 +157,7 @@ def measure(args) -> dict:
                 if not error < 1e-4:
                     print(f"{shape} {label}: NMSE {error:.2e} against the dequantized product; left out")
                     continue
-                micros = graph_median_us(torch, [lambda w=w, t=tiling, x=x: kernel.int4_matmul(x, *w, t)
+                micros = graph_median_us([lambda w=w, t=tiling, x=x: kernel.int4_matmul(x, *w, t)
                                                  for w in weights])
             except Exception as failure:  # a tiling that does not build or launch is reported, not fatal
                 print(f"{shape} {label}: {type(failure).__name__}: {str(failure)[:200]}")

@@ -114,6 +114,9 @@ class CudaBackend(TorchBackend):
     # the step
 
     def step_executor(self, model: Any) -> StepExecutor:
+        from candelabra.backends.cuda.gemv_tuning import tune_missing_shapes
+
+        tune_missing_shapes(model, self.torch_device)  # before any graph captures the GEMV's tiling
         experts = [each for each in (getattr(layer, "experts", None) for layer in getattr(model, "layers", ()))
                    if each is not None]
         offloaded = any(getattr(each, "offloaded", None) is not None for each in experts)

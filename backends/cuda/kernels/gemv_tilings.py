@@ -78,7 +78,10 @@ def write_table(path: Path, device_name: str, tilings: dict[tuple[int, int], Gem
     entries = [{"columns": columns, "width": width, **{field: getattr(tiling, field) for field in FIELDS}}
                for (columns, width), tiling in sorted(tilings.items())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": device_name, "measured": source, "gemv": entries}, indent=1) + "\n")
+    # whole or not at all, for a reader in another process (the other ranks of a tensor-parallel model)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps({"device": device_name, "measured": source, "gemv": entries}, indent=1) + "\n")
+    os.replace(partial, path)
     measured_tilings.cache_clear()
 
 

@@ -492,6 +492,14 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
                          programs_per_sm * multiprocessor_count(device))
 
 
+def split_for_programs(config: TileConfig, rows: int, columns: int, width: int, programs: int,
+                       group: int = GROUP_SIZE) -> TileConfig:
+    """`config` fitted to K (and to a scale group of `group`) with K split for about `programs` programs."""
+    config = _fitted(config, width, group if config.block_m == 1 else GROUP_SIZE)
+    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
+    return _with_split_k(config, tiles, width // config.block_k, MAX_SPLIT_K, programs)
+
+
 def _fitted(config: TileConfig, width: int, group: int = GROUP_SIZE) -> TileConfig:
     """`config` with block_k halved until it divides K (a multiple of `group`, so `group` at worst), or
     raised to `group`: a GEMV step covers whole scale groups, a tile's step whole runs of 32."""

@@ -1,0 +1,134 @@
+"""The int4 GEMV's tilings measured at start-up for a model's shapes that the GPU's tables lack: which
+weights are found, the candidates timed and the fastest kept and saved, and what switches it off."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.cuda import gemv_tuning
+from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
+from candelabra.backends.cuda.kernels import gemv_tilings
+from candelabra.backends.cuda.kernels import int4_matmul as kernel
+from candelabra.backends.cuda.quantized import Int4CudaWeight
+from candelabra.conformance.quantized_weights import random_quantized
+from candelabra.core.models.layer_weights import LatentAttention, Layer, Norm
+from support import kernel_device, skip_where_the_kernels_cannot_run
+
+GPU = "NVIDIA TEST-GPU"
+
+
+@pytest.fixture
+def user_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
+    gemv_tilings.measured_tilings.cache_clear()
+    yield tmp_path / "tables" / "cuda"
+    gemv_tilings.measured_tilings.cache_clear()
+
+
+def int4(rng, rows: int, columns: int, format: str = "Q4_K") -> Int4CudaWeight:
+    return Int4CudaWeight.from_quantized(random_quantized(rng, format, rows, columns), torch.float16, kernel_device())
+
+
+def tiny_model(rng, layers: int = 2):
+    norm = Norm(torch.ones(8))
+    made = [Layer(qkv=int4(rng, 48, 1024), qkv_bias=None, out=int4(rng, 40, 1024), out_bias=None,
+                  mlp_in=int4(rng, 48, 1024), mlp_out=torch.zeros(4, 4)) for _ in range(layers)]
+    made[1].latent_attention = LatentAttention(int4(rng, 24, 512), None, norm, None, None, q_up=int4(rng, 40, 1024))
+    return SimpleNamespace(layers=made, lm_head=int4(rng, 96, 512))
+
+
+def test_the_models_int4_weights_are_found_by_shape_each_once():
+    model = tiny_model(np.random.default_rng(1))
+    model.layers[1].out = model.layers[0].out  # one weight in two places is timed once
+    found = gemv_tuning.weights_by_shape(model)
+    assert {shape: len(weights) for shape, weights in found.items()} == {
+        (48, 1024): 4, (40, 1024): 2, (24, 512): 1, (96, 512): 1}
+    assert all(isinstance(w, Int4CudaWeight) for weights in found.values() for w in weights)
+
+
+@skip_where_the_kernels_cannot_run()
+def test_each_shape_keeps_the_candidate_its_stopwatch_timed_fastest_and_it_computes_the_product():
+    rng = np.random.default_rng(2)
+    weights = {(40, 1024): [int4(rng, 40, 1024), int4(rng, 40, 1024)], (24, 128): [int4(rng, 24, 128, "Q4_0")]}
+    timed = []
+
+    def stopwatch(calls):  # runs every product, and times each candidate faster than the one before
+        for call in calls:
+            assert call().shape == (1, 40)
+        timed.append(len(calls))
+        return 100.0 - len(timed)
+
+    with assume_multiprocessors(1):  # 2 programs leave K whole, 4 and 8 split its 4 steps of 256 in two
+        chosen = gemv_tuning.fastest_tilings(weights, kernel_device(), stopwatch)
+    # K = 128 fits no candidate (steps of 256 and 512): left to the fallback
+    assert list(chosen) == [(40, 1024)] and set(timed) == {2} and len(timed) > len(gemv_tuning.CANDIDATES)
+    last_block_n, last_block_k, last_warps, last_stages = gemv_tuning.CANDIDATES[-1]
+    kept = chosen[40, 1024]
+    assert (kept.block_n, kept.block_k, kept.num_warps, kept.num_stages) == (last_block_n, last_block_k, last_warps,
+                                                                              last_stages)
+    x = torch.randn(1, 1024, dtype=torch.float16, device=kernel_device())
+    w = weights[40, 1024][0]
+    config = kernel.TileConfig(1, kept.block_n, kept.block_k, split_k=kept.split_k, num_warps=kept.num_warps,
+                               num_stages=kept.num_stages)
+    expected = kernel.int4_matmul(x, w.packed, w.scales, w.zeros).float()
+    got = kernel.int4_matmul(x, w.packed, w.scales, w.zeros, config).float()
+    assert float(((got - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
+
+
+def test_the_measured_tilings_are_saved_beside_the_users_own_and_chosen_from_then_on(user_tables, monkeypatch):
+    mine = gemv_tilings.GemvTiling(block_n=64, block_k=512, split_k=1, num_warps=4, num_stages=1)
+    gemv_tilings.write_table(gemv_tilings.table_file(user_tables, GPU), GPU, {(7, 512): mine}, "by hand")
+    measured = gemv_tilings.GemvTiling(block_n=16, block_k=512, split_k=2, num_warps=2, num_stages=2)
+    path = gemv_tuning.save(GPU, {(4096, 4096): measured})
+    assert gemv_tilings.read_table(path) == {(7, 512): mine, (4096, 4096): measured}
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    with assume_multiprocessors(132), assume_gpu(GPU):
+        config = kernel.choose_config(1, 4096, 4096, torch.device("cuda"))
+    assert (config.block_n, config.split_k, config.num_stages) == (16, 2, 2)
+
+
+def test_nothing_is_measured_on_cpu_tensors_under_the_interpreter_or_when_switched_off(user_tables, monkeypatch):
+    model = tiny_model(np.random.default_rng(4))
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cpu")) == {}
+    monkeypatch.setattr(gemv_tuning, "interpreting", lambda: False)
+    monkeypatch.setenv(gemv_tuning.SWITCH, "0")
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}
+    assert not user_tables.exists()
+
+
+def test_a_failed_measurement_is_logged_and_serving_goes_on_with_the_fallback(user_tables, monkeypatch, caplog):
+    model = tiny_model(np.random.default_rng(5))
+    monkeypatch.setattr(gemv_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv(gemv_tuning.SWITCH, raising=False)
+    monkeypatch.setattr(gemv_tuning, "gpu_name", lambda device: GPU)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(gemv_tuning, "fastest_tilings", out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="candelabra"):
+        assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}
+    assert "measuring the int4 GEMV's tilings on NVIDIA TEST-GPU failed (OutOfMemoryError" in caplog.text
+    assert not user_tables.exists()
+
+
+def test_shapes_the_gpus_tables_hold_are_not_measured_again(user_tables, monkeypatch):
+    model = tiny_model(np.random.default_rng(6))
+    known = gemv_tilings.GemvTiling(block_n=32, block_k=512, split_k=1, num_warps=2, num_stages=1)
+    gemv_tilings.write_table(gemv_tilings.table_file(user_tables, GPU), GPU,
+                             {shape: known for shape in ((48, 1024), (40, 1024), (24, 512))}, "earlier")
+    monkeypatch.setattr(gemv_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv(gemv_tuning.SWITCH, raising=False)
+    monkeypatch.setattr(gemv_tuning, "gpu_name", lambda device: GPU)
+    asked = []
+    monkeypatch.setattr(gemv_tuning, "fastest_tilings", lambda by_shape, device, stopwatch: (
+        asked.append(sorted(by_shape)) or {shape: known for shape in by_shape}))
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {(96, 512): known}
+    assert asked == [[(96, 512)]]
+    assert set(gemv_tilings.measured_tilings(GPU)) == {(48, 1024), (40, 1024), (24, 512), (96, 512)}
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}  # all known now
