@@ -106,3 +106,14 @@ def default_server():
 
     with LiveServer("--backend", "auto", "--kvcache-mem-gpu", "64", "--kvcache-mem-cpu", "0") as server:
         yield server
+
+
+@pytest.fixture
+def user_tables(tmp_path, monkeypatch):
+    """The cuda backend's user tables of GEMV tilings in a folder of the test's own, read afresh."""
+    from candelabra.backends.cuda.kernels import gemv_tilings
+
+    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
+    gemv_tilings.measured_tilings.cache_clear()
+    yield tmp_path / "tables" / "cuda"
+    gemv_tilings.measured_tilings.cache_clear()

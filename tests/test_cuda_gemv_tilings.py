@@ -28,14 +28,6 @@ H200 = "NVIDIA H200"
 LLAMA_GATE_UP = (28672, 4096)
 
 
-@pytest.fixture
-def user_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
-    gemv_tilings.measured_tilings.cache_clear()
-    yield tmp_path / "tables" / "cuda"
-    gemv_tilings.measured_tilings.cache_clear()
-
-
 def package_tables() -> dict[str, dict]:
     return {json.loads(path.read_text())["device"]: read_table(path)
             for path in sorted(gemv_tilings.PACKAGE_TABLES.glob("*.json"))}

@@ -7,7 +7,6 @@ import logging
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 from candelabra.backends.cuda import gemv_tuning
@@ -20,14 +19,6 @@ from candelabra.core.models.layer_weights import LatentAttention, Layer, Norm
 from support import kernel_device, skip_where_the_kernels_cannot_run
 
 GPU = "NVIDIA TEST-GPU"
-
-
-@pytest.fixture
-def user_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
-    gemv_tilings.measured_tilings.cache_clear()
-    yield tmp_path / "tables" / "cuda"
-    gemv_tilings.measured_tilings.cache_clear()
 
 
 def int4(rng, rows: int, columns: int, format: str = "Q4_K") -> Int4CudaWeight:
