@@ -119,11 +119,11 @@ class DecoderModel:
         layout), and the updated caches."""
         positions = step.rope_positions
         x = self.ops.embedding(token_ids, self.embed_tokens, self._embedding_scale)
-        updated = []
+        branch, updated = None, []
         for index, layer in enumerate(self.layers):
-            x, cache = self.block.forward(self, index, layer, x, step, positions, caches[index])
+            x, branch, cache = self.block.forward(self, index, layer, x, branch, step, positions, caches[index])
             updated.append(cache)
-        return x, updated
+        return (x if branch is None else x + branch), updated
 
     def summed_over_ranks(self, partial):
         """The sum over the tensor-parallel ranks of a row-parallel projection's partial outputs (one

@@ -3,8 +3,10 @@ adds go. A family names its block (with its checkpoint's norm names) and the mod
 layer; the attention and the MLP inside are the model's own (`DecoderModel.attention`, `.mlp`: a layer's
 dense MLP or its experts).
 
-Each `forward` returns the layer's output and the updated KV cache. With tensor parallelism the
-attention output and the MLP are this rank's partial sums, and the block says where they are summed
+Each `forward` takes the residual stream and the branch the layer before left to add to it (None at the
+first layer), and returns the same two for the next layer with the updated KV cache: a layer's last add
+is made by the next layer's first norm (`add_norm`, one kernel where two were). With tensor parallelism
+the attention output and the MLP are this rank's partial sums, and the block says where they are summed
 over the ranks (`DecoderModel.summed_over_ranks`).
 """
 
@@ -29,11 +31,11 @@ class SequentialBlock:
     def norm_names(self) -> tuple[str, ...]:
         return (self.before_attention, self.before_mlp)
 
-    def forward(self, model: DecoderModel, index: int, layer: Layer, x, step, positions, cache):
-        h = model.norm(layer.norms[self.before_attention], x)
+    def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
+        h, x = joined_and_normed(model, layer.norms[self.before_attention], x, branch)
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         h, x = model.add_norm(layer.norms[self.before_mlp], model.summed_over_ranks(attended), x)
-        return x + model.summed_over_ranks(model.mlp(index, layer, h)), cache
+        return x, model.summed_over_ranks(model.mlp(index, layer, h)), cache
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,13 @@ class SandwichBlock:
     def norm_names(self) -> tuple[str, ...]:
         return (self.before_attention, self.after_attention, self.before_mlp, self.after_mlp)
 
-    def forward(self, model: DecoderModel, index: int, layer: Layer, x, step, positions, cache):
+    def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
         norms = layer.norms
-        h = model.norm(norms[self.before_attention], x)
+        h, x = joined_and_normed(model, norms[self.before_attention], x, branch)
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         attended = model.norm(norms[self.after_attention], model.summed_over_ranks(attended))
         h, x = model.add_norm(norms[self.before_mlp], attended, x)
-        return x + model.norm(norms[self.after_mlp], model.summed_over_ranks(model.mlp(index, layer, h))), cache
+        return x, model.norm(norms[self.after_mlp], model.summed_over_ranks(model.mlp(index, layer, h))), cache
 
 
 @dataclass(frozen=True)
@@ -70,13 +72,18 @@ class ParallelBlock:
     def norm_names(self) -> tuple[str, ...]:
         return (self.norm,)
 
-    def forward(self, model: DecoderModel, index: int, layer: Layer, x, step, positions, cache):
-        h = model.norm(layer.norms[self.norm], x)
+    def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
+        h, x = joined_and_normed(model, layer.norms[self.norm], x, branch)
         attended, cache = model.attention(index, layer, h, step, positions, cache)
         if model.communicator is None:
-            return x + attended + model.mlp(index, layer, h), cache
+            return x + attended, model.mlp(index, layer, h), cache
         # both branches' partial sums add up before the layer's one all-reduce
-        return x + model.summed_over_ranks(attended + model.mlp(index, layer, h)), cache
+        return x, model.summed_over_ranks(attended + model.mlp(index, layer, h)), cache
 
 
 Block = SequentialBlock | SandwichBlock | ParallelBlock
+
+
+def joined_and_normed(model: DecoderModel, norm, x, branch):
+    """(norm(x + branch), x + branch), the add made by the norm's kernel; (norm(x), x) without a branch."""
+    return (model.norm(norm, x), x) if branch is None else model.add_norm(norm, branch, x)
