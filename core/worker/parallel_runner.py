@@ -40,7 +40,6 @@ class ParallelModelRunner(ModelRunner):
     """Rank 0's model runner: every call that runs the model, or that every rank must make, is
     broadcast to the other ranks first."""
 
-
     def __init__(self, model, communicator, num_blocks: int, block_size: int, kv_cache_dtype: DType,
                  find_dead_rank: Callable[[], str | None] = lambda: None) -> None:
         """`find_dead_rank` names a rank that is gone, if any: a failed collective is reported as that."""
