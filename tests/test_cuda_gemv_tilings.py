@@ -162,3 +162,19 @@ def test_the_bench_saves_each_shapes_fastest_gemv_from_an_earlier_run(tmp_path):
     refused = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_int4_tiles.py"), "--from-json", str(run),
                               "--save-table", str(table)], capture_output=True, text=True, cwd=tmp_path)
     assert refused.returncode != 0 and "not llama-3-8b's" in refused.stderr
+
+
+def test_a_users_table_that_does_not_read_is_passed_over_with_a_warning_and_written_anew(user_tables, caplog):
+    from candelabra.backends.cuda.gemv_tuning import save
+
+    path = table_file(user_tables, H200)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"device": "NVIDIA H200", "gemv": [{"columns": 8}]}')
+    with caplog.at_level("WARNING", logger="candelabra"):
+        tilings = gemv_tilings.measured_tilings(H200)
+    assert tilings == package_tables()[H200]
+    assert str(path) in caplog.text and "passed over" in caplog.text
+    mine = GemvTiling(block_n=64, block_k=512, split_k=1, num_warps=4, num_stages=1)
+    save(H200, {(8, 512): mine})
+    assert read_table(path) == {(8, 512): mine}
+    assert gemv_tilings.measured_tilings(H200)[8, 512] == mine

@@ -116,8 +116,7 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
 def save(name: str, measured: dict[tuple[int, int], gemv_tilings.GemvTiling]):
     """`measured` added to `name`'s table in the user's folder; its path."""
     path = gemv_tilings.table_file(gemv_tilings.user_tables(), name)
-    tilings = gemv_tilings.read_table(path) if path.is_file() else {}
-    tilings.update(measured)
+    tilings = {**gemv_tilings.users_table(name), **measured}
     gemv_tilings.write_table(path, name, tilings, f"{time.strftime('%Y-%m-%d')}, measured at start-up over the "
                              "weights of a served model, one row")
     return path

@@ -6,11 +6,14 @@ one row, among several copies of the weight together past the L2 cache, as a ste
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+log = logging.getLogger("candelabra")
 
 PACKAGE_TABLES = Path(__file__).resolve().parent / "gemv_tables"
 FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
@@ -87,10 +90,20 @@ def write_table(path: Path, device_name: str, tilings: dict[tuple[int, int], Gem
 
 @cache
 def measured_tilings(device_name: str) -> dict[tuple[int, int], GemvTiling]:
-    """The package's table for `device_name` updated by the user's, each where it exists."""
-    tilings: dict[tuple[int, int], GemvTiling] = {}
-    for folder in (PACKAGE_TABLES, user_tables()):
-        path = table_file(folder, device_name)
-        if path.is_file():
-            tilings.update(read_table(path))
-    return tilings
+    """The package's table for `device_name` updated by the user's, each where it exists. A user's table
+    that does not read is passed over, with a warning: the shapes it held are measured again."""
+    path = table_file(PACKAGE_TABLES, device_name)
+    tilings = read_table(path) if path.is_file() else {}
+    return {**tilings, **users_table(device_name)}
+
+
+def users_table(device_name: str) -> dict[tuple[int, int], GemvTiling]:
+    """The user's table for `device_name`: empty where there is none, or where it does not read (warned)."""
+    path = table_file(user_tables(), device_name)
+    if not path.is_file():
+        return {}
+    try:
+        return read_table(path)
+    except ValueError as error:
+        log.warning("%s; passed over, and written anew once its shapes are measured again", error)
+        return {}
