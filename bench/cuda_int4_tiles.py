@@ -67,11 +67,6 @@ def candidates(kernel) -> dict[str, object]:
     return tilings
 
 
-def split_for(kernel, config, rows: int, columns: int, width: int, programs_per_sm: int, sm_count: int):
-    """`config` fitted to K and split for about `programs_per_sm` programs an SM."""
-    return kernel.split_for_programs(config, rows, columns, width, programs_per_sm * sm_count)
-
-
 def dequantized(torch, packed, scales, zeros):
     """float32 W.T [K, N] of the kernel's layout."""
     columns, half = packed.shape
@@ -149,7 +144,8 @@ def measure(args) -> dict:
         trials = {"chosen": chosen}
         for label, tiling in tilings.items():
             for per_sm in args.splits:
-                trials[f"{label} p{per_sm}"] = split_for(kernel, tiling, args.rows, columns, width, per_sm, sm_count)
+                trials[f"{label} p{per_sm}"] = kernel.split_for_programs(tiling, args.rows, columns, width,
+                                                                          per_sm * sm_count)
         for label, tiling in trials.items():
             try:
                 got = kernel.int4_matmul(x, *weights[0], tiling).float()

@@ -482,22 +482,20 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
         config = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_after_dot=False)
     else:
         config = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_after_dot=False)
-    config = _fitted(config, width, group if config.block_m == 1 else GROUP_SIZE)
-    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
+    programs_per_sm = GEMV_PROGRAMS_PER_SM if config.block_m == 1 else PROGRAMS_PER_SM
     # the float32 partial sums are written and read back: 8 bytes an output per split, which should stay
     # within half the weight's int4 bytes, N * K / 2
-    most_splits = max(1, width // (32 * rows))
-    programs_per_sm = GEMV_PROGRAMS_PER_SM if config.block_m == 1 else PROGRAMS_PER_SM
-    return _with_split_k(config, tiles, width // config.block_k, most_splits,
-                         programs_per_sm * multiprocessor_count(device))
+    return split_for_programs(config, rows, columns, width, programs_per_sm * multiprocessor_count(device), group,
+                              most_splits=max(1, width // (32 * rows)))
 
 
 def split_for_programs(config: TileConfig, rows: int, columns: int, width: int, programs: int,
-                       group: int = GROUP_SIZE) -> TileConfig:
-    """`config` fitted to K (and to a scale group of `group`) with K split for about `programs` programs."""
+                       group: int = GROUP_SIZE, most_splits: int = MAX_SPLIT_K) -> TileConfig:
+    """`config` fitted to K (and to a scale group of `group`) with K split for about `programs` programs,
+    in at most `most_splits`."""
     config = _fitted(config, width, group if config.block_m == 1 else GROUP_SIZE)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    return _with_split_k(config, tiles, width // config.block_k, MAX_SPLIT_K, programs)
+    return _with_split_k(config, tiles, width // config.block_k, most_splits, programs)
 
 
 def _fitted(config: TileConfig, width: int, group: int = GROUP_SIZE) -> TileConfig:
