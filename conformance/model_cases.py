@@ -282,20 +282,25 @@ class _IncrementalReference:
     """transformers decoding with its own KV cache, one token at a time, as its generate() does
     (a cached key keeps the rotation it was written with, as in candelabra's paged cache). With
     `tie_dtype` it also notes whether the newest position routes within that dtype's rounding of an
-    expert tie (expert_ties.py), where a correct backend may reach other logits."""
+    expert tie (expert_ties.py), where a correct backend may reach other logits; `prompt_at_tie`, where
+    the caller has asked that of the prompt already, answers it for the prompt's last position."""
 
-    def __init__(self, model, prompt: np.ndarray, tie_dtype: str | None = None) -> None:
+    def __init__(self, model, prompt: np.ndarray, tie_dtype: str | None = None,
+                 prompt_at_tie: bool | None = None) -> None:
         import torch
 
         self.model, self.torch, self.tie_dtype = model, torch, tie_dtype
-        self._run(lambda: model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True), len(prompt))
+        self._run(lambda: model(torch.tensor(prompt, dtype=torch.long)[None], use_cache=True), len(prompt),
+                  find_ties=prompt_at_tie is None)
+        if prompt_at_tie is not None:
+            self.newest_at_expert_tie = tie_dtype is not None and prompt_at_tie
 
     def feed(self, token: int) -> None:
         self._run(lambda: self.model(self.torch.tensor([[token]]), past_key_values=self.cache, use_cache=True), 1)
 
-    def _run(self, forward, positions: int) -> None:
+    def _run(self, forward, positions: int, find_ties: bool = True) -> None:
         with quiet_reference():
-            if self.tie_dtype is None:
+            if self.tie_dtype is None or not find_ties:
                 output, tied = forward(), np.zeros(positions, dtype=bool)
             else:
                 output, tied = positions_near_expert_ties(self.model, forward, positions, self.tie_dtype)
@@ -304,13 +309,13 @@ class _IncrementalReference:
 
 
 def _greedy_agreement(backend, runner, reference, prompt, first_token: int, blocks: list[int], dtype: str,
-                      routes_experts: bool = False) -> str:
+                      routes_experts: bool = False, prompt_at_tie: bool | None = None) -> str:
     """Decode one token per step through the paged cache while transformers, decoding with its
     own cache, picks the same token. Returns how many matched ("16/16" when all did), and where they
     parted, whether transformers' two best logits tied within the dtype's rounding or the position
-    routed at an expert tie."""
+    routed at an expert tie (`prompt_at_tie`: whether the prompt's last one does, where known)."""
     tokens, next_token = list(prompt), first_token
-    expected_stream = _IncrementalReference(reference, prompt, dtype if routes_experts else None)
+    expected_stream = _IncrementalReference(reference, prompt, dtype if routes_experts else None, prompt_at_tie)
     for step in range(GREEDY_TOKENS):
         expected_logits = expected_stream.logits
         if next_token != int(np.argmax(expected_logits)):
@@ -433,7 +438,7 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
     error = nmse(logits[~tied], expected[~tied])
 
     greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype,
-                               routes_experts)
+                               routes_experts, prompt_at_tie=bool(tied[-1]))
     passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie") or kv_dtype is not None
     passed_nmse = error <= threshold
     problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]) + (

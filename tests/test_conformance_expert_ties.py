@@ -129,6 +129,8 @@ def test_greedy_tokens_that_part_where_the_reference_routes_at_an_expert_tie_par
     stream = _IncrementalReference(model, prompt, "bfloat16")
     assert stream.newest_at_expert_tie == tie
     assert not _IncrementalReference(model, prompt).newest_at_expert_tie  # asked about no dtype
+    # what the caller found of the prompt already is taken, not looked for again
+    assert _IncrementalReference(model, prompt, "bfloat16", prompt_at_tie=not tie).newest_at_expert_tie != tie
     second, best = np.sort(stream.logits)[-2:]
     assert best - second > GREEDY_TIE_MARGINS["bfloat16"] * max(1.0, abs(best))  # not a tie of logits
 
