@@ -9,6 +9,7 @@ import torch
 from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles
+from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, MIN_STEPS_PER_SPLIT, arrival_counts
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
 from candelabra.conformance.quantized_weights import random_quantized
@@ -74,7 +75,7 @@ def test_split_k_and_grouped_row_tiles(dtype, scale_after_dot):
     assert out.dtype == x.dtype
     assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS[dtype]
     # the last split of each tile added the partial sums and reset its arrival count for the next launch
-    assert not kernel.arrival_counts(DEVICE, 1).any()
+    assert not arrival_counts(DEVICE, 1).any()
     again = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
     assert torch.equal(again, out)
 
@@ -155,6 +156,30 @@ def test_scales_of_a_group_the_kernels_do_not_take_are_refused():
         int4_matmul(x, kept.packed, sixteens, sixteens.clone())
 
 
+# A bias added where each path writes its output: whole, by the last split to arrive, and by the GEMV.
+BIAS_PATHS = {
+    "gemv": TileConfig(block_m=1, block_n=64, block_k=128, split_k=1),
+    "gemv-split": TileConfig(block_m=1, block_n=64, block_k=128, split_k=4),
+    "tiles-split": TileConfig(block_m=16, block_n=32, block_k=64, split_k=2, scale_after_dot=False),
+}
+
+
+@pytest.mark.parametrize("path", BIAS_PATHS)
+def test_the_bias_is_added_as_the_output_is_written(path):
+    rng = np.random.default_rng([15, len(path)])
+    rows = 1 if BIAS_PATHS[path].block_m == 1 else 5
+    weight, x, expected = _case(rng, "Q4_K", "float16", rows, 100, 512)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    bias = round_to(rng.standard_normal(100) * 4, "float16")
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, BIAS_PATHS[path],
+                      bias=torch.from_numpy(bias).to(DEVICE))
+    assert nmse(out.float().cpu().numpy(), expected + bias) <= THRESHOLDS["float16"]
+    through_the_weight = kept.matmul(x, torch.from_numpy(bias).to(DEVICE, torch.float32))  # cast to float16
+    assert nmse(through_the_weight.float().cpu().numpy(), expected + bias) <= THRESHOLDS["float16"]
+    with pytest.raises(ValueError, match=r"the bias must be a contiguous \[100\], not \[99\]"):
+        int4_matmul(x, kept.packed, kept.scales, kept.zeros, bias=torch.zeros(99, dtype=torch.float16, device=DEVICE))
+
+
 def test_split_k_that_does_not_divide_the_steps_falls_back_to_one_that_does():
     rng = np.random.default_rng(8)
     weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 1
@@ -228,8 +253,8 @@ def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
     assert width % config.block_k == 0 and config.block_k % 32 == 0
     if rows <= kernel.DECODE_ROWS:
         assert rows <= config.block_m <= kernel.DECODE_ROWS
-    assert steps % config.split_k == 0 and config.split_k <= kernel.MAX_SPLIT_K
-    assert config.split_k == 1 or steps // config.split_k >= kernel.MIN_STEPS_PER_SPLIT
+    assert steps % config.split_k == 0 and config.split_k <= MAX_SPLIT_K
+    assert config.split_k == 1 or steps // config.split_k >= MIN_STEPS_PER_SPLIT
     tiles = -(-rows // config.block_m) * -(-columns // config.block_n)
     if rows == 1 and columns == 4096:  # 64 column tiles alone would leave half the SMs idle
         assert tiles * config.split_k >= 132

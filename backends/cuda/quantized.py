@@ -67,8 +67,9 @@ class Int4CudaWeight:
         kept = (self.packed, self.scales, self.zeros, *([] if self.column_order is None else [self.column_order]))
         return sum(tensor.numel() * tensor.element_size() for tensor in kept)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] in the compute dtype to x @ W.T [..., N] in the same dtype."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] in the compute dtype to x @ W.T (+ bias [N], added as the kernel writes its output)
+        [..., N] in the same dtype."""
         rows, width = self.shape
         if x.dtype != self.dtype:
             raise ValueError(f"x is {x.dtype}; this int4 weight computes in {self.dtype}")
@@ -77,7 +78,9 @@ class Int4CudaWeight:
         flat = x.reshape(-1, width)
         if self.column_order is not None:
             flat = flat.index_select(1, self.column_order)
-        return int4_matmul(flat, self.packed, self.scales, self.zeros).reshape(*x.shape[:-1], rows)
+        if bias is not None:
+            bias = bias.to(self.dtype).contiguous()
+        return int4_matmul(flat, self.packed, self.scales, self.zeros, bias=bias).reshape(*x.shape[:-1], rows)
 
 
 def _on(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

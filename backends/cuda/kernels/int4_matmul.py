@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
-from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
+from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
+from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, arrival_counts, finish_tile, partial_sums, splits_for
 
 GROUP_SIZE = 32  # values along K a packing run covers; a scale and zero may cover several runs
 # The values a scale and zero cover (GROUP_SIZE times a power of two): GGUF's 32, GPTQ's and AWQ's 64 to
@@ -80,6 +81,16 @@ class TileConfig:
     # num_stages: Triton's pipelining depth for the tensor-core kernel. Triton does not pipeline the GEMV's
     # loop (no dot reads its loads): there, 2 or more loads the next step's weight before this step's math.
 
+    @classmethod
+    def of_gemv(cls, tiling: GemvTiling) -> TileConfig:
+        """The GEMV launch a measured table's tiling describes."""
+        return cls(block_m=1, block_n=tiling.block_n, block_k=tiling.block_k, split_k=tiling.split_k,
+                   num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+
+    def gemv_tiling(self) -> GemvTiling:
+        """This GEMV launch (block_m 1) as a measured table keeps it."""
+        return GemvTiling(self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages)
+
 
 # Under the interpreter every program runs in numpy, so few, large tiles keep tests fast; block_n
 # 64 still leaves test widths that are not whole tiles.
@@ -100,9 +111,6 @@ DECODE_ROWS = 64
 # Split K until there are about this many programs per SM: a decode's few output tiles alone
 # would leave most of a Hopper's SMs idle, and one program cannot keep its SM's loads in flight.
 PROGRAMS_PER_SM = 2
-MAX_SPLIT_K = 16
-# Each split's share of K, in steps: fewer and the partial sums cost more than they save.
-MIN_STEPS_PER_SPLIT = 2
 
 
 # The rows and each split's steps are loop bounds and masks only: one kernel for every batch and K.
@@ -112,6 +120,7 @@ def _int4_matmul_kernel(
     packed_ptr,
     scales_ptr,
     zeros_ptr,
+    bias_ptr,
     out_ptr,
     partials_ptr,
     arrivals_ptr,
@@ -134,6 +143,7 @@ def _int4_matmul_kernel(
     BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RUNS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -196,8 +206,8 @@ def _int4_matmul_kernel(
             acc = tl.dot(x_low, low.to(x_low.dtype), acc, input_precision=DOT_PRECISION)
             acc = tl.dot(x_high, high.to(x_high.dtype), acc, input_precision=DOT_PRECISION)
 
-    _finish(acc, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N, out_row_stride,
-            partials_split_stride, SPLIT)
+    finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N,
+                out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
 
 
 # A nibble q ORed into the top four bits of 1.0f's mantissa (bits 19 to 22) makes the float 1 + q / 16.
@@ -244,6 +254,7 @@ def _int4_gemv_kernel(
     packed_ptr,
     scales_ptr,
     zeros_ptr,
+    bias_ptr,
     out_ptr,
     partials_ptr,
     arrivals_ptr,
@@ -260,6 +271,7 @@ def _int4_gemv_kernel(
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     RUNS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -313,33 +325,8 @@ def _int4_gemv_kernel(
     result = tl.sum(acc, axis=0)[None, :]
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n
-    _finish(result, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0, col_mask, N,
-            out_row_stride, partials_split_stride, SPLIT)
-
-
-@triton.jit
-def _finish(acc, out_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N, out_row_stride,
-            partials_split_stride, SPLIT: tl.constexpr):
-    """Store a program's float32 [rows, cols] tile, or with K split, its partial sum: the program that
-    arrives last at its output tile adds them all, in split order (the same sum whichever finishes first),
-    writes the tile and resets the tile's arrival count for the next launch."""
-    out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    if not SPLIT:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        partial_offsets = rows[:, None] * N + cols[None, :]
-        tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
-        tl.debug_barrier()
-        splits = tl.num_programs(1)
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for other in range(splits):
-                total += tl.load(partials_ptr + other * partials_split_stride + partial_offsets, mask=out_mask,
-                                 other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+    finish_tile(result, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0, col_mask, N,
+                out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -361,11 +348,11 @@ def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                config: TileConfig | None = None) -> torch.Tensor:
-    """x [M, K] (unit stride along K) @ W.T -> [M, N] in x's dtype, W given by `packed` uint8 [N, K / 2]
-    (`pack_nibbles`) and `scales`, `zeros` [N, K / G] with W[n, k] = (q - 8) * scale + zero for the
-    nibble q of (n, k) and its group's scale and zero, G one of SCALE_GROUPS. `config` None picks one for
-    the shape and device; a config's block_k must be a multiple of G."""
+                config: TileConfig | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride along K) @ W.T (+ bias [N]) -> [M, N] in x's dtype, W given by `packed` uint8
+    [N, K / 2] (`pack_nibbles`) and `scales`, `zeros` [N, K / G] with W[n, k] = (q - 8) * scale + zero for
+    the nibble q of (n, k) and its group's scale and zero, G one of SCALE_GROUPS. `config` None picks one
+    for the shape and device; a config's block_k must be a multiple of G."""
     rows, width = x.shape
     columns = packed.shape[0]
     group = width // scales.shape[1] if scales.ndim == 2 and scales.shape[1] else 0
@@ -374,6 +361,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"x [{rows}, {width}] does not match an int4 weight of contiguous packed "
                          f"{list(packed.shape)}, scales {list(scales.shape)} and zeros {list(zeros.shape)} "
                          f"(a scale covers one of {', '.join(map(str, SCALE_GROUPS))} values along K)")
+    if bias is not None and (bias.shape != (columns,) or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be a contiguous [{columns}], not {list(bias.shape)}")
     if packed.data_ptr() % 4:
         raise ValueError("the packed int4 weight must start at a multiple of 4 bytes: the GEMV reads it as "
                          "uint32 words")
@@ -383,7 +372,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     if rows == 0 or columns == 0:
         return out
     if width == 0:
-        return out.zero_()
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     config = config or choose_config(rows, columns, width, x.device, x.dtype, group)
     if width % config.block_k:
         raise ValueError(f"block_k {config.block_k} does not divide K = {width}")
@@ -393,20 +382,20 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     # every split takes the same number of steps
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if steps % split == 0)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    # without a split the kernels touch neither
-    partials = out if split_k == 1 else torch.empty(split_k, rows, columns, dtype=torch.float32, device=x.device)
+    partials = partial_sums(out, split_k)
     arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
     strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
     if config.block_m == 1:
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
-            x, packed, scales, zeros, out, partials, arrivals, columns, steps // split_k, *strides, ONE_BITS,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1, PREFETCH=config.num_stages > 1,
-            RUNS=group // GROUP_SIZE, num_warps=config.num_warps, num_stages=1,
+            x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals, columns,
+            steps // split_k, *strides, ONE_BITS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
+            PREFETCH=config.num_stages > 1, RUNS=group // GROUP_SIZE, HAS_BIAS=bias is not None,
+            num_warps=config.num_warps, num_stages=1,
         )  # fmt: skip
         return out
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
     _int4_matmul_kernel[(tiles, split_k)](
-        x, packed, scales, zeros, out, partials, arrivals,
+        x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals,
         rows, columns, steps // split_k, *strides,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -420,30 +409,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         # tf32 is Triton's default and applies to float32 operands alone: float32 asks for exact products
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         RUNS=group // GROUP_SIZE,
+        HAS_BIAS=bias is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return out
-
-
-# Per device, zeroed counters of the split programs that have finished each output tile; the last
-# one resets its tile's to zero. A buffer is never freed (a captured graph may point at it): a larger
-# launch takes a new, larger one.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_KEPT: list[torch.Tensor] = []
-MIN_ARRIVAL_COUNTERS = 4096
-
-
-def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters for at least `tiles` output tiles on `device`, the same memory ever after."""
-    device = torch.device(device)
-    counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < tiles:
-        counts = torch.zeros(max(MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
-                             device=device)
-        _KEPT.append(counts)
-        _ARRIVALS[device] = counts
-    return counts
 
 
 def choose_config(rows: int, columns: int, width: int, device: torch.device,
@@ -464,9 +434,7 @@ def choose_config(rows: int, columns: int, width: int, device: torch.device,
         name = gpu_name(device)
         measured = measured_tilings(name).get((columns, width)) if name else None
         if measured is not None and measured.block_k % group == 0:
-            return TileConfig(block_m=1, block_n=measured.block_n, block_k=measured.block_k,
-                              split_k=measured.split_k, num_warps=measured.num_warps,
-                              num_stages=measured.num_stages)
+            return TileConfig.of_gemv(measured)
         config = GEMV_CONFIG
     elif dtype == torch.float32:
         config = TileConfig(block_m=min(32, max(16, triton.next_power_of_2(rows))), block_n=64, block_k=64,
@@ -495,7 +463,7 @@ def split_for_programs(config: TileConfig, rows: int, columns: int, width: int, 
     in at most `most_splits`."""
     config = _fitted(config, width, group if config.block_m == 1 else GROUP_SIZE)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    return _with_split_k(config, tiles, width // config.block_k, most_splits, programs)
+    return replace(config, split_k=splits_for(tiles, width // config.block_k, programs, most_splits))
 
 
 def _fitted(config: TileConfig, width: int, group: int = GROUP_SIZE) -> TileConfig:
@@ -505,12 +473,3 @@ def _fitted(config: TileConfig, width: int, group: int = GROUP_SIZE) -> TileConf
     while width % block_k and block_k > group:
         block_k //= 2
     return replace(config, block_k=block_k)
-
-
-def _with_split_k(config: TileConfig, tiles: int, steps: int, most_splits: int, programs: int) -> TileConfig:
-    """`config` with the fewest splits of K (a divisor of its steps) that give `programs` programs, or as
-    many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow."""
-    allowed = [split for split in range(1, min(most_splits, MAX_SPLIT_K) + 1)
-               if steps % split == 0 and (split == 1 or steps // split >= MIN_STEPS_PER_SPLIT)]
-    enough = [split for split in allowed if tiles * split >= programs]
-    return replace(config, split_k=enough[0] if enough else allowed[-1])

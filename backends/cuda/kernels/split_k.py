@@ -1,0 +1,80 @@
+"""How the GEMV and GEMM kernels that split K across programs finish a launch: each program stores its
+float32 partial sums, and the last to arrive at an output tile adds them all, in split order, so the sum
+does not depend on which finishes first. One launch in all, no reduction kernel after it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N,
+                out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store a program's float32 [rows, cols] tile (plus the bias over cols where HAS_BIAS), or with K
+    split, its partial sum: the program that arrives last at its output tile adds them all, in split order,
+    adds the bias, writes the tile and resets the tile's arrival count for the next launch."""
+    out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        partial_offsets = rows[:, None] * N + cols[None, :]
+        tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
+        tl.debug_barrier()
+        splits = tl.num_programs(1)
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for other in range(splits):
+                total += tl.load(partials_ptr + other * partials_split_stride + partial_offsets, mask=out_mask,
+                                 other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+MAX_SPLIT_K = 16
+# Each split's share of K, in steps: fewer and the partial sums cost more than they save.
+MIN_STEPS_PER_SPLIT = 2
+
+
+def splits_for(tiles: int, steps: int, programs: int, most_splits: int = MAX_SPLIT_K) -> int:
+    """The fewest splits of `steps` steps along K (a divisor of them) that give `tiles` output tiles
+    `programs` programs, or as many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow."""
+    allowed = [split for split in range(1, min(most_splits, MAX_SPLIT_K) + 1)
+               if steps % split == 0 and (split == 1 or steps // split >= MIN_STEPS_PER_SPLIT)]
+    enough = [split for split in allowed if tiles * split >= programs]
+    return enough[0] if enough else allowed[-1]
+
+
+# Per device, zeroed counters of the split programs that have finished each output tile; the last
+# one resets its tile's to zero. A buffer is never freed (a captured graph may point at it): a larger
+# launch takes a new, larger one.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_KEPT: list[torch.Tensor] = []
+MIN_ARRIVAL_COUNTERS = 4096
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for at least `tiles` output tiles on `device`, the same memory ever after."""
+    device = torch.device(device)
+    counts = _ARRIVALS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(MIN_ARRIVAL_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
+                             device=device)
+        _KEPT.append(counts)
+        _ARRIVALS[device] = counts
+    return counts
+
+
+def partial_sums(out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """The float32 [split_k, rows, columns] buffer a launch with K split `split_k` ways stores its partial
+    sums in; `out` itself without a split (the kernels then touch neither)."""
+    if split_k == 1:
+        return out
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
