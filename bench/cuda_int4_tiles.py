@@ -210,14 +210,11 @@ def fastest_gemv_tilings(run: dict, shapes: dict[str, tuple[int, int]]) -> dict[
 def save_table(run: dict, shapes: dict[str, tuple[int, int]], path: Path) -> None:
     from candelabra.core.text_table import format_table
 
-    if path is USER_TABLE:
-        path = gemv_tilings.table_file(gemv_tilings.user_tables(), run["device"])
     fastest = fastest_gemv_tilings(run, shapes)
     source = (f"{run.get('measured', 'undated')}, bench/cuda_int4_tiles.py at {run.get('config', 'these')} "
               f"shapes, one row, x in bfloat16, scale groups of 32")
-    tilings = dict(gemv_tilings.read_table(path)) if path.is_file() else {}
-    tilings.update(fastest)
-    gemv_tilings.write_table(path, run["device"], tilings, source)
+    path, tilings = gemv_tilings.save_measured(run["device"], fastest, source,
+                                               path=None if path is USER_TABLE else path)
     by_shape = {value: name for name, value in shapes.items()}
     print(f"\n{run['device']}'s GEMV table, {path} ({len(fastest)} shapes written, {len(tilings)} in all):")
     print(format_table(["shape", "N", "K", *gemv_tilings.FIELDS],

@@ -185,7 +185,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
                        "_chunk_statistics_kernel", "_int4_matmul_kernel", "_count_picks_kernel",
                        "_place_picks_kernel", "_gate_up_kernel", "_down_kernel", "_sum_picks_kernel",
                        "_latent_attention_kernel", "_search_start_kernel", "_search_pass_kernel",
-                       "_search_narrow_kernel"}
+                       "_search_narrow_kernel", "_dense_gemv_kernel"}
     assert all(entry["registers"] for entry in compiled)
     attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}

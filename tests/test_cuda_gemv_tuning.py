@@ -1,5 +1,6 @@
-"""The int4 GEMV's tilings measured at start-up for a model's shapes that the GPU's tables lack: which
-weights are found, the candidates timed and the fastest kept and saved, and what switches it off."""
+"""The GEMV tilings measured at start-up for a model's shapes that the GPU's tables lack, int4 and 16-bit
+(against cuBLAS): which weights are found, the candidates timed and the fastest kept and saved, the
+backend's linear taking it from then on, and what switches it off."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import torch
 
 from candelabra.backends.cuda import gemv_tuning
 from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
-from candelabra.backends.cuda.kernels import gemv_tilings
+from candelabra.backends.cuda.kernels import dense_gemv, gemv_tilings
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.models.layer_weights import LatentAttention, Layer, Norm
-from support import kernel_device, skip_where_the_kernels_cannot_run
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
 
 GPU = "NVIDIA TEST-GPU"
 
@@ -64,8 +65,7 @@ def test_each_shape_keeps_the_candidate_its_stopwatch_timed_fastest_and_it_compu
                                                                               last_stages)
     x = torch.randn(1, 1024, dtype=torch.float16, device=kernel_device())
     w = weights[40, 1024][0]
-    config = kernel.TileConfig(1, kept.block_n, kept.block_k, split_k=kept.split_k, num_warps=kept.num_warps,
-                               num_stages=kept.num_stages)
+    config = kernel.TileConfig.of_gemv(kept)
     expected = kernel.int4_matmul(x, w.packed, w.scales, w.zeros).float()
     got = kernel.int4_matmul(x, w.packed, w.scales, w.zeros, config).float()
     assert float(((got - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
@@ -119,7 +119,107 @@ def test_shapes_the_gpus_tables_hold_are_not_measured_again(user_tables, monkeyp
     asked = []
     monkeypatch.setattr(gemv_tuning, "fastest_tilings", lambda by_shape, device, stopwatch: (
         asked.append(sorted(by_shape)) or {shape: known for shape in by_shape}))
-    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {(96, 512): known}
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {"int4": {(96, 512): known}}
     assert asked == [[(96, 512)]]
     assert set(gemv_tilings.measured_tilings(GPU)) == {(48, 1024), (40, 1024), (24, 512), (96, 512)}
     assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}  # all known now
+
+
+def dense(rng, rows: int, columns: int, dtype=torch.float16) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal((rows, columns)) / np.sqrt(columns)).to(kernel_device(), dtype)
+
+
+def test_the_models_16_bit_matrices_are_found_by_shape_and_nothing_else():
+    rng = np.random.default_rng(7)
+    model = tiny_model(rng)
+    model.layers[0].out = dense(rng, 40, 1024)
+    model.layers[1].out = dense(rng, 40, 1024, torch.bfloat16)
+    model.layers[1].mlp_out = model.layers[0].out  # one weight in two places is timed once
+    model.layers[0].qkv_bias = dense(rng, 1, 48).reshape(48)  # a vector is no linear weight
+    model.lm_head = dense(rng, 96, 512)
+    found = gemv_tuning.weights_by_shape(model, "dense")
+    # the float32 [4, 4] and the int4 weights are not the 16-bit GEMV's
+    assert {shape: len(weights) for shape, weights in found.items()} == {(40, 1024): 2, (96, 512): 1}
+
+
+def stopwatch_timing(order: list[float]):
+    """A stopwatch that runs every call and gives the times of `order`, in turn (the last one after)."""
+    timed = []
+
+    def stopwatch(calls):
+        for call in calls:
+            call()
+        timed.append(len(calls))
+        return order[min(len(timed), len(order)) - 1]
+
+    return stopwatch, timed
+
+
+@skip_where_the_kernels_cannot_run()
+def test_cublas_serves_a_shape_where_it_was_timed_fastest_and_the_fastest_gemv_elsewhere(caplog):
+    rng = np.random.default_rng(8)
+    weights = {(40, 1024): [dense(rng, 40, 1024), dense(rng, 40, 1024)], (24, 512): [dense(rng, 24, 512)]}
+    # cuBLAS is timed first at each shape: 5 µs, then every candidate 10 µs
+    with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
+        stopwatch, _ = stopwatch_timing([5.0, 10.0])
+        assert gemv_tuning.fastest_dense({(24, 512): weights[24, 512]}, kernel_device(), stopwatch) == {
+            (24, 512): None}
+        assert "[24, 512] x 1 weights, one row: cuBLAS 5.0 µs" in caplog.text and "cuBLAS serves" in caplog.text
+
+        candidates = []
+
+        def gemv_wins(calls):
+            for call in calls:
+                assert call().shape == (1, 40)
+            candidates.append(len(calls))
+            return 9.5 if len(candidates) == 1 else 9.0 - 0.01 * len(candidates)  # cuBLAS first
+
+        chosen = gemv_tuning.fastest_dense({(40, 1024): weights[40, 1024]}, kernel_device(), gemv_wins)
+
+    kept = chosen[40, 1024]
+    # the last candidate timed is the fastest; K = 1024 fits every candidate, some at fewer splits than asked
+    assert len(candidates) > len(gemv_tuning.DENSE_CANDIDATES) and kept is not None
+    assert (kept.block_n, kept.block_k, kept.num_warps, kept.num_stages) == gemv_tuning.DENSE_CANDIDATES[-1]
+    assert "the GEMV serves" in caplog.text
+    x = dense(rng, 1, 1024)
+    expected = float64_values(x) @ float64_values(weights[40, 1024][0]).T
+    got = dense_gemv.dense_gemv(x, weights[40, 1024][0], kept)
+    assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
+
+
+@skip_where_the_kernels_cannot_run()
+def test_start_up_measures_both_kinds_saves_them_and_the_backends_linear_follows(user_tables, monkeypatch):
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(9)
+    model = SimpleNamespace(layers=[Layer(qkv=dense(rng, 48, 512), qkv_bias=None, out=dense(rng, 40, 512),
+                                          out_bias=None, mlp_in=int4(rng, 56, 1024))], lm_head=dense(rng, 96, 512))
+    monkeypatch.setattr(gemv_tuning, "interpreting", lambda: False)
+    monkeypatch.delenv(gemv_tuning.SWITCH, raising=False)
+    monkeypatch.setattr(gemv_tuning, "gpu_name", lambda device: GPU)
+    # cuBLAS, timed first at each dense shape, is fastest at [40, 512] alone; the last candidate elsewhere
+    timings_by_columns: dict[int, int] = {}
+
+    def stopwatch(calls):
+        columns = calls[0]().shape[-1]
+        timings = timings_by_columns[columns] = timings_by_columns.get(columns, 0) + 1
+        if timings == 1 and columns != 56:
+            return 5.0 if columns == 40 else 60.0
+        return 50.0 - timings
+
+    monkeypatch.setattr(gemv_tuning, "graph_median_us", stopwatch)
+    with assume_multiprocessors(1):
+        measured = gemv_tuning.tune_missing_shapes(model, torch.device("cuda"))
+    assert set(measured) == {"int4", "dense"} and set(measured["int4"]) == {(56, 1024)}
+    assert set(measured["dense"]) == {(48, 512), (40, 512), (96, 512)} and measured["dense"][40, 512] is None
+    assert gemv_tilings.read_table(gemv_tilings.table_file(user_tables, GPU, "dense"), "dense") == measured["dense"]
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}  # all known now
+
+    launched = []
+    monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args: launched.append(args[1].shape) or
+                        torch.zeros(1, args[1].shape[0], dtype=torch.float16))
+    ops = CudaOps(kernel_device())
+    with assume_gpu(GPU):
+        for weight in (model.layers[0].qkv, model.layers[0].out, model.lm_head):
+            ops.linear(dense(rng, 1, 512), weight)
+    assert launched == [(48, 512), (96, 512)]  # [40, 512] stayed with cuBLAS

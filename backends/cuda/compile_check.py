@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors, interpreting
+from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors, interpreting, multiprocessor_count
 from candelabra.core.contract.dtypes import KV_DTYPES
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.models.config import LatentAttentionConfig
@@ -92,6 +92,7 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
                                              "kernels/paged_attention.py choose_tiling"),
     "_int4_matmul_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
     "_int4_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/int4_matmul.py choose_config"),
+    "_dense_gemv_kernel": SpillFreeClaim("sm_90a", (), "kernels/dense_gemv.py"),
     "_gate_up_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
     "_down_kernel": SpillFreeClaim("sm_90a", (), "kernels/fused_moe.py choose_tiles"),
     "_latent_attention_kernel": SpillFreeClaim("sm_90a", ("DOT_DTYPE=bf16 CODES=none", "DOT_DTYPE=fp16 CODES=none"),
@@ -102,7 +103,7 @@ SPILL_FREE: dict[str, SpillFreeClaim] = {
 @dataclass(frozen=True)
 class InstructionBudget(Claim):
     """The claimed variants' innermost loop issues at most `most` SASS instructions a thread per unit of
-    work (a weight, for the int4 GEMV)."""
+    work (a weight, for the GEMVs)."""
 
     most: float
     unit: str
@@ -115,11 +116,16 @@ class InstructionBudget(Claim):
 # shallower tiles and more per weight. A measured table's tilings are held to what they measured (16-wide
 # ones, at 4.5 to 4.8 instructions a weight, streamed gate/up and down fastest on an H200, and 32-wide ones
 # at 4 warps, 4.7 with groups of 128, the attention's output projection).
+def _weights_a_thread(constexprs: dict, warps: int) -> float:
+    return constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * warps)
+
+
+# The 16-bit GEMV has about fourteen instructions a weight to spend on an H200 (kernels/dense_gemv.py), but
+# its layout decides whether a thread converts an x for every weight: 5.6 a weight so, 4.1 to 4.4 as it is.
 INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
     "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_N=32 BLOCK_K=512 w2s1",),
-                                           "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight",
-                                           lambda constexprs, warps: constexprs["BLOCK_N"] * constexprs["BLOCK_K"]
-                                           / (32 * warps)),
+                                           "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight", _weights_a_thread),
+    "_dense_gemv_kernel": InstructionBudget("sm_90a", (), "kernels/dense_gemv.py", 4.5, "weight", _weights_a_thread),
 }
 
 
@@ -236,12 +242,17 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses
     (its routed experts too, for a mixture-of-experts model), then sampling and the int4 GEMMs (inside
     `recording_launches`, nothing runs). `steps` (query lengths per sequence) replaces the step shapes
-    of attention and the cache write; the int4 GEMV is launched again as each of `gpus` tiles it."""
+    of attention and the cache write; the int4 GEMV is launched again as each of `gpus` tiles it, and the
+    16-bit GEMV at every tiling start-up measurement tries and `gpus`' dense tables hold."""
     import torch
 
-    from candelabra.backends.cuda.kernels import activations, norms, rotary, sampling
+    from candelabra.backends.cuda.gemv_tuning import DENSE_CANDIDATES
+    from candelabra.backends.cuda.gemv_tuning import PROGRAMS_PER_SM as DENSE_PROGRAMS_PER_SM
+    from candelabra.backends.cuda.kernels import activations, dense_gemv, norms, rotary, sampling
+    from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
     from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul
     from candelabra.backends.cuda.kernels.paged_attention import paged_attention
+    from candelabra.backends.cuda.kernels.split_k import splits_for
     from candelabra.backends.torch.backend import torch_dtype
 
     compute = torch_dtype(dtype)
@@ -287,6 +298,20 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
         logits = torch.empty(sampling_rows, w.vocab, dtype=torch.float32)
         for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 0, 0.9), (0.7, 40, 0.9)):
             sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
+
+    # the 16-bit GEMV at every tiling start-up measurement tries, and those the GPUs' dense tables chose
+    if compute in dense_gemv.DTYPES:
+        programs = [per_sm * multiprocessor_count(torch.device("cuda")) for per_sm in DENSE_PROGRAMS_PER_SM]
+        for columns, width in w.linear_shapes():
+            fitted = [(block_n, dense_gemv.fitted_block_k(deepest, width), warps, stages)
+                      for block_n, deepest, warps, stages in DENSE_CANDIDATES]
+            tilings = {GemvTiling(block_n, block_k, splits_for(-(-columns // block_n), width // block_k, count),
+                                  warps, stages)
+                       for block_n, block_k, warps, stages in fitted if block_k is not None for count in programs}
+            tilings |= {measured_tilings(gpu, "dense").get((columns, width)) for gpu in gpus} - {None}
+            for tiling in sorted(tilings, key=repr):
+                dense_gemv.dense_gemv(torch.empty(1, width, dtype=compute), torch.empty(columns, width, dtype=compute),
+                                      tiling)
 
     # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each
     for group, batches in ((GROUP_SIZE, INT4_ROWS), (GPTQ_GROUP, GPTQ_INT4_ROWS)):

@@ -1,8 +1,10 @@
-"""The int4 GEMV's tiling measured on this GPU at start-up, for each of the model's weight shapes that the
-GPU model's tables (kernels/gemv_tilings) lack. Each candidate tiling times one product with each of the
-model's weights of that shape in turn (the layers' own weights, read one after another as a step reads
-them), replayed from a CUDA graph; the fastest whose product matches the fallback's is kept, and saved in
-the user's table, where the next start finds it. CANDELABRA_GEMV_TUNING=0 leaves the fallback in place."""
+"""The GEMV kernels' tilings measured on this GPU at start-up, for each of the model's weight shapes that
+the GPU model's tables (kernels/gemv_tilings) lack: the int4 GEMV's, and for 16-bit weights whether our
+GEMV (kernels/dense_gemv) or cuBLAS serves a one-row product. Each candidate times one product with each
+of the model's weights of that shape in turn (the layers' own weights, read one after another as a step
+reads them), replayed from a CUDA graph; the fastest whose product matches the reference's is kept, and
+saved in the user's table, where the next start finds it. CANDELABRA_GEMV_TUNING=0 leaves the int4
+fallback tiling and cuBLAS in place."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
-from candelabra.backends.cuda.kernels import gemv_tilings
+from candelabra.backends.cuda.kernels import dense_gemv, gemv_tilings
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
+from candelabra.backends.cuda.kernels.split_k import splits_for
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 
 log = logging.getLogger("candelabra")
@@ -25,50 +29,67 @@ log = logging.getLogger("candelabra")
 # neighbours (bench/results/h200-2026-11-27/int4-tiles.log), each split for 2, 4 and 8 programs an SM.
 CANDIDATES = ((16, 512, 2, 1), (16, 512, 2, 2), (32, 512, 2, 1), (32, 512, 4, 1), (64, 512, 4, 1),
               (32, 256, 2, 1))
+# The 16-bit GEMV's: 64 weights (128 bytes) a thread a step, in tiles from 4 outputs 1,024 deep to 32
+# outputs 256 deep, loaded ahead or not; shallower where K needs it. Not yet timed on a GPU: the first
+# run's log says which won.
+DENSE_CANDIDATES = ((8, 512, 2, 1), (8, 512, 2, 2), (16, 256, 2, 1), (16, 512, 4, 1), (32, 256, 4, 1),
+                    (4, 1024, 2, 1))
 PROGRAMS_PER_SM = (2, 4, 8)
-# A tiling whose product differs more than this from the fallback's is broken (both round the same float32
+# A tiling whose product differs more than this from the reference's is broken (both round the same float32
 # sums, taken in other orders, to the compute dtype; a broken one is off by the order of the product
 # itself), and left out.
 MOST_NMSE = 1e-4
 SWITCH = "CANDELABRA_GEMV_TUNING"
 
 Stopwatch = Callable[[Sequence[Callable[[], object]]], float]  # µs a call of the calls given
+Measured = dict[tuple[int, int], gemv_tilings.GemvTiling | None]  # by [N, K]; None: cuBLAS (dense)
 
 
-def tune_missing_shapes(model, device: torch.device) -> dict[tuple[int, int], gemv_tilings.GemvTiling]:
-    """Measure and save the GEMV tilings of `model`'s int4 linear shapes that this GPU's tables lack; what
-    was measured. Nothing on CPU tensors, under the interpreter, or with CANDELABRA_GEMV_TUNING=0. A failure
-    is logged and leaves the fallback in place: serving goes on."""
+def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
+    """Measure and save, per kind of weight ("int4", "dense"), the GEMV tilings of `model`'s linear shapes
+    that this GPU's tables lack; what was measured (a dense shape's None: cuBLAS was faster). Nothing on CPU
+    tensors, under the interpreter, or with CANDELABRA_GEMV_TUNING=0. A failure is logged and leaves the
+    fallback in place: serving goes on."""
     if device.type != "cuda" or interpreting() or os.environ.get(SWITCH, "1").strip() == "0":
         return {}
     name = gpu_name(device)
-    known = gemv_tilings.measured_tilings(name)
-    missing = {shape: weights for shape, weights in weights_by_shape(model).items() if shape not in known}
-    if not missing:
-        return {}
-    started = time.perf_counter()
-    try:
-        measured = fastest_tilings(missing, device, graph_median_us)
-        path = save(name, measured)
-    except Exception as exc:  # the fallback tiling serves as well as before: a slower start, not a failed one
-        log.warning("cuda: measuring the int4 GEMV's tilings on %s failed (%s: %s); its fallback tiling serves",
-                    name, type(exc).__name__, exc)
-        return {}
-    log.info("cuda: the int4 GEMV's tilings for %d weight shapes measured on %s in %.1f s, saved to %s "
-             "(%s=0 skips this)", len(measured), name, time.perf_counter() - started, path, SWITCH)
-    return measured
+    measured_by_kind = {}
+    for kind, measure in (("int4", fastest_tilings), ("dense", fastest_dense)):
+        known = gemv_tilings.measured_tilings(name, kind)
+        missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
+        if not missing:
+            continue
+        started = time.perf_counter()
+        what = "int4 GEMV's tilings" if kind == "int4" else "16-bit GEMV against cuBLAS"
+        try:
+            measured = measure(missing, device, graph_median_us)
+            path = save(name, measured, kind, next(iter(missing.values()))[0].dtype)
+        except Exception as exc:  # the fallback serves as well as before: a slower start, not a failed one
+            log.warning("cuda: measuring the %s on %s failed (%s: %s); the %s serves", what, name,
+                        type(exc).__name__, exc, "fallback tiling" if kind == "int4" else "cuBLAS product")
+            continue
+        log.info("cuda: the %s for %d weight shapes measured on %s in %.1f s, saved to %s (%s=0 skips this)",
+                 what, len(measured), name, time.perf_counter() - started, path, SWITCH)
+        measured_by_kind[kind] = measured
+    return measured_by_kind
 
 
-def weights_by_shape(model) -> dict[tuple[int, int], list[Int4CudaWeight]]:
-    """The model's int4 linear weights (its layers', theirs within a layer's parts, the LM head) by [N, K]."""
-    found: dict[tuple[int, int], list[Int4CudaWeight]] = {}
+def weights_by_shape(model, kind: str = "int4") -> dict[tuple[int, int], list]:
+    """The model's linear weights of `kind` (int4: Int4CudaWeight; dense: float16 and bfloat16 matrices) in
+    its layers, their parts, and the LM head, by [N, K]."""
+    found: dict[tuple[int, int], list] = {}
     seen: set[int] = set()
 
+    def wanted(value) -> bool:
+        if kind == "int4":
+            return isinstance(value, Int4CudaWeight)
+        return isinstance(value, torch.Tensor) and value.ndim == 2 and value.dtype in dense_gemv.DTYPES
+
     def visit(value, depth: int) -> None:
-        if isinstance(value, Int4CudaWeight):
+        if wanted(value):
             if id(value) not in seen:
                 seen.add(id(value))
-                found.setdefault(value.shape, []).append(value)
+                found.setdefault(tuple(value.shape), []).append(value)
         elif depth and dataclasses.is_dataclass(value) and not isinstance(value, type):
             for part in dataclasses.fields(value):
                 visit(getattr(value, part.name), depth - 1)
@@ -81,12 +102,12 @@ def weights_by_shape(model) -> dict[tuple[int, int], list[Int4CudaWeight]]:
 
 def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], device: torch.device,
                     stopwatch: Stopwatch) -> dict[tuple[int, int], gemv_tilings.GemvTiling]:
-    """Each shape's candidate tiling that `stopwatch` timed fastest over that shape's weights."""
+    """Each shape's candidate int4 tiling that `stopwatch` timed fastest over that shape's weights."""
     sm_count = multiprocessor_count(device)
     chosen = {}
     for (columns, width), weights in by_shape.items():
         group = max(width // weight.scales.shape[1] for weight in weights)
-        x = torch.randn(1, width, device=device, dtype=weights[0].dtype)
+        x = torch.randn(1, width, device=weights[0].device, dtype=weights[0].dtype)
         expected = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros).float()
         timed = {}
         for block_n, block_k, warps, stages in CANDIDATES:
@@ -98,27 +119,71 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
                     per_sm * sm_count, group)
                 if config in timed:
                     continue
-                got = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, config).float()
-                if not float(((got - expected) ** 2).mean()) <= MOST_NMSE * max(float((expected ** 2).mean()), 1e-30):
-                    log.warning("cuda: GEMV tiling %s gives another product at [%d, %d]; left out", config, columns,
-                                width)
+                got = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, config)
+                if not _matches(got, expected, config, (columns, width)):
                     continue
                 timed[config] = stopwatch([lambda w=w, c=config, x=x: kernel.int4_matmul(x, w.packed, w.scales,
                                                                                          w.zeros, c)
                                            for w in weights])
         if timed:
-            best = min(timed, key=timed.get)
-            chosen[columns, width] = gemv_tilings.GemvTiling(best.block_n, best.block_k, best.split_k, best.num_warps,
-                                                             best.num_stages)
+            chosen[columns, width] = min(timed, key=timed.get).gemv_tiling()
     return chosen
 
 
-def save(name: str, measured: dict[tuple[int, int], gemv_tilings.GemvTiling]):
-    """`measured` added to `name`'s table in the user's folder; its path."""
-    path = gemv_tilings.table_file(gemv_tilings.user_tables(), name)
-    tilings = {**gemv_tilings.users_table(name), **measured}
-    gemv_tilings.write_table(path, name, tilings, f"{time.strftime('%Y-%m-%d')}, measured at start-up over the "
-                             "weights of a served model, one row")
+def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: torch.device,
+                  stopwatch: Stopwatch) -> Measured:
+    """Per shape of 16-bit weights, the 16-bit GEMV's tiling that `stopwatch` timed fastest over that
+    shape's weights, or None where cuBLAS's product was faster than all of them (each shape's times logged)."""
+    sm_count = multiprocessor_count(device)
+    chosen = {}
+    for (columns, width), weights in by_shape.items():
+        x = torch.randn(1, width, device=weights[0].device, dtype=weights[0].dtype)
+        expected = F.linear(x, weights[0]).float()
+        cublas = stopwatch([lambda w=w, x=x: F.linear(x, w) for w in weights])
+        timed = {}
+        for block_n, deepest, warps, stages in DENSE_CANDIDATES:
+            block_k = dense_gemv.fitted_block_k(deepest, width)
+            if block_k is None:
+                continue
+            for per_sm in PROGRAMS_PER_SM:
+                steps, tiles = width // block_k, -(-columns // block_n)
+                tiling = gemv_tilings.GemvTiling(block_n, block_k, splits_for(tiles, steps, per_sm * sm_count),
+                                                 warps, stages)
+                if tiling in timed:
+                    continue
+                if not _matches(dense_gemv.dense_gemv(x, weights[0], tiling), expected, tiling, (columns, width)):
+                    continue
+                timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x: dense_gemv.dense_gemv(x, w, t)
+                                           for w in weights])
+        best = min(timed, key=timed.get) if timed else None
+        faster = best is not None and timed[best] < cublas
+        log.info("cuda: [%d, %d] x %d weights, one row: cuBLAS %.1f µs, the 16-bit GEMV's best %s; %s serves",
+                 columns, width, len(weights), cublas,
+                 f"{timed[best]:.1f} µs ({_label(best)})" if best else "(none fits K)",
+                 "the GEMV" if faster else "cuBLAS")
+        chosen[columns, width] = best if faster else None
+    return chosen
+
+
+def _label(tiling: gemv_tilings.GemvTiling) -> str:
+    return (f"{tiling.block_n} x {tiling.block_k}, {tiling.num_warps} warps, K in {tiling.split_k}, "
+            f"{'loaded ahead' if tiling.num_stages > 1 else 'in turn'}")
+
+
+def _matches(got: torch.Tensor, expected: torch.Tensor, tiling, shape: tuple[int, int]) -> bool:
+    error = float(((got.float() - expected) ** 2).mean())
+    if error <= MOST_NMSE * max(float((expected ** 2).mean()), 1e-30):
+        return True
+    log.warning("cuda: GEMV tiling %s gives another product at [%d, %d]; left out", tiling, *shape)
+    return False
+
+
+def save(name: str, measured: Measured, kind: str = "int4",
+         dtype: torch.dtype = torch.bfloat16):
+    """`measured` added to `name`'s `kind` table in the user's folder; its path."""
+    path, _ = gemv_tilings.save_measured(name, measured, f"{time.strftime('%Y-%m-%d')}, measured at start-up over "
+                                         f"the weights of a served model, one row, {str(dtype).removeprefix('torch.')}",
+                                         kind)
     return path
 
 

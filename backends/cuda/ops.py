@@ -1,10 +1,11 @@
 """The cuda backend's ops: Triton kernels for norms, activations, rotary with the cache write, paged
-attention, latent attention, sampling, int4 GEMMs and the experts of a mixture-of-experts layer; torch
-(cuBLAS) for dense GEMMs and the rest."""
+attention, latent attention, sampling, int4 GEMMs, the experts of a mixture-of-experts layer, and the
+one-row products of 16-bit weights where the GPU's measured table chose our GEMV; torch (cuBLAS) for the
+other dense GEMMs and the rest."""
 
 from __future__ import annotations
 
-from candelabra.backends.cuda.kernels import activations, fused_moe, norms, rotary, sampling
+from candelabra.backends.cuda.kernels import activations, dense_gemv, fused_moe, norms, rotary, sampling
 from candelabra.backends.cuda.kernels.latent_attention import paged_latent_attention
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.quantized import Int4CudaWeight
@@ -18,8 +19,10 @@ class CudaOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Int4CudaWeight):
-            out = weight.matmul(x)
-            return out + bias if bias is not None else out
+            return weight.matmul(x, bias)
+        tiling = dense_gemv.chosen_tiling(x, weight)
+        if tiling is not None and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())):
+            return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias).reshape(*x.shape[:-1], -1)
         return super().linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):

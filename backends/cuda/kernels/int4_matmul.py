@@ -48,7 +48,14 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, arrival_counts, finish_tile, partial_sums, splits_for
+from candelabra.backends.cuda.kernels.split_k import (
+    MAX_SPLIT_K,
+    arrival_counts,
+    finish_gemv_row,
+    finish_tile,
+    partial_sums,
+    splits_for,
+)
 
 GROUP_SIZE = 32  # values along K a packing run covers; a scale and zero may cover several runs
 # The values a scale and zero cover (GROUP_SIZE times a power of two): GGUF's 32, GPTQ's and AWQ's 64 to
@@ -322,11 +329,8 @@ def _int4_gemv_kernel(
         else:
             words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets,
                                               col_mask, more, RUNS)
-    result = tl.sum(acc, axis=0)[None, :]
-    rows = row + tl.arange(0, 1)
-    tile = row * tl.num_programs(0) + tile_n
-    finish_tile(result, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0, col_mask, N,
-                out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
 
 
 @triton.jit

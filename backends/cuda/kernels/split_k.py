@@ -52,6 +52,17 @@ def splits_for(tiles: int, steps: int, programs: int, most_splits: int = MAX_SPL
     return enough[0] if enough else allowed[-1]
 
 
+@triton.jit
+def finish_gemv_row(result, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols, col_mask, N,
+                    out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """`finish_tile` for a GEMV program's [BLOCK_N] outputs `cols` of x's row `row`, its grid (column
+    tiles, splits of K, rows)."""
+    rows = row + tl.arange(0, 1)
+    tile = row * tl.num_programs(0) + tile_n
+    finish_tile(result[None, :], out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0,
+                col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+
+
 # Per device, zeroed counters of the split programs that have finished each output tile; the last
 # one resets its tile's to zero. A buffer is never freed (a captured graph may point at it): a larger
 # launch takes a new, larger one.

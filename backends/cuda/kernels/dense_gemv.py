@@ -1,0 +1,145 @@
+"""x @ W.T (+ bias) for one row of x and a float16 or bfloat16 weight W [N, K], on the FMA units, where
+the GPU's measured table says it beats cuBLAS at that shape (`chosen_tiling`).
+
+At one row a product reads each weight once and does one FMA with it: it is bound by HBM alone (an H200
+delivers a 16-bit weight in the time it issues about fourteen instructions a thread), so what counts is
+enough bytes in flight on every SM. cuBLAS streamed Llama-3-8B's larger weights at 92-99% of an H200's
+copy bandwidth but its qkv and attention-output projections at 72-75%, with split-K reductions in kernels
+of their own after them (bench/results/h200-2026-11-27). Here a program takes BLOCK_N outputs over a share
+of K, BLOCK_K of it a step, each thread 16 bytes of one output's row a load; K is split across programs
+for a few programs an SM, and the last split to finish a tile adds the partial sums and the bias
+(kernels/split_k.py), one launch in all. Whether that wins depends on the GPU and the shape, so the
+backend times it against cuBLAS over the model's own weights at start-up (backends/cuda/gemv_tuning.py)
+and keeps whichever was faster in the GPU's dense table.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from candelabra.backends.cuda.availability import gpu_name
+from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
+from candelabra.backends.cuda.kernels.split_k import arrival_counts, finish_gemv_row, partial_sums
+
+DTYPES = (torch.float16, torch.bfloat16)
+# Weights a thread loads at once: 16 bytes of 16-bit values.
+VECTOR = 8
+# CANDELABRA_DENSE_GEMV=0 keeps every dense product with cuBLAS, whatever the tables say.
+SWITCH = "CANDELABRA_DENSE_GEMV"
+
+
+@triton.jit(do_not_specialize=["steps_per_split"])
+def _dense_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partials_ptr,
+    arrivals_ptr,
+    N,
+    steps_per_split,
+    x_row_stride,
+    w_row_stride,
+    out_row_stride,
+    partials_split_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VECTOR: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    CHUNKS: tl.constexpr = BLOCK_K // VECTOR
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    # A step is [CHUNKS, BLOCK_N, VECTOR]: a thread's VECTOR weights are contiguous along K, and the chunks
+    # lead the layout, so a thread's other weights are other outputs' at the same chunk, which the x it
+    # converts serves too (outputs leading, each thread would convert an x a weight). Its sums stay in the
+    # thread until the last step.
+    along_k = tl.arange(0, CHUNKS)[:, None] * VECTOR + tl.arange(0, VECTOR)[None, :]
+    w_offsets = along_k[:, None, :] + cols[None, :, None] * w_row_stride
+    w_mask = col_mask[None, :, None]
+    x_row = x_ptr + row * x_row_stride
+    acc = tl.zeros((CHUNKS, BLOCK_N), dtype=tl.float32)
+    k = split * steps_per_split * BLOCK_K
+    w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_per_split > 0), other=0.0)
+    for step in range(steps_per_split):
+        more = step + 1 < steps_per_split
+        if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
+            next_w = tl.load(w_ptr + k + BLOCK_K + w_offsets, mask=w_mask & more, other=0.0)
+        x = tl.load(x_row + k + along_k).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[:, None, :], axis=2)
+        k += BLOCK_K
+        if PREFETCH:
+            w = next_w
+        else:
+            w = tl.load(w_ptr + k + w_offsets, mask=w_mask & more, other=0.0)
+    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias [N]) -> [M, N] in x's dtype, for a float16 or bfloat16 `weight` [N, K]
+    with unit stride along K, tiled as `tiling` says (its block_k a divisor of K, split_k one of its steps).
+    Each row of x reads the whole weight: meant for one."""
+    rows, width = x.shape
+    columns = weight.shape[0]
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"the dense GEMV takes float16 or bfloat16 x and weight of one dtype, not {x.dtype} and "
+                         f"{weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1] != width or weight.stride(1) != 1:
+        raise ValueError(f"x [{rows}, {width}] does not match a weight [N, {width}] with unit stride along K "
+                         f"({list(weight.shape)}, strides {list(weight.stride())})")
+    if bias is not None and (bias.shape != (columns,) or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be a contiguous [{columns}], not {list(bias.shape)}")
+    steps, ragged = divmod(width, tiling.block_k)
+    if ragged or tiling.block_k % VECTOR or tiling.split_k < 1 or steps % tiling.split_k:
+        raise ValueError(f"block_k {tiling.block_k} (a multiple of {VECTOR}) and split_k {tiling.split_k} must "
+                         f"divide K = {width} into whole steps per split")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    if rows == 0 or columns == 0:
+        return out
+    tiles_n = triton.cdiv(columns, tiling.block_n)
+    partials = partial_sums(out, tiling.split_k)
+    arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
+    _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
+        x, weight, out if bias is None else bias, out, partials, arrivals, columns, steps // tiling.split_k,
+        x.stride(0), weight.stride(0), out.stride(0), rows * columns,
+        BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
+        PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None, num_warps=tiling.num_warps, num_stages=1,
+    )  # fmt: skip
+    return out
+
+
+def fitted_block_k(block_k: int, width: int) -> int | None:
+    """`block_k` halved until it divides K, as deep as a step can be there; None where not even VECTOR does."""
+    while block_k >= VECTOR:
+        if width % block_k == 0:
+            return block_k
+        block_k //= 2
+    return None
+
+
+def chosen_tiling(x: torch.Tensor, weight) -> GemvTiling | None:
+    """The GEMV tiling this GPU's dense table chose for x @ weight.T, or None where cuBLAS serves it: more
+    than one row, another dtype, a shape the table does not hold or gave to cuBLAS, a GPU without a table,
+    CANDELABRA_DENSE_GEMV=0."""
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or x.dtype not in DTYPES:
+        return None
+    width = weight.shape[1]
+    if x.shape[-1] != width or x.numel() != width or weight.dtype != x.dtype or weight.stride(1) != 1:
+        return None
+    name = gpu_name(x.device)
+    if name is None or os.environ.get(SWITCH, "1").strip() == "0":
+        return None
+    return measured_tilings(name, "dense").get((weight.shape[0], width))

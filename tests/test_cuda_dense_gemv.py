@@ -1,0 +1,150 @@
+"""The 16-bit GEMV of the cuda backend, on the GPU or through the Triton interpreter, against the float64
+product; and where the backend's linear takes it instead of cuBLAS: the GPU's dense table decides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from candelabra.backends.cuda.availability import assume_gpu
+from candelabra.backends.cuda.kernels import dense_gemv as kernel
+from candelabra.backends.cuda.kernels import gemv_tilings
+from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, table_file, write_table
+from candelabra.backends.cuda.kernels.split_k import arrival_counts
+from candelabra.conformance.compare import nmse, round_to
+from support import float64_values, kernel_device, skip_where_the_kernels_cannot_run
+
+DEVICE = kernel_device()
+GPU = "NVIDIA TEST-GPU"
+# The interpreter gets bfloat16 arithmetic wrong (backend.py): float16 there, both on a GPU.
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+# float16 x and weight, float32 sums, the output rounded to float16: about 1e-7 measured.
+THRESHOLD = {torch.float16: 1e-6, torch.bfloat16: 3e-5}
+
+
+def case(rng, rows: int, columns: int, width: int, dtype=torch.float16):
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    x = round_to(rng.standard_normal((rows, width)), name)
+    weight = round_to(rng.standard_normal((columns, width)) / np.sqrt(width), name)
+    expected = x.astype(np.float64) @ weight.astype(np.float64).T
+    return (torch.from_numpy(x).to(DEVICE, dtype), torch.from_numpy(weight).to(DEVICE, dtype), expected)
+
+
+def tiling(block_n=16, block_k=128, split_k=1, num_warps=2, num_stages=1) -> GemvTiling:
+    return GemvTiling(block_n, block_k, split_k, num_warps, num_stages)
+
+
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("stages", [1, 2], ids=["in-turn", "next-step-ahead"])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_the_gemv_matches_the_float64_product(split_k, stages, dtype):
+    # ragged columns (100 in tiles of 16), K = 1024 in 8 steps of 128 (2 a split in four); two rows
+    rng = np.random.default_rng([split_k, stages])
+    x, weight, expected = case(rng, 2, 100, 1024, dtype)
+    out = kernel.dense_gemv(x, weight, tiling(split_k=split_k, num_stages=stages))
+    assert out.dtype == dtype and out.shape == (2, 100)
+    assert nmse(float64_values(out), expected) <= THRESHOLD[dtype]
+    assert not arrival_counts(DEVICE, 1).any()  # the last split of each tile reset its count
+    assert torch.equal(kernel.dense_gemv(x, weight, tiling(split_k=split_k, num_stages=stages)), out)
+
+
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_the_bias_is_added_as_the_output_is_written(split_k):
+    rng = np.random.default_rng(3 + split_k)
+    x, weight, expected = case(rng, 1, 40, 512)
+    bias = round_to(rng.standard_normal(40), "float16")
+    out = kernel.dense_gemv(x, weight, tiling(block_n=32, block_k=256, split_k=split_k),
+                            torch.from_numpy(bias).to(DEVICE))
+    assert nmse(float64_values(out), expected + bias) <= THRESHOLD[torch.float16]
+
+
+@skip_where_the_kernels_cannot_run()
+def test_a_weight_with_rows_apart_and_x_with_rows_apart():
+    rng = np.random.default_rng(5)
+    x, weight, _ = case(rng, 1, 24, 768)
+    wide = torch.cat([weight, weight[:, :128]], dim=1)[:, :768]  # rows 896 apart, unit stride along K
+    strided_x = torch.cat([x, x], dim=1)[:, 64:832]
+    expected = float64_values(strided_x) @ float64_values(wide).T
+    out = kernel.dense_gemv(strided_x, wide, tiling(block_n=8, block_k=256, split_k=3))
+    assert nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
+
+
+def test_what_the_gemv_does_not_take_is_refused():
+    x = torch.ones(1, 512, dtype=torch.float16)
+    weight = torch.ones(8, 512, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16 or bfloat16 x and weight of one dtype"):
+        kernel.dense_gemv(x.float(), weight.float(), tiling())
+    with pytest.raises(ValueError, match="does not match a weight"):
+        kernel.dense_gemv(x, torch.ones(8, 256, dtype=torch.float16), tiling())
+    with pytest.raises(ValueError, match="unit stride along K"):
+        kernel.dense_gemv(x, torch.ones(512, 8, dtype=torch.float16).T, tiling())
+    with pytest.raises(ValueError, match="must divide K = 512 into whole steps per split"):
+        kernel.dense_gemv(x, weight, tiling(block_k=384))
+    with pytest.raises(ValueError, match="must divide K = 512 into whole steps per split"):
+        kernel.dense_gemv(x, weight, tiling(block_k=128, split_k=3))
+    with pytest.raises(ValueError, match=r"the bias must be a contiguous \[8\]"):
+        kernel.dense_gemv(x, weight, tiling(), torch.ones(9, dtype=torch.float16))
+
+
+def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables, monkeypatch):
+    mine = tiling(block_n=32, block_k=256, split_k=2)
+    write_table(table_file(user_tables, GPU, "dense"), GPU, {(64, 512): mine, (32, 512): None}, "by hand", "dense")
+    one = torch.ones(1, 512, dtype=torch.float16)
+    weight = torch.ones(64, 512, dtype=torch.float16)
+    with assume_gpu(GPU):
+        assert kernel.chosen_tiling(one, weight) == mine
+        assert kernel.chosen_tiling(one.reshape(1, 1, 512), weight) == mine  # leading dims of one row
+        assert kernel.chosen_tiling(torch.ones(2, 512, dtype=torch.float16), weight) is None
+        assert kernel.chosen_tiling(one, torch.ones(32, 512, dtype=torch.float16)) is None  # cuBLAS was faster
+        assert kernel.chosen_tiling(one, torch.ones(48, 512, dtype=torch.float16)) is None  # not measured
+        assert kernel.chosen_tiling(one.float(), weight.float()) is None
+        assert kernel.chosen_tiling(one, torch.ones(512, 64, dtype=torch.float16).T) is None
+        monkeypatch.setenv(kernel.SWITCH, "0")
+        assert kernel.chosen_tiling(one, weight) is None
+    assert kernel.chosen_tiling(one, weight) is None  # CPU tensors name no GPU
+
+
+def test_a_dense_table_reads_back_with_cublas_entries_and_refuses_a_tiling_too_shallow(user_tables):
+    path = table_file(user_tables, GPU, "dense")
+    assert path.name == "nvidia-test-gpu.dense.json"
+    write_table(path, GPU, {(64, 512): tiling(block_k=8), (32, 512): None}, "by hand", "dense")
+    assert gemv_tilings.read_table(path, "dense") == {(64, 512): tiling(block_k=8), (32, 512): None}
+    assert gemv_tilings.measured_tilings(GPU, "int4") == {}  # the int4 table is another file
+    with pytest.raises(ValueError, match="names a tiling for every shape"):
+        write_table(table_file(user_tables, GPU), GPU, {(32, 512): None}, "by hand")
+    with pytest.raises(ValueError, match=r"block_k \(at least 32\)"):
+        write_table(table_file(user_tables, GPU), GPU, {(64, 512): tiling(block_k=8)}, "by hand")
+    with pytest.raises(ValueError, match="is not a table of int4 GEMV tilings"):
+        gemv_tilings.read_table(path, "int4")
+
+
+@skip_where_the_kernels_cannot_run()
+def test_the_backends_linear_takes_the_gemv_where_the_table_says_and_cublas_elsewhere(user_tables, monkeypatch):
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(9)
+    x, weight, expected = case(rng, 1, 64, 512)
+    bias = torch.from_numpy(round_to(rng.standard_normal(64), "float16")).to(DEVICE, torch.float16)
+    write_table(table_file(user_tables, GPU, "dense"), GPU, {(64, 512): tiling(block_k=256, split_k=2)}, "", "dense")
+    launched = []
+    real = kernel.dense_gemv
+    monkeypatch.setattr(kernel, "dense_gemv", lambda *args: launched.append(args[2]) or real(*args))
+    ops = CudaOps(DEVICE)
+    with assume_gpu(GPU):
+        out = ops.linear(x.reshape(1, 1, 512), weight, bias)
+        assert out.shape == (1, 1, 64) and launched == [tiling(block_k=256, split_k=2)]
+        assert nmse(float64_values(out).reshape(1, 64), expected + float64_values(bias)) <= THRESHOLD[torch.float16]
+        two_rows = ops.linear(torch.cat([x, x]), weight)
+    assert len(launched) == 1 and two_rows.shape == (2, 64)
+    assert nmse(float64_values(two_rows), np.concatenate([expected, expected])) <= THRESHOLD[torch.float16]
+
+
+def test_a_step_is_made_shallower_until_it_divides_k():
+    assert kernel.fitted_block_k(1024, 4096) == 1024
+    assert kernel.fitted_block_k(1024, 3584) == 512  # Qwen2.5-7B's hidden size, 7 x 512
+    assert kernel.fitted_block_k(512, 64) == 64
+    assert kernel.fitted_block_k(512, 40) == 8
+    assert kernel.fitted_block_k(512, 36) is None
