@@ -147,7 +147,7 @@ routed = [w for w in configs if w.experts] + [Workload.from_hf_config(case.name,
 llama = [w for w in configs if w.label == "llama-3-8b"]
 fused_moe = frozenset({"_count_picks_kernel", "_place_picks_kernel", "_gate_up_kernel", "_down_kernel",
                        "_sum_picks_kernel"})
-latent = frozenset({"_latent_attention_kernel", "_merge_segments_kernel", "_rotary_kernel", "_rms_norm_kernel"})
+latent = frozenset({"_latent_attention_kernel", "_rotary_kernel", "_rms_norm_kernel"})
 v3_heads = [replace(w, label="deepseek-v3 heads", heads=128) for w in configs if w.label == "deepseek-v2-lite"]
 both = [TARGETS["sm_90a"], TARGETS["sm_80"]]
 quantized_kv = frozenset({"_attention_tile_kernel", "_write_kv_kernel", "_rotary_kernel"})
@@ -180,7 +180,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     assert not problems, "\n".join(problems)
     assert {entry["target"] for entry in compiled} == {"sm_90a", "sm_80"}
     kernels = {entry["kernel"] for entry in compiled}
-    assert kernels >= {"_attention_tile_kernel", "_merge_segments_kernel", "_rms_norm_kernel", "_gated_kernel",
+    assert kernels >= {"_attention_tile_kernel", "_rms_norm_kernel", "_gated_kernel",
                        "_elementwise_kernel", "_rotary_kernel", "_write_kv_kernel", "_sample_rows",
                        "_chunk_statistics_kernel", "_int4_matmul_kernel", "_count_picks_kernel",
                        "_place_picks_kernel", "_gate_up_kernel", "_down_kernel", "_sum_picks_kernel",

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from candelabra.backends.cuda.availability import NOMINAL_MULTIPROCESSORS, assume_multiprocessors, interpreting
+from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace
 from candelabra.backends.cuda.kernels.latent_attention import MAX_FLOAT32_ROWS, MAX_ROWS, paged_latent_attention
-from candelabra.backends.cuda.kernels.paged_attention import decode_segments, decode_workspace
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance.oracle import paged_latent_attention as oracle_latent_attention
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -141,6 +141,7 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
         second.run()
         again = decode_workspace(DEVICE, torch.float32, 3, 4, 32, decode_segments(3, 1, NOMINAL_MULTIPROCESSORS))
         assert [t.data_ptr() for t in (again.partial_out, again.partial_max, again.partial_sum)] == pointers
+        assert not again.arrivals.any()  # each tile's last segment merged them and reset its count
 
 
 def test_a_cache_with_several_kv_heads_or_queries_that_disagree_are_refused_saying_what_fits():

@@ -13,12 +13,8 @@ from candelabra.backends.cuda.availability import (
     assume_multiprocessors,
     multiprocessor_count,
 )
-from candelabra.backends.cuda.kernels.paged_attention import (
-    choose_tiling,
-    decode_segments,
-    decode_workspace,
-    paged_attention,
-)
+from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace
+from candelabra.backends.cuda.kernels.paged_attention import choose_tiling, paged_attention
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance.oracle import paged_attention as oracle_attention
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -181,6 +177,8 @@ def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     second.run(scale=0.125)
     again = decode_workspace(DEVICE, torch.float32, 3, num_heads, head_dim, segments)
     assert [t.data_ptr() for t in (again.partial_out, again.partial_max, again.partial_sum)] == pointers
+    # each tile's last segment merged them and left its count at zero for the next replay
+    assert segments > 1 and not again.arrivals.any()
 
 
 @pytest.mark.parametrize("query_lens, decode_tokens", [([1, 5, 1, 3, 1], [0, 6, 10]), ([1, 1, 1], None),

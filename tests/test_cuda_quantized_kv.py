@@ -9,8 +9,9 @@ import torch
 
 from candelabra.backends.cuda.availability import assume_multiprocessors
 from candelabra.backends.cuda.backend import FP8_CAPABILITY, CudaBackend
+from candelabra.backends.cuda.kernels.key_segments import decode_segments
 from candelabra.backends.cuda.kernels.latent_attention import paged_latent_attention
-from candelabra.backends.cuda.kernels.paged_attention import decode_segments, paged_attention
+from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.kernels.rotary import rotary, rotary_write_kv, write_kv
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance import oracle

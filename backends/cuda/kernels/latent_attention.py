@@ -9,10 +9,10 @@ with 16-bit operands): a token's heads are split over several programs where the
 that, two for DeepSeek-V3's 128.
 
 The launches follow kernels/paged_attention.py: a decode step splits each sequence's keys into segments
-when its tiles alone leave SMs idle, the segments merged by that module's merge kernel from a workspace
-reused across calls; a step mixing decodes with longer queries launches twice, its decodes tiled as a
-decode step. No launch depends on the sequences' lengths, so a decode step can be captured in a CUDA
-graph.
+when its tiles alone leave SMs idle, into a workspace reused across calls, and each tile's last segment
+to finish merges them (kernels/key_segments.py); a step mixing decodes with longer queries launches
+twice, its decodes tiled as a decode step. No launch depends on the sequences' lengths, so a decode step
+can be captured in a CUDA graph.
 
 A quantized latent cache ("int8" or "fp8" codes, each row followed by its float32 scale: kv_codes.py) is
 read by the same tiles: a tile of latents and of rotary keys is loaded as codes with its rows' scales, the
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
     check_same_codes,
@@ -38,15 +39,7 @@ from candelabra.backends.cuda.kernels.kv_codes import (
     row_features,
     row_strides,
 )
-from candelabra.backends.cuda.kernels.paged_attention import (
-    LOG2_E,
-    MIN_DOT_SIZE,
-    TRITON_DTYPES,
-    decode_segments,
-    decode_workspace,
-    merge_segments,
-    sequence_of_tile,
-)
+from candelabra.backends.cuda.kernels.paged_attention import LOG2_E, MIN_DOT_SIZE, TRITON_DTYPES, sequence_of_tile
 from candelabra.backends.cuda.step import CudaStep
 
 # Most rows a program holds: its accumulator is [rows, R] float32 (see choose_latent_tiling).
@@ -152,20 +145,18 @@ class _LatentLaunch:
 
     def decodes(self, count: int, tokens: torch.Tensor | None) -> None:
         """One tile per decode token and group of heads (all of the step's tokens, or those listed in
-        `tokens`), its keys split into segments when the tiles alone leave SMs idle, then merged."""
+        `tokens`), its keys split into segments when the tiles alone leave SMs idle, merged by each tile's
+        last segment."""
         num_tokens, num_heads, rank = self.q_latent.shape
         tiling = self.tiling(1)
         head_tiles = triton.cdiv(num_heads, tiling.heads)
         segments = decode_segments(count, head_tiles, multiprocessor_count(self.out.device))
-        workspace = None
         if segments > 1:
             workspace = decode_workspace(self.out.device, self.out.dtype, num_tokens, num_heads, rank, segments)
-            partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
+            partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum, workspace.arrivals)
         else:
-            partials = (self.out,) * 3  # never touched when there is a single segment
+            partials = (self.out,) * 4  # never touched when there is a single segment
         self._tiles((count, head_tiles, segments), tiling, partials, tokens, skip_decodes=False)
-        if workspace is not None:
-            merge_segments(self.out, workspace, count, tokens)
 
     def longer_queries(self, skip_decodes: bool) -> None:
         """Tiles of several query tokens of one sequence each, unsplit."""
@@ -177,7 +168,7 @@ class _LatentLaunch:
             # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
             tiles = self.q_latent.shape[0] // tiling.queries + step.num_seqs
         head_tiles = triton.cdiv(self.q_latent.shape[1], tiling.heads)
-        self._tiles((tiles, head_tiles, 1), tiling, (self.out,) * 3, None, skip_decodes)
+        self._tiles((tiles, head_tiles, 1), tiling, (self.out,) * 4, None, skip_decodes)
 
     def _tiles(self, grid, tiling: LatentTiling, partials, tokens, skip_decodes: bool) -> None:
         q_latent, q_rope, out, step = self.q_latent, self.q_rope, self.out, self.step
@@ -210,7 +201,7 @@ class _LatentLaunch:
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "num_heads", "num_segments", "token_list",
                                "skip_decodes", "stride_block_tables"])
 def _latent_attention_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
     q_latent_ptr, q_rope_ptr, rope_cache_ptr, latent_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
     num_seqs, search_steps, num_heads, num_segments, token_list, skip_decodes, score_scale,
@@ -322,13 +313,6 @@ def _latent_attention_kernel(
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), latents, input_precision="ieee")
         running_max = new_max
 
-    if num_segments > 1:
-        partial = (token * num_heads + head) * num_segments + segment
-        tl.store(partial_out_ptr + partial[:, None] * RANK + ranks[None, :], acc,
-                 mask=row_valid[:, None] & rank_valid[None, :])
-        tl.store(partial_max_ptr + partial, running_max, mask=row_valid)
-        tl.store(partial_sum_ptr + partial, running_sum, mask=row_valid)
-    else:
-        result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + ranks[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & rank_valid[None, :])
+    finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
+                token, head, ranks, row_valid, rank_valid, stride_out_token, stride_out_head, num_heads, num_segments,
+                segment, RANK, RANK_PAD)

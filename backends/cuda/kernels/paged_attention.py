@@ -1,11 +1,11 @@
-"""Paged attention as Triton kernels: one kernel for prefill, chunked prefill and decode over the
-block tables, and a second one that merges the key segments of a split-K decode.
+"""Paged attention as a Triton kernel for prefill, chunked prefill and decode over the block tables.
 
 A program owns a tile of rows, (query tokens of one sequence) x (the query heads sharing one KV
 head), so even a single decode token fills a tensor-core tile. In a decode step each sequence's
 keys are split into a fixed number of segments whose partial results land in a workspace that is
-reused across calls: the launch depends only on the step's shapes, never on its lengths, so a
-decode step captured in a CUDA graph replays correctly with any sequence lengths.
+reused across calls, and the last segment of a tile to finish merges them (kernels/key_segments.py):
+the launch depends only on the step's shapes, never on its lengths, so a decode step captured in a CUDA
+graph replays correctly with any sequence lengths.
 
 A step that mixes decodes with longer queries (prefill chunks beside running sequences) launches
 twice: its decodes tiled as a decode step (a tile of one token's group of heads, keys split into
@@ -28,6 +28,7 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
     check_same_codes,
@@ -40,59 +41,7 @@ from candelabra.backends.cuda.step import CudaStep
 LOG2_E = math.log2(math.e)
 # tl.dot needs at least 16 rows (and 16 columns) per operand.
 MIN_DOT_SIZE = 16
-# A split decode aims at this many programs an SM, so that each keeps a few blocks of keys in flight.
-DECODE_PROGRAMS_PER_SM = 4
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@dataclass(frozen=True)
-class DecodeWorkspace:
-    """Where the segments of a split-K decode leave their partial results, per (token, query
-    head, segment): the unnormalised weighted sum of values, the running maximum of the scores
-    (in log2 units) and the sum of exponentials below that maximum."""
-
-    partial_out: torch.Tensor  # [T, Hq, segments, D] float32
-    partial_max: torch.Tensor  # [T, Hq, segments] float32
-    partial_sum: torch.Tensor  # [T, Hq, segments] float32
-
-
-_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
-
-
-def decode_workspace(device: torch.device, dtype: torch.dtype, num_tokens: int, num_heads: int,
-                     head_dim: int, segments: int) -> DecodeWorkspace:
-    """The workspace for these shapes: views of a buffer sized for the next power of two of
-    `num_tokens`, allocated on first use and the same memory ever after (a captured graph keeps
-    pointing at it), so batches of any size share a few buffers rather than one each."""
-    capacity = triton.next_power_of_2(max(num_tokens, 1))
-    key = (torch.device(device), dtype, capacity, num_heads, head_dim, segments)
-    workspace = _WORKSPACES.get(key)
-    if workspace is None:
-        shape = (capacity, num_heads, segments)
-        workspace = DecodeWorkspace(
-            partial_out=torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
-            partial_max=torch.empty(shape, dtype=torch.float32, device=device),
-            partial_sum=torch.empty(shape, dtype=torch.float32, device=device),
-        )
-        _WORKSPACES[key] = workspace
-    return DecodeWorkspace(workspace.partial_out[:num_tokens], workspace.partial_max[:num_tokens],
-                           workspace.partial_sum[:num_tokens])
-
-
-def release_decode_workspaces() -> None:
-    """Forget every workspace (only once no captured graph that uses them will replay)."""
-    _WORKSPACES.clear()
-
-
-def decode_segments(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> int:
-    """Key segments per (sequence, KV head) in a decode step: none when the batch's programs alone
-    fill every SM (a split would only add partial sums and a merge), else enough for about
-    DECODE_PROGRAMS_PER_SM programs an SM, 2 to 16."""
-    programs = num_seqs * num_kv_heads
-    if programs >= multiprocessors:
-        return 1
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * multiprocessors, programs)
-    return min(16, max(2, triton.next_power_of_2(wanted)))
 
 
 @dataclass(frozen=True)
@@ -191,19 +140,17 @@ class _AttentionLaunch:
 
     def decodes(self, count: int, tokens: torch.Tensor | None) -> None:
         """One tile per decode token (all of the step's tokens, or those listed in `tokens`), its keys
-        split into segments when the tiles alone leave SMs idle, then the segments merged."""
+        split into segments when the tiles alone leave SMs idle, merged by each tile's last segment."""
         q, num_kv_heads = self.q, self.key_cache.shape[2]
         tiling = choose_tiling(1, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
         segments = decode_segments(count, num_kv_heads, multiprocessor_count(q.device))
         num_tokens, num_heads, head_dim = q.shape
         if segments > 1:
             workspace = decode_workspace(q.device, q.dtype, num_tokens, num_heads, head_dim, segments)
-            partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
+            partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum, workspace.arrivals)
         else:
-            partials = (self.out, self.out, self.out)  # never touched when there is a single segment
+            partials = (self.out,) * 4  # never touched when there is a single segment
         self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False, token_tiles=True)
-        if segments > 1:
-            merge_segments(self.out, workspace, count, tokens)
 
     def longer_queries(self, skip_decodes: bool) -> None:
         """Tiles of several query tokens of one sequence each, unsplit."""
@@ -211,7 +158,7 @@ class _AttentionLaunch:
         tiling = choose_tiling(step.max_query_len, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
         # sequence b's tiles start at query_start_loc[b] // queries + b, so this many cover them all
         tiles = self.q.shape[0] // tiling.queries + step.num_seqs
-        self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 3, None, skip_decodes,
+        self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 4, None, skip_decodes,
                     token_tiles=False)
 
     def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool, token_tiles: bool) -> None:
@@ -243,20 +190,6 @@ class _AttentionLaunch:
         )
 
 
-def merge_segments(out: torch.Tensor, workspace: DecodeWorkspace, count: int, tokens: torch.Tensor | None) -> None:
-    """Merge the key segments a split decode left in `workspace` into out [T, H, D], for `count` tokens:
-    the first `count`, or those listed in `tokens`."""
-    num_heads, head_dim, segments = out.shape[1], out.shape[2], workspace.partial_max.shape[2]
-    head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
-    _merge_segments_kernel[(count, num_heads)](
-        out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, out.stride(0), out.stride(1),
-        tokens if tokens is not None else out,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=segments,
-        TOKEN_LIST=tokens is not None,
-        num_warps=4 if head_dim_pad >= 128 else 2,
-    )
-
-
 @triton.jit
 def _tanh(x):
     # from exp rather than a libdevice call, so the interpreter runs it; saturates to +-1
@@ -281,7 +214,7 @@ def sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_
 # for multiples of 16) would compile another kernel for batch 1 and for some windows, for nothing.
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "sliding_window", "stride_block_tables"])
 def _attention_tile_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
     num_seqs, search_steps,
@@ -407,41 +340,6 @@ def _attention_tile_kernel(
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
         running_max = new_max
 
-    if NUM_SEGMENTS > 1:
-        partial = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment
-        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=row_valid[:, None] & dim_valid[None, :])
-        tl.store(partial_max_ptr + partial, running_max, mask=row_valid)
-        tl.store(partial_sum_ptr + partial, running_sum, mask=row_valid)
-    else:
-        result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
-
-
-@triton.jit
-def _merge_segments_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    stride_out_token, stride_out_head, tile_tokens_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    TOKEN_LIST: tl.constexpr,
-):
-    token = tl.program_id(0)
-    if TOKEN_LIST:
-        token = tl.load(tile_tokens_ptr + token)
-    head = tl.program_id(1)
-    partial = (token * NUM_HEADS + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-
-    segment_max = tl.load(partial_max_ptr + partial)
-    overall_max = tl.max(segment_max, 0)
-    overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
-    # an empty segment has max -inf and sum 0: its weight is exactly 0
-    segment_weight = tl.exp2(segment_max - overall_max)
-    total = tl.sum(tl.load(partial_sum_ptr + partial) * segment_weight, 0)
-    segment_out = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :],
-                          mask=dim_valid[None, :], other=0.0)
-    merged = tl.sum(segment_out * segment_weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims,
-             merged.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
+                token, head, dims, row_valid, dim_valid, stride_out_token, stride_out_head, NUM_HEADS, NUM_SEGMENTS,
+                segment, HEAD_DIM, HEAD_DIM_PAD)
