@@ -142,9 +142,9 @@ def test_the_backends_linear_takes_the_gemv_where_the_table_says_and_cublas_else
     assert nmse(float64_values(two_rows), np.concatenate([expected, expected])) <= THRESHOLD[torch.float16]
 
 
-def test_a_step_is_made_shallower_until_it_divides_k():
-    assert kernel.fitted_block_k(1024, 4096) == 1024
-    assert kernel.fitted_block_k(1024, 3584) == 512  # Qwen2.5-7B's hidden size, 7 x 512
-    assert kernel.fitted_block_k(512, 64) == 64
-    assert kernel.fitted_block_k(512, 40) == 8
-    assert kernel.fitted_block_k(512, 36) is None
+def test_a_tile_is_made_shallower_and_wider_until_its_depth_divides_k():
+    assert kernel.fitted_tile(8, 1024, 4096) == (8, 1024)
+    assert kernel.fitted_tile(8, 1024, 3584) == (16, 512)  # Qwen2.5-7B's hidden size, 7 x 512
+    assert kernel.fitted_tile(16, 512, 64) == (128, 64)
+    assert kernel.fitted_tile(4, 512, 40) == (256, 8)
+    assert kernel.fitted_tile(4, 512, 36) is None

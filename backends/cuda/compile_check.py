@@ -303,11 +303,10 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     if compute in dense_gemv.DTYPES:
         programs = [per_sm * multiprocessor_count(torch.device("cuda")) for per_sm in DENSE_PROGRAMS_PER_SM]
         for columns, width in w.linear_shapes():
-            fitted = [(block_n, dense_gemv.fitted_block_k(deepest, width), warps, stages)
-                      for block_n, deepest, warps, stages in DENSE_CANDIDATES]
-            tilings = {GemvTiling(block_n, block_k, splits_for(-(-columns // block_n), width // block_k, count),
-                                  warps, stages)
-                       for block_n, block_k, warps, stages in fitted if block_k is not None for count in programs}
+            fitted = [(dense_gemv.fitted_tile(block_n, block_k, width), warps, stages)
+                      for block_n, block_k, warps, stages in DENSE_CANDIDATES]
+            tilings = {GemvTiling(*tile, splits_for(-(-columns // tile[0]), width // tile[1], count), warps, stages)
+                       for tile, warps, stages in fitted if tile is not None for count in programs}
             tilings |= {measured_tilings(gpu, "dense").get((columns, width)) for gpu in gpus} - {None}
             for tiling in sorted(tilings, key=repr):
                 dense_gemv.dense_gemv(torch.empty(1, width, dtype=compute), torch.empty(columns, width, dtype=compute),

@@ -30,8 +30,8 @@ log = logging.getLogger("candelabra")
 CANDIDATES = ((16, 512, 2, 1), (16, 512, 2, 2), (32, 512, 2, 1), (32, 512, 4, 1), (64, 512, 4, 1),
               (32, 256, 2, 1))
 # The 16-bit GEMV's: 64 weights (128 bytes) a thread a step, in tiles from 4 outputs 1,024 deep to 32
-# outputs 256 deep, loaded ahead or not; shallower where K needs it. Not yet timed on a GPU: the first
-# run's log says which won.
+# outputs 256 deep, loaded ahead or not; shallower and wider where K needs it. Not yet timed on a GPU: the
+# first run's log says which won.
 DENSE_CANDIDATES = ((8, 512, 2, 1), (8, 512, 2, 2), (16, 256, 2, 1), (16, 512, 4, 1), (32, 256, 4, 1),
                     (4, 1024, 2, 1))
 PROGRAMS_PER_SM = (2, 4, 8)
@@ -141,10 +141,11 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
         expected = F.linear(x, weights[0]).float()
         cublas = stopwatch([lambda w=w, x=x: F.linear(x, w) for w in weights])
         timed = {}
-        for block_n, deepest, warps, stages in DENSE_CANDIDATES:
-            block_k = dense_gemv.fitted_block_k(deepest, width)
-            if block_k is None:
+        for widest, deepest, warps, stages in DENSE_CANDIDATES:
+            tile = dense_gemv.fitted_tile(widest, deepest, width)
+            if tile is None:
                 continue
+            block_n, block_k = tile
             for per_sm in PROGRAMS_PER_SM:
                 steps, tiles = width // block_k, -(-columns // block_n)
                 tiling = gemv_tilings.GemvTiling(block_n, block_k, splits_for(tiles, steps, per_sm * sm_count),
