@@ -87,6 +87,11 @@ def test_what_the_gemv_does_not_take_is_refused():
         kernel.dense_gemv(x, weight, tiling(block_k=128, split_k=3))
     with pytest.raises(ValueError, match=r"the bias must be a contiguous \[8\]"):
         kernel.dense_gemv(x, weight, tiling(), torch.ones(9, dtype=torch.float16))
+    # rows further apart than 32-bit offsets reach (on the meta device: nothing that large is allocated)
+    far = torch.empty_strided((8, 512), (2**28, 1), dtype=torch.float16, device="meta")
+    assert not kernel.fits(far) and kernel.fits(weight)
+    with pytest.raises(ValueError, match="spans more than the GEMV's 32-bit offsets reach"):
+        kernel.dense_gemv(x, far, tiling())
 
 
 def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables, monkeypatch):
@@ -102,6 +107,8 @@ def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables
         assert kernel.chosen_tiling(one, torch.ones(48, 512, dtype=torch.float16)) is None  # not measured
         assert kernel.chosen_tiling(one.float(), weight.float()) is None
         assert kernel.chosen_tiling(one, torch.ones(512, 64, dtype=torch.float16).T) is None
+        far = torch.empty_strided((64, 512), (2**26, 1), dtype=torch.float16, device="meta")
+        assert kernel.chosen_tiling(one, far) is None  # past the kernel's 32-bit offsets
         monkeypatch.setenv(kernel.SWITCH, "0")
         assert kernel.chosen_tiling(one, weight) is None
     assert kernel.chosen_tiling(one, weight) is None  # CPU tensors name no GPU

@@ -83,7 +83,8 @@ def weights_by_shape(model, kind: str = "int4") -> dict[tuple[int, int], list]:
     def wanted(value) -> bool:
         if kind == "int4":
             return isinstance(value, Int4CudaWeight)
-        return isinstance(value, torch.Tensor) and value.ndim == 2 and value.dtype in dense_gemv.DTYPES
+        return (isinstance(value, torch.Tensor) and value.ndim == 2 and value.dtype in dense_gemv.DTYPES
+                and dense_gemv.fits(value))
 
     def visit(value, depth: int) -> None:
         if wanted(value):

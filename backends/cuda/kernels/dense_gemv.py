@@ -30,6 +30,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 VECTOR = 8
 # CANDELABRA_DENSE_GEMV=0 keeps every dense product with cuBLAS, whatever the tables say.
 SWITCH = "CANDELABRA_DENSE_GEMV"
+# The kernel's offsets into the weight are 32-bit: a larger matrix (a 256k vocabulary at a hidden size of
+# 8,192) stays with cuBLAS.
+MOST_ELEMENTS = 2**31 - 1
 
 
 @triton.jit(do_not_specialize=["steps_per_split"])
@@ -98,6 +101,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     if weight.ndim != 2 or weight.shape[1] != width or weight.stride(1) != 1:
         raise ValueError(f"x [{rows}, {width}] does not match a weight [N, {width}] with unit stride along K "
                          f"({list(weight.shape)}, strides {list(weight.stride())})")
+    if not fits(weight):
+        raise ValueError(f"a weight of {list(weight.shape)} (rows {weight.stride(0)} apart) spans more than the "
+                         f"GEMV's 32-bit offsets reach ({MOST_ELEMENTS} elements)")
     if bias is not None and (bias.shape != (columns,) or not bias.is_contiguous()):
         raise ValueError(f"the bias must be a contiguous [{columns}], not {list(bias.shape)}")
     steps, ragged = divmod(width, tiling.block_k)
@@ -132,6 +138,11 @@ def fitted_tile(block_n: int, block_k: int, width: int) -> tuple[int, int] | Non
     return None
 
 
+def fits(weight: torch.Tensor) -> bool:
+    """Whether the GEMV's 32-bit offsets reach every element of `weight` [N, K]."""
+    return weight.shape[0] * weight.stride(0) <= MOST_ELEMENTS
+
+
 def chosen_tiling(x: torch.Tensor, weight) -> GemvTiling | None:
     """The GEMV tiling this GPU's dense table chose for x @ weight.T, or None where cuBLAS serves it: more
     than one row, another dtype, a shape the table does not hold or gave to cuBLAS, a GPU without a table,
@@ -139,7 +150,8 @@ def chosen_tiling(x: torch.Tensor, weight) -> GemvTiling | None:
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or x.dtype not in DTYPES:
         return None
     width = weight.shape[1]
-    if x.shape[-1] != width or x.numel() != width or weight.dtype != x.dtype or weight.stride(1) != 1:
+    if (x.shape[-1] != width or x.numel() != width or weight.dtype != x.dtype or weight.stride(1) != 1
+            or not fits(weight)):
         return None
     name = gpu_name(x.device)
     if name is None or os.environ.get(SWITCH, "1").strip() == "0":
