@@ -242,17 +242,15 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     """Run the kernels' launch code for one decoder layer of `workload` at every step shape serving uses
     (its routed experts too, for a mixture-of-experts model), then sampling and the int4 GEMMs (inside
     `recording_launches`, nothing runs). `steps` (query lengths per sequence) replaces the step shapes
-    of attention and the cache write; the int4 GEMV is launched again as each of `gpus` tiles it, and the
-    16-bit GEMV at every tiling start-up measurement tries and `gpus`' dense tables hold."""
+    of attention and the cache write; the GEMVs are launched again at every tiling start-up measurement
+    tries (gemv_tuning) and as each of `gpus`' measured tables tiles them."""
     import torch
 
-    from candelabra.backends.cuda.gemv_tuning import DENSE_CANDIDATES
-    from candelabra.backends.cuda.gemv_tuning import PROGRAMS_PER_SM as DENSE_PROGRAMS_PER_SM
+    from candelabra.backends.cuda.gemv_tuning import dense_candidates, int4_candidates
     from candelabra.backends.cuda.kernels import activations, dense_gemv, norms, rotary, sampling
-    from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
+    from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
     from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul
     from candelabra.backends.cuda.kernels.paged_attention import paged_attention
-    from candelabra.backends.cuda.kernels.split_k import splits_for
     from candelabra.backends.torch.backend import torch_dtype
 
     compute = torch_dtype(dtype)
@@ -300,13 +298,10 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
 
     # the 16-bit GEMV at every tiling start-up measurement tries, and those the GPUs' dense tables chose
+    sm_count = multiprocessor_count(torch.device("cuda"))
     if compute in dense_gemv.DTYPES:
-        programs = [per_sm * multiprocessor_count(torch.device("cuda")) for per_sm in DENSE_PROGRAMS_PER_SM]
         for columns, width in w.linear_shapes():
-            fitted = [(dense_gemv.fitted_tile(block_n, block_k, width), warps, stages)
-                      for block_n, block_k, warps, stages in DENSE_CANDIDATES]
-            tilings = {GemvTiling(*tile, splits_for(-(-columns // tile[0]), width // tile[1], count), warps, stages)
-                       for tile, warps, stages in fitted if tile is not None for count in programs}
+            tilings = set(dense_candidates(columns, width, sm_count))
             tilings |= {measured_tilings(gpu, "dense").get((columns, width)) for gpu in gpus} - {None}
             for tiling in sorted(tilings, key=repr):
                 dense_gemv.dense_gemv(torch.empty(1, width, dtype=compute), torch.empty(columns, width, dtype=compute),
@@ -321,6 +316,8 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             scales = torch.empty(columns, width // group, dtype=compute)
             for rows in batches:
                 int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
+            for config in int4_candidates(columns, width, group, sm_count):  # what start-up measurement tries
+                int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales), config)
             for gpu in gpus:
                 with assume_gpu(gpu):
                     int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales))

@@ -111,21 +111,12 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
         x = torch.randn(1, width, device=weights[0].device, dtype=weights[0].dtype)
         expected = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros).float()
         timed = {}
-        for block_n, block_k, warps, stages in CANDIDATES:
-            if block_k % group or width % block_k:
+        for config in int4_candidates(columns, width, group, sm_count):
+            got = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, config)
+            if not _matches(got, expected, config, (columns, width)):
                 continue
-            for per_sm in PROGRAMS_PER_SM:
-                config = kernel.split_for_programs(
-                    kernel.TileConfig(1, block_n, block_k, num_warps=warps, num_stages=stages), 1, columns, width,
-                    per_sm * sm_count, group)
-                if config in timed:
-                    continue
-                got = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, config)
-                if not _matches(got, expected, config, (columns, width)):
-                    continue
-                timed[config] = stopwatch([lambda w=w, c=config, x=x: kernel.int4_matmul(x, w.packed, w.scales,
-                                                                                         w.zeros, c)
-                                           for w in weights])
+            timed[config] = stopwatch([lambda w=w, c=config, x=x: kernel.int4_matmul(x, w.packed, w.scales, w.zeros, c)
+                                       for w in weights])
         if timed:
             chosen[columns, width] = min(timed, key=timed.get).gemv_tiling()
     return chosen
@@ -142,21 +133,10 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
         expected = F.linear(x, weights[0]).float()
         cublas = stopwatch([lambda w=w, x=x: F.linear(x, w) for w in weights])
         timed = {}
-        for widest, deepest, warps, stages in DENSE_CANDIDATES:
-            tile = dense_gemv.fitted_tile(widest, deepest, width)
-            if tile is None:
+        for tiling in dense_candidates(columns, width, sm_count):
+            if not _matches(dense_gemv.dense_gemv(x, weights[0], tiling), expected, tiling, (columns, width)):
                 continue
-            block_n, block_k = tile
-            for per_sm in PROGRAMS_PER_SM:
-                steps, tiles = width // block_k, -(-columns // block_n)
-                tiling = gemv_tilings.GemvTiling(block_n, block_k, splits_for(tiles, steps, per_sm * sm_count),
-                                                 warps, stages)
-                if tiling in timed:
-                    continue
-                if not _matches(dense_gemv.dense_gemv(x, weights[0], tiling), expected, tiling, (columns, width)):
-                    continue
-                timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x: dense_gemv.dense_gemv(x, w, t)
-                                           for w in weights])
+            timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x: dense_gemv.dense_gemv(x, w, t) for w in weights])
         best = min(timed, key=timed.get) if timed else None
         faster = best is not None and timed[best] < cublas
         log.info("cuda: [%d, %d] x %d weights, one row: cuBLAS %.1f µs, the 16-bit GEMV's best %s; %s serves",
@@ -165,6 +145,40 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
                  "the GEMV" if faster else "cuBLAS")
         chosen[columns, width] = best if faster else None
     return chosen
+
+
+def int4_candidates(columns: int, width: int, group: int, sm_count: int) -> list:
+    """The int4 GEMV launches (TileConfig) start-up measurement tries at [N, K] with scale groups of `group`
+    on a GPU of `sm_count` SMs: each of CANDIDATES whose step covers whole groups and divides K, split for
+    each of PROGRAMS_PER_SM, without repeats."""
+    configs = []
+    for block_n, block_k, warps, stages in CANDIDATES:
+        if block_k % group or width % block_k:
+            continue
+        for per_sm in PROGRAMS_PER_SM:
+            config = kernel.split_for_programs(kernel.TileConfig(1, block_n, block_k, num_warps=warps,
+                                                                 num_stages=stages),
+                                               1, columns, width, per_sm * sm_count, group)
+            if config not in configs:
+                configs.append(config)
+    return configs
+
+
+def dense_candidates(columns: int, width: int, sm_count: int) -> list[gemv_tilings.GemvTiling]:
+    """The 16-bit GEMV tilings start-up measurement tries at [N, K] on a GPU of `sm_count` SMs: each of
+    DENSE_CANDIDATES fitted to K, split for each of PROGRAMS_PER_SM, without repeats."""
+    tilings = []
+    for widest, deepest, warps, stages in DENSE_CANDIDATES:
+        tile = dense_gemv.fitted_tile(widest, deepest, width)
+        if tile is None:
+            continue
+        block_n, block_k = tile
+        for per_sm in PROGRAMS_PER_SM:
+            split = splits_for(-(-columns // block_n), width // block_k, per_sm * sm_count)
+            tiling = gemv_tilings.GemvTiling(block_n, block_k, split, warps, stages)
+            if tiling not in tilings:
+                tilings.append(tiling)
+    return tilings
 
 
 def _label(tiling: gemv_tilings.GemvTiling) -> str:
