@@ -113,27 +113,6 @@ def test_structured_output_waits_for_each_token_and_keeps_to_its_grammar(tiny_ll
     assert outcome(results[1]) == outcome(results[0])
 
 
-def test_a_runner_that_cannot_take_tokens_on_the_device_is_refused(tiny_llm):
-    from candelabra.core.engine.core import EngineConfig, EngineCore
-
-    runner = tiny_llm(seed=5).engine.core.runner
-    runner.schedules_ahead = False  # as a runner that cannot take tokens on the device would say
-    with pytest.raises(ValueError, match="async scheduling is not available"):
-        EngineCore(runner, EngineConfig(block_size=runner.kv_spec.block_size, num_blocks=runner.kv_spec.num_blocks,
-                                        async_scheduling=True), frozenset())
-
-
-def test_a_runner_that_cannot_take_tokens_on_the_device_steps_in_turn_by_default(tiny_llm):
-    from candelabra.core.engine.core import EngineConfig, EngineCore
-
-    runner = tiny_llm(seed=5).engine.core.runner
-    runner.schedules_ahead = False
-    runner.backend.runs_apart_from_host = lambda: True
-    core = EngineCore(runner, EngineConfig(block_size=runner.kv_spec.block_size,
-                                           num_blocks=runner.kv_spec.num_blocks), frozenset())
-    assert core.config.async_scheduling is False
-
-
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b in ("cpu", "torch")])
 def test_steps_are_scheduled_ahead_by_default_only_where_the_device_runs_apart_from_the_host(tiny_llm, backend):
     """A CPU backend computes as it is called: in turn by default. The same backend saying its device runs

@@ -91,12 +91,8 @@ class _Request:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
-        if config.async_scheduling and not runner.schedules_ahead:
-            raise ValueError(f"async scheduling is not available with this model runner ({type(runner).__name__}): "
-                             "its steps cannot take their tokens from the step before on the device")
         if config.async_scheduling is None:
-            config = replace(config, async_scheduling=runner.schedules_ahead
-                             and runner.backend.runs_apart_from_host())
+            config = replace(config, async_scheduling=runner.backend.runs_apart_from_host())
         self.runner, self.config, self.eos_token_ids = runner, config, eos_token_ids
         if config.block_size != runner.kv_spec.block_size or config.num_blocks != runner.kv_spec.num_blocks:
             raise ValueError("the engine's block size and count must be the model runner's")

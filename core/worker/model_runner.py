@@ -55,8 +55,6 @@ class RunnerOutput:
 class ModelRunner:
     """Owns one model's per-layer KV caches and the host swap space for them."""
 
-    schedules_ahead = True  # a step may be launched before the previous one's tokens are on the host
-
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int,
                  kv_cache_dtype: DType | None = None) -> None:
         """`kv_cache_dtype`: the caches' dtype (default: the model's compute dtype)."""
