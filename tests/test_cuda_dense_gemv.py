@@ -155,3 +155,23 @@ def test_a_tile_is_made_shallower_and_wider_until_its_depth_divides_k():
     assert kernel.fitted_tile(16, 512, 64) == (128, 64)
     assert kernel.fitted_tile(4, 512, 40) == (256, 8)
     assert kernel.fitted_tile(4, 512, 36) is None
+
+
+@skip_where_the_kernels_cannot_run()
+def test_every_package_dense_table_reads_is_built_by_a_compile_target_and_its_tilings_compute_the_product():
+    from candelabra.backends.cuda.compile_check import TARGETS
+
+    claimed = {gpu for target in TARGETS.values() for gpu in target.gpus}
+    tables = {path: gemv_tilings.read_table(path, "dense")
+              for path in sorted(gemv_tilings.PACKAGE_TABLES.glob("*.dense.json"))}
+    assert tables
+    rng = np.random.default_rng(41)
+    for path, table in tables.items():
+        assert any(table_file(gemv_tilings.PACKAGE_TABLES, gpu, "dense") == path for gpu in claimed), path
+        assert None in table.values()  # shapes where cuBLAS was faster are kept as such
+        for chosen in sorted({tiling for tiling in table.values() if tiling is not None}, key=repr):
+            # a weight as many steps deep as the split needs, two each, ragged columns
+            width = 2 * chosen.split_k * chosen.block_k
+            x, weight, expected = case(rng, 1, 3 * chosen.block_n + 5, width)
+            out = kernel.dense_gemv(x, weight, chosen)
+            assert nmse(float64_values(out), expected) <= THRESHOLD[torch.float16], (path.name, chosen)

@@ -44,7 +44,7 @@ def test_the_models_int4_weights_are_found_by_shape_each_once():
 
 
 @skip_where_the_kernels_cannot_run()
-def test_each_shape_keeps_the_candidate_its_stopwatch_timed_fastest_and_it_computes_the_product():
+def test_each_shape_keeps_the_candidate_its_stopwatch_timed_fastest_and_it_computes_the_product(caplog):
     rng = np.random.default_rng(2)
     weights = {(40, 1024): [int4(rng, 40, 1024), int4(rng, 40, 1024)], (24, 128): [int4(rng, 24, 128, "Q4_0")]}
     timed = []
@@ -55,8 +55,12 @@ def test_each_shape_keeps_the_candidate_its_stopwatch_timed_fastest_and_it_compu
         timed.append(len(calls))
         return 100.0 - len(timed)
 
-    with assume_multiprocessors(1):  # 2 programs leave K whole, 4 and 8 split its 4 steps of 256 in two
+    with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
+        # 2 programs leave K whole, 4 and 8 split its 4 steps of 256 in two
         chosen = gemv_tuning.fastest_tilings(weights, kernel_device(), stopwatch)
+    fastest = 100.0 - len(timed) + 1  # the last candidate's (the fallback was timed after it)
+    assert (f"int4 [40, 1024] x 2 weights, one row: the fallback tiling {fastest - 1:.1f} µs" in caplog.text
+            and f"the best {fastest:.1f} µs (32 x 256, 2 warps, K in 2, in turn)" in caplog.text), caplog.text
     # K = 128 fits no candidate (steps of 256 and 512): left to the fallback
     assert list(chosen) == [(40, 1024)] and set(timed) == {2} and len(timed) > len(gemv_tuning.CANDIDATES)
     last_block_n, last_block_k, last_warps, last_stages = gemv_tuning.CANDIDATES[-1]

@@ -103,22 +103,33 @@ def weights_by_shape(model, kind: str = "int4") -> dict[tuple[int, int], list]:
 
 def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], device: torch.device,
                     stopwatch: Stopwatch) -> dict[tuple[int, int], gemv_tilings.GemvTiling]:
-    """Each shape's candidate int4 tiling that `stopwatch` timed fastest over that shape's weights."""
+    """Each shape's candidate int4 tiling that `stopwatch` timed fastest over that shape's weights (each
+    shape's time logged beside the fallback tiling's)."""
     sm_count = multiprocessor_count(device)
     chosen = {}
     for (columns, width), weights in by_shape.items():
         group = max(width // weight.scales.shape[1] for weight in weights)
         x = torch.randn(1, width, device=weights[0].device, dtype=weights[0].dtype)
-        expected = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros).float()
+        fallback = kernel.choose_config(1, columns, width, device, x.dtype, group)
+        expected = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, fallback).float()
+
+        def product_time(config, x=x, weights=weights) -> float:
+            return stopwatch([lambda w=w: kernel.int4_matmul(x, w.packed, w.scales, w.zeros, config)
+                              for w in weights])
+
         timed = {}
         for config in int4_candidates(columns, width, group, sm_count):
             got = kernel.int4_matmul(x, weights[0].packed, weights[0].scales, weights[0].zeros, config)
-            if not _matches(got, expected, config, (columns, width)):
-                continue
-            timed[config] = stopwatch([lambda w=w, c=config, x=x: kernel.int4_matmul(x, w.packed, w.scales, w.zeros, c)
-                                       for w in weights])
-        if timed:
-            chosen[columns, width] = min(timed, key=timed.get).gemv_tiling()
+            if _matches(got, expected, config, (columns, width)):
+                timed[config] = product_time(config)
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        fallback_us = timed.get(fallback) or product_time(fallback)
+        log.info("cuda: int4 [%d, %d] x %d weights, one row: the fallback tiling %.1f µs (%s), the best %.1f µs (%s)",
+                 columns, width, len(weights), fallback_us, _label(fallback.gemv_tiling()), timed[best],
+                 _label(best.gemv_tiling()))
+        chosen[columns, width] = best.gemv_tiling()
     return chosen
 
 
