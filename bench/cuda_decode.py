@@ -205,6 +205,12 @@ def main() -> None:
     ahead = bf16["async_scheduling"] if bf16 else None
     mode = {True: "; candelabra's steps scheduled ahead", False: "; candelabra's steps in turn (--no-async-scheduling)",
             None: ""}[ahead]
+    if bf16 or int4s:
+        from candelabra.backends.cuda.kernels.dependent_launch import SWITCH, dependent
+
+        launches = ("dependent launches" if dependent(torch.device("cuda"))
+                    else f"no dependent launches ({SWITCH}=0, or a GPU before Hopper)")
+        mode += f"; {launches}"
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.config.name}; "
           f"{args.prompt_tokens} tokens in, {args.output_tokens} out{mode}")
     if bf16:

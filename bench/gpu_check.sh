@@ -24,6 +24,8 @@
 #   bench-int4          bench/cuda_decode.py: Q4_K (int4) and GPTQ-style INT4_G128 batch 1 against bfloat16 batch 1
 #   bench-cublas        bench/cuda_decode.py at batch 1 with CANDELABRA_DENSE_GEMV=0: every bfloat16 product on
 #                       cuBLAS, against bench-bf16's, which takes the 16-bit GEMV where start-up measured it faster
+#   bench-no-pdl        bench/cuda_decode.py at batch 1 with CANDELABRA_PDL=0: each kernel launched after the one
+#                       before has finished, against bench-bf16's dependent launches (kernels/dependent_launch.py)
 #   int4-tuned          bench/cuda_decode.py at Qwen2.5-7B's shapes, which no table holds: the int4 GEMV's tilings
 #                       measured at start-up (into a table folder of its own, printed), then int4 batch 1
 #   bench-in-turn       bench/cuda_decode.py --no-async-scheduling: bench-bf16 and bench-int4 with each step
@@ -47,16 +49,15 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-int4 bench-cublas int4-tuned
+STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl bench-int4 bench-cublas int4-tuned
        bench-in-turn bench-transformers profile profile-int4 int4-tiles host)
-# The kernels' correctness, then the goals: int4 batch 1 against bfloat16 (bench-int4), the int4 GEMV's
-# tilings, batch 1 of the roofline and batch 64 (bench-bf16) against transformers on the same machine, a
-# step's profile and sampling's search paths (on an H200, 27 November: 437 s with the machine's start).
-# Then the levels that passed before, the GEMV's tilings measured at start-up for shapes no table holds,
-# batch 1 with cuBLAS alone (what the 16-bit GEMV gains, beside bench-bf16 on the same machine) and what
-# scheduling ahead gains (254 s without int4-tuned and bench-cublas, which have not run yet).
-FIRST=(env ops bench-int4 int4-tiles bench-bf16 bench-transformers profile)
-SECOND=(models-bf16 engine int4-tuned bench-cublas bench-in-turn)
+# The kernels' correctness with dependent launches (new since the last run), the open goal, batch 1 of the
+# roofline (bench-bf16), beside the same without dependent launches, the models and engine levels with
+# them, and a step's profile (about 420 s, from the step times of the H200 run of 27 November). Then int4
+# batch 1 against bfloat16 (bench-int4, 200 s), transformers (bench-transformers, 44 s), start-up
+# measurement at Qwen2.5-7B's shapes (95 s), cuBLAS alone and in-turn scheduling, as the budget allows.
+FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile)
+SECOND=(bench-int4 bench-transformers int4-tuned bench-cublas bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
@@ -136,6 +137,9 @@ run_step() {
         bench-cublas)
             CANDELABRA_DENSE_GEMV=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
                 --json "$results/bench-cublas.json" ;;
+        bench-no-pdl)
+            CANDELABRA_PDL=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
+                --json "$results/bench-no-pdl.json" ;;
         int4-tuned)
             rm -rf "$results/tables" &&
             CANDELABRA_KERNEL_TABLES="$results/tables" python3 bench/cuda_decode.py --config bench/configs/qwen2.5-7b \

@@ -13,6 +13,7 @@ INTERPRETER_VARIABLE = "TRITON_INTERPRET"
 # Set while launch code is run for a GPU that is not here (compile_check): the SM count it plans for.
 _assumed_multiprocessors: int | None = None
 _assumed_gpu: str | None = None  # "" inside assume_gpu(None)
+_assumed_capability: tuple[int, int] | None = None
 # What launch code on CPU tensors (the interpreter) plans for: an H100 SXM's SMs, so that the grids it
 # tests are the ones a GPU gets.
 NOMINAL_MULTIPROCESSORS = 132
@@ -114,3 +115,30 @@ def assume_gpu(name: str | None) -> Iterator[None]:
         yield
     finally:
         _assumed_gpu = previous
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA `device`, the one `assume_capability` names, or None for CPU tensors."""
+    if _assumed_capability is not None:
+        return _assumed_capability
+    if device.type != "cuda":
+        return None
+    return _device_capability(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@contextlib.contextmanager
+def assume_capability(major: int, minor: int) -> Iterator[None]:
+    """Launch code inside launches as for a GPU of compute capability major.minor, whatever the tensors' device."""
+    global _assumed_capability
+    previous, _assumed_capability = _assumed_capability, (major, minor)
+    try:
+        yield
+    finally:
+        _assumed_capability = previous

@@ -44,7 +44,13 @@ from pathlib import Path
 
 import numpy as np
 
-from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors, interpreting, multiprocessor_count
+from candelabra.backends.cuda.availability import (
+    assume_capability,
+    assume_gpu,
+    assume_multiprocessors,
+    interpreting,
+    multiprocessor_count,
+)
 from candelabra.core.contract.dtypes import KV_DTYPES
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.models.config import LatentAttentionConfig
@@ -170,7 +176,7 @@ def recording_launches(target: Target) -> Iterator[list[Launch]]:
     original = JITFunction.run
     JITFunction.run = record
     try:
-        with assume_multiprocessors(target.multiprocessors):
+        with assume_multiprocessors(target.multiprocessors), assume_capability(*divmod(target.capability, 10)):
             yield launches
     finally:
         JITFunction.run = original
@@ -419,6 +425,7 @@ class Compiled:
     shared: int | None = None
     mma: str = "-"
     per_unit: float | None = None  # innermost loop's instructions a unit of work, where a budget applies
+    dependent_fault: str | None = None  # how a variant launched as a dependent breaks dependent_launch.py's rules
     seconds: float = 0.0
     error: str | None = None
     models: list[str] = field(default_factory=list)
@@ -428,6 +435,8 @@ class Compiled:
         found = []
         if self.error:
             found.append(f"does not compile: {self.error}")
+        if self.dependent_fault:
+            found.append(f"is launched as a dependent of the kernel before it but {self.dependent_fault}")
         claim = SPILL_FREE.get(self.kernel)
         if self.spilled and claim and claim.covers(self.target, self.variant):
             found.append(f"spills {self.spilled} bytes, where {claim.where} says it does not")
@@ -520,6 +529,8 @@ def compile_launch(launch: Launch, spec: Specialization, target: Target) -> Comp
     compiled.shared = int(kernel.metadata.shared)
     ptx = kernel.asm["ptx"]
     compiled.mma = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "-"
+    if getattr(spec.options, "launch_pdl", False):
+        compiled.dependent_fault = dependent_fault(ptx)
     compiled.registers, compiled.spilled = parse_ptxas_report(report.getvalue())
     budget = compiled.budget
     if budget:
@@ -529,6 +540,23 @@ def compile_launch(launch: Launch, spec: Specialization, target: Target) -> Comp
             constants = {names[path[0]]: value for path, value in spec.constexprs.items() if len(path) == 1}
             compiled.per_unit = longest_loop(sass) / budget.units(constants, spec.options.num_warps)
     return compiled
+
+
+# What a program may not do before it waits for the kernel before it (kernels/dependent_launch.py): write
+# global memory, or end.
+_BEFORE_WAIT = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:st|atom|red)\.global[\w.]*|ret|exit);?", re.MULTILINE)
+
+
+def dependent_fault(ptx: str) -> str | None:
+    """None where the PTX waits for the kernel before (griddepcontrol.wait) ahead of its first global store,
+    atomic or return; else what it does wrong."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return "never waits for it"
+    early = _BEFORE_WAIT.search(ptx, 0, wait)
+    if early:
+        return f"writes or ends before it waits for it ({early.group(1)})"
+    return None
 
 
 def disassemble(cubin: bytes) -> str | None:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
+
 SILU = tl.constexpr(0)
 GELU_ERF = tl.constexpr(1)
 GELU_TANH = tl.constexpr(2)
@@ -35,7 +37,9 @@ def _activate(x, KIND: tl.constexpr):
 
 
 @triton.jit
-def _gated_kernel(x_ptr, out_ptr, inner, x_row_stride, out_row_stride, KIND: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_kernel(x_ptr, out_ptr, inner, x_row_stride, out_row_stride, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                  DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -75,7 +79,8 @@ def _gated(x: torch.Tensor, kind: int) -> torch.Tensor:
     if rows.shape[0] and inner:
         block = min(triton.next_power_of_2(inner), MAX_BLOCK)
         grid = (rows.shape[0], triton.cdiv(inner, block))
-        _gated_kernel[grid](rows, out_rows, inner, rows.stride(0), out_rows.stride(0), KIND=kind, BLOCK=block)
+        _gated_kernel[grid](rows, out_rows, inner, rows.stride(0), out_rows.stride(0), KIND=kind, BLOCK=block,
+                            **launch_options(x.device))
     return out
 
 

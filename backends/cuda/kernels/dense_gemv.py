@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name
+from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
 from candelabra.backends.cuda.kernels.split_k import arrival_counts, finish_gemv_row, partial_sums
 
@@ -55,7 +56,9 @@ def _dense_gemv_kernel(
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    start_dependents(DEPENDENT)
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -73,6 +76,7 @@ def _dense_gemv_kernel(
     acc = tl.zeros((CHUNKS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
     w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_per_split > 0), other=0.0)
+    wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
     for step in range(steps_per_split):
         more = step + 1 < steps_per_split
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
@@ -123,6 +127,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
         x.stride(0), weight.stride(0), out.stride(0), rows * columns,
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
         PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None, num_warps=tiling.num_warps, num_stages=1,
+        **launch_options(x.device),
     )  # fmt: skip
     return out
 

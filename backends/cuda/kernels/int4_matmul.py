@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
+from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
 from candelabra.backends.cuda.kernels.split_k import (
     MAX_SPLIT_K,
@@ -279,7 +280,9 @@ def _int4_gemv_kernel(
     PREFETCH: tl.constexpr,
     RUNS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    start_dependents(DEPENDENT)
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -301,6 +304,7 @@ def _int4_gemv_kernel(
     k = split * steps_per_split * BLOCK_K
     words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
                                       steps_per_split > 0, RUNS)
+    wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
     for step in range(steps_per_split):
         more = step + 1 < steps_per_split
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
@@ -394,7 +398,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
             x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals, columns,
             steps // split_k, *strides, ONE_BITS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
             PREFETCH=config.num_stages > 1, RUNS=group // GROUP_SIZE, HAS_BIAS=bias is not None,
-            num_warps=config.num_warps, num_stages=1,
+            num_warps=config.num_warps, num_stages=1, **launch_options(x.device),
         )  # fmt: skip
         return out
     magic_bits, magic_plus_8 = MAGIC[x.dtype]

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,10 +30,14 @@ def _rms_norm_kernel(
     weight_offset,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    start_dependents(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    wait_for_prior(DEPENDENT)
 
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
@@ -43,7 +49,6 @@ def _rms_norm_kernel(
     x = x.to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / hidden
     inverse_rms = 1.0 / tl.sqrt(mean_square + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     out = x * inverse_rms * weight
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -88,6 +93,7 @@ def _launch(x, residual, weight, eps, weight_offset):
             ADD_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=_num_warps(block),
+            **launch_options(x.device),
         )
     return out, summed
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
 from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
@@ -186,7 +187,7 @@ class _AttentionLaunch:
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
             DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
             TOKEN_TILES=token_tiles, CODES=self.codes, ROW_ALIGNMENT=alignment,
-            num_warps=tiling.warps, num_stages=tiling.stages,
+            num_warps=tiling.warps, num_stages=tiling.stages, **launch_options(q.device),
         )
 
 
@@ -229,13 +230,14 @@ def _attention_tile_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr, CODES: tl.constexpr,
-    ROW_ALIGNMENT: tl.constexpr,
+    ROW_ALIGNMENT: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """A tile of query rows against its sequence's keys (or one segment of them). With TOKEN_TILES (the
     decodes' launch, one query a tile) tile t is one token: token t, or with TOKEN_LIST the t-th of
     tile_tokens. Otherwise tiles follow the sequences' queries in order, QUERIES_PER_TILE a tile (one
     too, where a group of query heads fills the tile), and with SKIP_DECODES those of one-token
     sequences (tiled by another launch) do nothing."""
+    begin(DEPENDENT)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
 from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
 
 STYLES = ("neox", "gptj")
@@ -162,7 +163,9 @@ def _rotary_kernel(
     DV_PAD: tl.constexpr,
     WRITE_KV: tl.constexpr,
     CODES: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    begin(DEPENDENT)
     # Axis 1 enumerates blocks of q heads, then blocks of k heads (which also carry v to the cache).
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -379,6 +382,7 @@ def _rotary(q, k, positions, cos_sin, style, value=None, key_cache=None, value_c
         DV_PAD=dv_pad,
         WRITE_KV=write,
         CODES=codes,
+        **launch_options(q.device),
     )
     return q_out, k_out
 
