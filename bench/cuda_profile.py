@@ -47,6 +47,17 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
+def launch_gaps(intervals: list[tuple[float, float]]) -> list[float]:
+    """For each kernel after the first, in order of start: how long after every earlier one had ended it
+    started (negative where it started before that, as a dependent launch may)."""
+    gaps, reach = [], None
+    for start, end in sorted(intervals):
+        if reach is not None:
+            gaps.append(start - reach)
+        reach = end if reach is None else max(reach, end)
+    return gaps
+
+
 def device_kernels(profile, on_gpu: bool) -> list:
     """The profile's device kernels (on a GPU), or its top-level CPU ops (on a CPU)."""
     events = profile.events()
@@ -76,13 +87,17 @@ def profile_decode(llm: LLM, batch: int, steps: int, rng, out: Path, on_gpu: boo
         engine.step()
     trace.export_chrome_trace(str(out / f"decode-batch{batch}.trace.json"))
     kernels = device_kernels(trace, on_gpu)
-    busy = busy_union([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6 / steps
+    intervals = [(k.time_range.start, k.time_range.end) for k in kernels]
+    busy = busy_union(intervals) / 1e6 / steps
+    gaps = launch_gaps(intervals)
+    overlapped = (sum(end - start for start, end in intervals) / 1e6 / steps) - busy
     totals: dict[str, float] = {}
     for kernel in kernels:
         totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() / 1e3 / steps
     top = sorted(totals.items(), key=lambda item: -item[1])[:10]
     return {"batch": batch, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "host_ms": max(0.0, wall - busy) * 1e3,
-            "top": top}
+            "kernels": len(kernels) / steps, "median_gap_us": float(np.median(gaps)) if gaps else 0.0,
+            "overlapped_ms": overlapped * 1e3, "top": top}
 
 
 def time_sampling(llm: LLM, vocab: int, batch: int, top_p: float, temperature: float, on_gpu: bool) -> float:
@@ -190,9 +205,13 @@ def main() -> None:
     ahead = ", scheduled ahead" if llm.engine.core.config.async_scheduling else ", in turn"
     print(f"{args.config.name} in {args.dtype} on {llm.backend.probe().detail}; {args.steps} decode steps profiled"
           f"{ahead}")
-    print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms"),
-                       [(s["batch"], f"{s['step_ms']:.2f}", f"{s['busy_ms']:.2f}", f"{s['host_ms']:.2f}")
+    print(format_table(("batch", "step ms", "GPU busy ms" if on_gpu else "ops ms", "host ms", "kernels a step",
+                        "median gap µs", "overlapped ms"),
+                       [(s["batch"], f"{s['step_ms']:.2f}", f"{s['busy_ms']:.2f}", f"{s['host_ms']:.2f}",
+                         f"{s['kernels']:.0f}", f"{s['median_gap_us']:.2f}", f"{s['overlapped_ms']:.3f}")
                         for s in steps]))
+    print("median gap: from the end of the kernels before to a kernel's start (negative: it started before "
+          "they ended, as a dependent launch may); overlapped: kernel time a step beyond the GPU's busy time")
     for s in steps:
         print(f"batch {s['batch']}, most time a step:")
         print(format_table(("kernel", "ms a step"), [(name[:90], f"{ms:.3f}") for name, ms in s["top"]]))

@@ -53,11 +53,11 @@ STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-
        bench-in-turn bench-transformers profile profile-int4 int4-tiles host)
 # The kernels' correctness with dependent launches (new since the last run), the open goal, batch 1 of the
 # roofline (bench-bf16), beside the same without dependent launches, the models and engine levels with
-# them, and a step's profile (about 420 s, from the step times of the H200 run of 27 November). Then int4
-# batch 1 against bfloat16 (bench-int4, 200 s), transformers (bench-transformers, 44 s), start-up
-# measurement at Qwen2.5-7B's shapes (95 s), cuBLAS alone and in-turn scheduling, as the budget allows.
-FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile)
-SECOND=(bench-int4 bench-transformers int4-tuned bench-cublas bench-in-turn)
+# them, a step's profile and transformers (about 410 s by the step times of the H200 runs of 27 November).
+# Then int4 batch 1 against bfloat16 (bench-int4, 200 s), start-up measurement at Qwen2.5-7B's shapes
+# (95 s), cuBLAS alone and in-turn scheduling, as the budget allows.
+FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile bench-transformers)
+SECOND=(bench-int4 int4-tuned bench-cublas bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
