@@ -51,7 +51,8 @@ def _gated_kernel(x_ptr, out_ptr, inner, x_row_stride, out_row_stride, KIND: tl.
 
 
 @triton.jit
-def _elementwise_kernel(x_ptr, out_ptr, numel, KIND: tl.constexpr, BLOCK: tl.constexpr):
+def _elementwise_kernel(x_ptr, out_ptr, numel, KIND: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -102,5 +103,6 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     numel = dense.numel()
     if numel:
         block = min(triton.next_power_of_2(numel), MAX_BLOCK)
-        _elementwise_kernel[(triton.cdiv(numel, block),)](dense, out, numel, KIND=kind, BLOCK=block)
+        _elementwise_kernel[(triton.cdiv(numel, block),)](dense, out, numel, KIND=kind, BLOCK=block,
+                                                          **launch_options(x.device))
     return out

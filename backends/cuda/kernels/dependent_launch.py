@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (compute capability 9.0 on): a decode step's kernels start while the kernel
-before them finishes, not after it.
+"""Programmatic dependent launch (compute capability 9.0 on): the backend's Triton kernels start while the
+kernel before them finishes, not after it.
 
 A batch-1 decode step of an 8B model is about 290 kernels of 1.5 to 60 µs. Between two of them the GPU
 drains the first, launches the second, and the second's programs then wait a DRAM round trip for their first
@@ -7,7 +7,9 @@ bytes: the H200 trace of 27 November showed 0.3 to 1 µs between kernels, and ea
 attention, activation) at 1.5 to 2.5 µs for work of a fraction of that. Launched as a dependent
 (`launch_pdl`), a kernel's programs may start once every program of the kernel before it has signalled
 (`gdc_launch_dependents`, which ours do first); they then read what no kernel writes (their weights) and
-wait (`gdc_wait`) until the kernel before has finished and its writes are visible.
+wait (`gdc_wait`) until the kernel before has finished and its writes are visible. Every kernel here
+launches so; most wait first thing (`begin`), having nothing to read that the kernel before could not
+have written.
 
 Two rules keep that safe, and `compile_check` holds the PTX of every dependent variant to the second:
 - before its wait a program reads only what no kernel of the step writes, and writes nothing;

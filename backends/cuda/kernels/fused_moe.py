@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import interpreting
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
 
 # Picks a sorting program takes; the second launch reads every chunk's counts, so fewer, larger
 # chunks keep that cheap at prefill sizes (64 chunks for 2,048 tokens of top-8).
@@ -119,10 +120,10 @@ def sort_picks(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Sort
     chunks = triton.cdiv(picks, SORT_CHUNK)
     chunk_counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
     _count_picks_kernel[(chunks,)](expert_ids, chunk_counts, picks, num_experts,
-                                   BLOCK_E=block_e, CHUNK=SORT_CHUNK, SUB=sub)
+                                   BLOCK_E=block_e, CHUNK=SORT_CHUNK, SUB=sub, **launch_options(device))
     _place_picks_kernel[(chunks,)](expert_ids, chunk_counts, rows, tile_experts, tile_rows,
                                    picks, num_experts, chunks, tiles, triton.cdiv(tiles, chunks), block_m,
-                                   BLOCK_E=block_e, CHUNK=SORT_CHUNK, SUB=sub)
+                                   BLOCK_E=block_e, CHUNK=SORT_CHUNK, SUB=sub, **launch_options(device))
     return SortedPicks(rows, tile_experts, tile_rows, block_m)
 
 
@@ -156,7 +157,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     dot = _dot_settings(x.dtype)
     activation = torch.empty(sorted_picks.rows.shape[0], intermediate, dtype=x.dtype, device=x.device)
     launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **dot,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(x.device))
     _gate_up_kernel[(sorted_picks.tiles, triton.cdiv(intermediate, tiles.block_n))](
         x, gate_up, sorted_picks.rows, sorted_picks.tile_experts, sorted_picks.tile_rows, activation,
         hidden, intermediate, x.stride(0), gate_up.stride(0), gate_up.stride(1), activation.stride(0),
@@ -171,6 +172,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
     _sum_picks_kernel[(tokens, triton.cdiv(hidden, block))](
         per_pick, flat_ids, out, hidden, num_experts, per_pick.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        **launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -189,7 +191,8 @@ def _dot_settings(dtype: torch.dtype) -> dict:
 
 @triton.jit(do_not_specialize=["picks"])
 def _count_picks_kernel(expert_ids_ptr, chunk_counts_ptr, picks, num_experts,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -204,7 +207,8 @@ def _count_picks_kernel(expert_ids_ptr, chunk_counts_ptr, picks, num_experts,
 @triton.jit(do_not_specialize=["picks", "chunks", "tiles", "tiles_per_program", "block_m"])
 def _place_picks_kernel(expert_ids_ptr, chunk_counts_ptr, rows_ptr, tile_experts_ptr, tile_rows_ptr,
                         picks, num_experts, chunks, tiles, tiles_per_program, block_m,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -270,7 +274,9 @@ def _tile_rows(rows_ptr, tile_experts_ptr, tile_rows_ptr, BLOCK_M: tl.constexpr)
 def _gate_up_kernel(x_ptr, gate_up_ptr, rows_ptr, tile_experts_ptr, tile_rows_ptr, activation_ptr,
                     hidden, intermediate, x_row_stride, expert_stride, weight_row_stride, activation_row_stride,
                     top_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     expert, rows, row_valid, pick = _tile_rows(rows_ptr, tile_experts_ptr, tile_rows_ptr, BLOCK_M)
     if expert < 0:
         return
@@ -303,7 +309,8 @@ def _gate_up_kernel(x_ptr, gate_up_ptr, rows_ptr, tile_experts_ptr, tile_rows_pt
 def _down_kernel(activation_ptr, down_ptr, pick_weights_ptr, rows_ptr, tile_experts_ptr, tile_rows_ptr, per_pick_ptr,
                  hidden, intermediate, activation_row_stride, expert_stride, weight_row_stride, per_pick_row_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     expert, rows, row_valid, pick = _tile_rows(rows_ptr, tile_experts_ptr, tile_rows_ptr, BLOCK_M)
     if expert < 0:
         return
@@ -330,7 +337,8 @@ def _down_kernel(activation_ptr, down_ptr, pick_weights_ptr, rows_ptr, tile_expe
 
 @triton.jit
 def _sum_picks_kernel(per_pick_ptr, expert_ids_ptr, out_ptr, hidden, num_experts, per_pick_row_stride, out_row_stride,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+    begin(DEPENDENT)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_valid = cols < hidden

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
-from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
 from candelabra.backends.cuda.kernels.split_k import (
     MAX_SPLIT_K,
@@ -152,7 +152,9 @@ def _int4_matmul_kernel(
     DOT_PRECISION: tl.constexpr,
     RUNS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    begin(DEPENDENT)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -420,6 +422,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         HAS_BIAS=bias is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(x.device),
     )  # fmt: skip
     return out
 

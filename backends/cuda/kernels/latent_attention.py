@@ -31,6 +31,7 @@ import triton.language as tl
 
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
 from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
@@ -192,6 +193,7 @@ class _LatentLaunch:
             HEADS_PER_TILE=tiling.heads, QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows,
             BLOCK_N=tiling.keys, BLOCK_SIZE=step.block_size, DOT_DTYPE=TRITON_DTYPES[self.dot_dtype],
             CODES=self.codes, ROW_ALIGNMENT=alignment, num_warps=tiling.warps, num_stages=tiling.stages,
+            **launch_options(out.device),
         )
 
 
@@ -211,11 +213,13 @@ def _latent_attention_kernel(
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
     HEADS_PER_TILE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr, ROW_ALIGNMENT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A tile of query rows, (tokens) x (heads of head tile program_id(1)), against its sequence's keys
     (or one of num_segments segments of them). With QUERIES_PER_TILE 1 tile t is one token: token t, or
     with token_list the t-th of tile_tokens. Otherwise tiles follow the sequences' queries in order. With
     skip_decodes the tiles of one-token sequences (tiled by another launch) do nothing."""
+    begin(DEPENDENT)
     tile = tl.program_id(0)
     head_tile = tl.program_id(1)
     segment = tl.program_id(2)

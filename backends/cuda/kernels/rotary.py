@@ -78,7 +78,9 @@ def _write_kv_kernel(
     D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr,
     CODES: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    begin(DEPENDENT)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_valid = heads < num_heads
@@ -303,6 +305,7 @@ def write_kv(
         D_PAD=d_pad,
         DV_PAD=dv_pad,
         CODES=codes,
+        **launch_options(key.device),
     )
 
 

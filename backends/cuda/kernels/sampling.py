@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
 from candelabra.backends.torch.sampling import TorchSampling, _penalised_logits, _top_logprobs
 from candelabra.core.contract.ops import SampleResult
 
@@ -119,8 +120,10 @@ def _chunk_statistics_kernel(
     chunk_max_ptr, chunk_max_id_ptr, chunk_min_ptr, chunk_sum_ptr, chunk_scaled_sum_ptr,
     VOCAB: tl.constexpr, ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
     ANY_RANDOM: tl.constexpr, SCALED_SUM: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A (row, chunk) program: its chunk's statistics, for _sample_rows to combine."""
+    begin(DEPENDENT)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     _, scale = _temperature_scale(temperature_ptr, row, ANY_RANDOM)
@@ -247,10 +250,12 @@ def _search_start_kernel(
     row_max_ptr, lo_ptr, hi_ptr, target_ptr,
     VOCAB: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
     GOAL_IS_FRACTION: tl.constexpr, AFTER_ANOTHER: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A row's bracket for one filter of the split search: from its smallest weight, or AFTER_ANOTHER
     from the threshold the filter before it found, up to 1; closed at once where the row is greedy or
     this filter keeps every token."""
+    begin(DEPENDENT)
     row = tl.program_id(0)
     temperature, scale = _temperature_scale(temperature_ptr, row, True)
     if AFTER_ANOTHER:
@@ -276,9 +281,11 @@ def _search_pass_kernel(
     logits_ptr, row_stride, temperature_ptr, row_max_ptr, lo_ptr, hi_ptr, reach_ptr, smallest_ptr, largest_ptr,
     VOCAB: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
     GOAL_IS_FRACTION: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A (row, chunk) program of a split search pass: F at the row's pivots over its chunk, and the
     smallest and largest weight of the chunk inside the bracket. Rows whose bracket closed stop."""
+    begin(DEPENDENT)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     lo = tl.load(lo_ptr + row)
@@ -300,8 +307,10 @@ def _search_narrow_kernel(
     lo_ptr, hi_ptr, target_ptr, reach_ptr, smallest_ptr, largest_ptr,
     CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, PIVOTS: tl.constexpr,
     GOAL_IS_FRACTION: tl.constexpr, FIRST_PASS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A row's bracket after a split search pass, from its chunks' results (as _threshold's pass)."""
+    begin(DEPENDENT)
     row = tl.program_id(0)
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
@@ -400,9 +409,11 @@ def _sample_rows(
     PIVOTS: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, CANDIDATES: tl.constexpr,
     ANY_RANDOM: tl.constexpr, ANY_RANK_FILTER: tl.constexpr, USE_CANDIDATES: tl.constexpr,
     SEARCHED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """A row's draw, its logprob and log-sum-exp. With SEARCHED the split search has left each row's
     top-k and top-p threshold (as a bit pattern) at searched_ptr."""
+    begin(DEPENDENT)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     temperature, scale = _temperature_scale(temperature_ptr, row, ANY_RANDOM)
@@ -491,6 +502,7 @@ def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
             USE_CANDIDATES=use_candidates,
             SEARCHED=split_search,
             num_warps=NUM_WARPS,
+            **launch_options(device),
         )
     top_ids, top_logprobs = _top_logprobs(x, normaliser[:, None], params.num_top_logprobs)
     return SampleResult(token_ids=token_ids, logprobs=logprobs, top_token_ids=top_ids, top_logprobs=top_logprobs)
@@ -511,7 +523,7 @@ def _chunk_statistics_of(x: torch.Tensor, params: TorchSampling, row_block: int,
         x, x.stride(0), params.temperature, *statistics,
         VOCAB=vocab, ROW_BLOCK=row_block, CHUNK=chunk, CHUNKS=chunks,
         ANY_RANDOM=params.random_rows is not None, SCALED_SUM=scaled_sum,
-        num_warps=STATISTICS_WARPS,
+        num_warps=STATISTICS_WARPS, **launch_options(x.device),
     )
     return statistics
 
@@ -534,17 +546,17 @@ def _split_search(x: torch.Tensor, params: TorchSampling, statistics: list[torch
         _search_start_kernel[(rows,)](
             params.temperature, goal, *statistics[:4], row_max, lo, hi, target,
             VOCAB=vocab, CHUNKS=statistic_chunks, CHUNKS_POW2=triton.next_power_of_2(statistic_chunks),
-            GOAL_IS_FRACTION=fraction, AFTER_ANOTHER=index > 0,
+            GOAL_IS_FRACTION=fraction, AFTER_ANOTHER=index > 0, **launch_options(device),
         )
         for search_pass in range(SPLIT_SEARCH_PASSES):
             _search_pass_kernel[(rows, chunks)](
                 x, x.stride(0), params.temperature, row_max, lo, hi, reach, smallest, largest,
                 VOCAB=vocab, CHUNK=SEARCH_CHUNK, CHUNKS=chunks, BLOCK=min(SEARCH_BLOCK, SEARCH_CHUNK), PIVOTS=PIVOTS,
-                GOAL_IS_FRACTION=fraction, num_warps=NUM_WARPS,
+                GOAL_IS_FRACTION=fraction, num_warps=NUM_WARPS, **launch_options(device),
             )
             _search_narrow_kernel[(rows,)](
                 lo, hi, target, reach, smallest, largest,
                 CHUNKS=chunks, CHUNKS_POW2=triton.next_power_of_2(chunks), PIVOTS=PIVOTS,
-                GOAL_IS_FRACTION=fraction, FIRST_PASS=search_pass == 0,
+                GOAL_IS_FRACTION=fraction, FIRST_PASS=search_pass == 0, **launch_options(device),
             )
     return lo
