@@ -10,10 +10,9 @@ import os
 from collections.abc import Iterator
 
 INTERPRETER_VARIABLE = "TRITON_INTERPRET"
-# Set while launch code is run for a GPU that is not here (compile_check): the SM count it plans for.
-_assumed_multiprocessors: int | None = None
-_assumed_gpu: str | None = None  # "" inside assume_gpu(None)
-_assumed_capability: tuple[int, int] | None = None
+# What launch code run for a GPU that is not here (compile_check) takes that GPU to be, by property:
+# "multiprocessors" (its SM count), "gpu" (its model; "" for none with a measured table), "capability".
+_assumed: dict[str, object] = {}
 # What launch code on CPU tensors (the interpreter) plans for: an H100 SXM's SMs, so that the grids it
 # tests are the ones a GPU gets.
 NOMINAL_MULTIPROCESSORS = 132
@@ -63,82 +62,60 @@ def cuda_missing(torch) -> str | None:
 def multiprocessor_count(device) -> int:
     """SMs of the CUDA `device` that launch code sizes its grids for: the device's own, the count
     `assume_multiprocessors` names, or NOMINAL_MULTIPROCESSORS for CPU tensors."""
-    if _assumed_multiprocessors is not None:
-        return _assumed_multiprocessors
-    if device.type != "cuda":
-        return NOMINAL_MULTIPROCESSORS
-    return _device_multiprocessors(device.index if device.index is not None else 0)
-
-
-@functools.cache
-def _device_multiprocessors(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@contextlib.contextmanager
-def assume_multiprocessors(count: int) -> Iterator[None]:
-    """Launch code inside plans its grids for a GPU of `count` SMs, whatever the tensors' device."""
-    global _assumed_multiprocessors
-    previous, _assumed_multiprocessors = _assumed_multiprocessors, count
-    try:
-        yield
-    finally:
-        _assumed_multiprocessors = previous
+    return _property(device, "multiprocessors", lambda found: found.multi_processor_count, NOMINAL_MULTIPROCESSORS)
 
 
 def gpu_name(device) -> str | None:
     """The model of the CUDA `device` (torch.cuda.get_device_name's), the one `assume_gpu` names, or None for
     CPU tensors: what the measured kernel tables are looked up by."""
-    if _assumed_gpu is not None:
-        return _assumed_gpu or None
-    if device.type != "cuda":
-        return None
-    return _device_name(device.index if device.index is not None else 0)
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(index)
-
-
-@contextlib.contextmanager
-def assume_gpu(name: str | None) -> Iterator[None]:
-    """Launch code inside looks up measured tables as on a GPU of model `name` (None: none measured),
-    whatever the tensors' device."""
-    global _assumed_gpu
-    previous, _assumed_gpu = _assumed_gpu, name or ""
-    try:
-        yield
-    finally:
-        _assumed_gpu = previous
+    return _property(device, "gpu", lambda found: found.name, None) or None
 
 
 def compute_capability(device) -> tuple[int, int] | None:
     """(major, minor) of the CUDA `device`, the one `assume_capability` names, or None for CPU tensors."""
-    if _assumed_capability is not None:
-        return _assumed_capability
+    return _property(device, "capability", lambda found: (found.major, found.minor), None)
+
+
+def assume_multiprocessors(count: int) -> contextlib.AbstractContextManager[None]:
+    """Launch code inside plans its grids for a GPU of `count` SMs, whatever the tensors' device."""
+    return _assuming("multiprocessors", count)
+
+
+def assume_gpu(name: str | None) -> contextlib.AbstractContextManager[None]:
+    """Launch code inside looks up measured tables as on a GPU of model `name` (None: none measured),
+    whatever the tensors' device."""
+    return _assuming("gpu", name or "")
+
+
+def assume_capability(major: int, minor: int) -> contextlib.AbstractContextManager[None]:
+    """Launch code inside launches as for a GPU of compute capability major.minor, whatever the tensors' device."""
+    return _assuming("capability", (major, minor))
+
+
+def _property(device, what: str, read, on_cpu):
+    if what in _assumed:
+        return _assumed[what]
     if device.type != "cuda":
-        return None
-    return _device_capability(device.index if device.index is not None else 0)
+        return on_cpu
+    return read(_device_properties(device.index if device.index is not None else 0))
 
 
 @functools.cache
-def _device_capability(index: int) -> tuple[int, int]:
+def _device_properties(index: int):
     import torch
 
-    return tuple(torch.cuda.get_device_capability(index))
+    return torch.cuda.get_device_properties(index)
 
 
 @contextlib.contextmanager
-def assume_capability(major: int, minor: int) -> Iterator[None]:
-    """Launch code inside launches as for a GPU of compute capability major.minor, whatever the tensors' device."""
-    global _assumed_capability
-    previous, _assumed_capability = _assumed_capability, (major, minor)
+def _assuming(what: str, value) -> Iterator[None]:
+    missing = object()
+    previous = _assumed.get(what, missing)
+    _assumed[what] = value
     try:
         yield
     finally:
-        _assumed_capability = previous
+        if previous is missing:
+            del _assumed[what]
+        else:
+            _assumed[what] = previous
