@@ -11,7 +11,8 @@ wait (`gdc_wait`) until the kernel before has finished and its writes are visibl
 launches so; most wait first thing (`begin`), having nothing to read that the kernel before could not
 have written.
 
-Two rules keep that safe, and `compile_check` holds the PTX of every dependent variant to the second:
+Two rules keep that safe; `compile_check` holds the PTX of every dependent variant to both, but for what a
+program reads before its wait, which is the code's to say:
 - before its wait a program reads only what no kernel of the step writes, and writes nothing;
 - every program waits, even one with nothing to do: the kernel after trusts that this one finished only
   after the one before it did.
