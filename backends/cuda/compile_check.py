@@ -19,9 +19,10 @@ TRITON_INTERPRET unset: under the interpreter nothing is compiled.
 
 A variant fails when it does not compile, spills where its kernel's docstring says it does not (`SPILL_FREE`),
 needs more shared memory than one block may have on the target, or, where a kernel is bound by the
-instructions it issues (`INSTRUCTION_BUDGETS`: the int4 GEMV), its innermost loop issues more machine
+instructions it issues (`INSTRUCTION_BUDGETS`: the GEMVs), its innermost loop issues more machine
 instructions per unit of work than its docstring allows (counted in the SASS that the nvdisasm inside
-Triton's wheel prints from the cubin).
+Triton's wheel prints from the cubin), or, launched as a dependent of the kernel before it (sm_90a on,
+kernels/dependent_launch.py), its PTX writes global memory or ends before it waits for that kernel.
 
 The specialization of a launch is computed the way `JITFunction.run` computes it, through Triton's own
 binder and `_pack_args`, which are internal to Triton 3.5 and 3.6 (the versions the `cuda` extra allows).
