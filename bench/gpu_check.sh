@@ -26,6 +26,9 @@
 #                       cuBLAS, against bench-bf16's, which takes the 16-bit GEMV where start-up measured it faster
 #   bench-no-pdl        bench/cuda_decode.py at batch 1 with CANDELABRA_PDL=0: each kernel launched after the one
 #                       before has finished, against bench-bf16's dependent launches (kernels/dependent_launch.py)
+#   retuned             bench/cuda_decode.py at batch 1 in bfloat16 with CANDELABRA_GEMV_TUNING=all: every 16-bit
+#                       shape measured again at start-up, GEMV against cuBLAS (the package's table was measured
+#                       before dependent launches), into a table folder of its own, printed
 #   int4-tuned          bench/cuda_decode.py at Qwen2.5-7B's shapes, which no table holds: the int4 GEMV's tilings
 #                       measured at start-up (into a table folder of its own, printed), then int4 batch 1
 #   bench-in-turn       bench/cuda_decode.py --no-async-scheduling: bench-bf16 and bench-int4 with each step
@@ -49,15 +52,16 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl bench-int4 bench-cublas int4-tuned
-       bench-in-turn bench-transformers profile profile-int4 int4-tiles host)
+STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl retuned bench-int4 bench-cublas
+       int4-tuned bench-in-turn bench-transformers profile profile-int4 int4-tiles host)
 # The kernels' correctness with dependent launches (new since the last run), the open goal, batch 1 of the
 # roofline (bench-bf16), beside the same without dependent launches, the models and engine levels with
 # them, a step's profile and transformers (about 410 s by the step times of the H200 runs of 27 November).
-# Then int4 batch 1 against bfloat16 (bench-int4, 200 s), start-up measurement at Qwen2.5-7B's shapes
-# (95 s), cuBLAS alone and in-turn scheduling, as the budget allows.
+# Then each 16-bit shape's GEMV and cuBLAS times with dependent launches (retuned, about 45 s), int4 batch 1
+# against bfloat16 (bench-int4, 200 s), start-up measurement at Qwen2.5-7B's shapes (95 s), cuBLAS alone
+# and in-turn scheduling, as the budget allows.
 FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile bench-transformers)
-SECOND=(bench-int4 int4-tuned bench-cublas bench-in-turn)
+SECOND=(retuned bench-int4 int4-tuned bench-cublas bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
@@ -140,6 +144,11 @@ run_step() {
         bench-no-pdl)
             CANDELABRA_PDL=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
                 --json "$results/bench-no-pdl.json" ;;
+        retuned)
+            rm -rf "$results/retuned-tables" &&
+            CANDELABRA_KERNEL_TABLES="$results/retuned-tables" CANDELABRA_GEMV_TUNING=all python3 bench/cuda_decode.py \
+                --parts bfloat16 --batches 1 --json "$results/retuned.json" &&
+            cat "$results"/retuned-tables/cuda/*.json ;;
         int4-tuned)
             rm -rf "$results/tables" &&
             CANDELABRA_KERNEL_TABLES="$results/tables" python3 bench/cuda_decode.py --config bench/configs/qwen2.5-7b \

@@ -4,6 +4,7 @@ backend's linear taking it from then on, and what switches it off."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -112,7 +113,7 @@ def test_a_failed_measurement_is_logged_and_serving_goes_on_with_the_fallback(us
     assert not user_tables.exists()
 
 
-def test_shapes_the_gpus_tables_hold_are_not_measured_again(user_tables, monkeypatch):
+def test_shapes_the_gpus_tables_hold_are_measured_again_only_when_asked(user_tables, monkeypatch):
     model = tiny_model(np.random.default_rng(6))
     known = gemv_tilings.GemvTiling(block_n=32, block_k=512, split_k=1, num_warps=2, num_stages=1)
     gemv_tilings.write_table(gemv_tilings.table_file(user_tables, GPU), GPU,
@@ -127,6 +128,17 @@ def test_shapes_the_gpus_tables_hold_are_not_measured_again(user_tables, monkeyp
     assert asked == [[(96, 512)]]
     assert set(gemv_tilings.measured_tilings(GPU)) == {(48, 1024), (40, 1024), (24, 512), (96, 512)}
     assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}  # all known now
+    # with CANDELABRA_GEMV_TUNING=all every shape is measured again, and the user's table holds the new times'
+    # choices over the old
+    faster = dataclasses.replace(known, block_n=16)
+    asked.clear()
+    monkeypatch.setattr(gemv_tuning, "fastest_tilings", lambda by_shape, device, stopwatch: (
+        asked.append(sorted(by_shape)) or {shape: faster for shape in by_shape}))
+    monkeypatch.setenv(gemv_tuning.SWITCH, "all")
+    assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {"int4": {
+        shape: faster for shape in ((24, 512), (40, 1024), (48, 1024), (96, 512))}}
+    assert asked == [[(24, 512), (40, 1024), (48, 1024), (96, 512)]]
+    assert set(gemv_tilings.measured_tilings(GPU).values()) == {faster}
 
 
 def dense(rng, rows: int, columns: int, dtype=torch.float16) -> torch.Tensor:

@@ -4,7 +4,8 @@ GEMV (kernels/dense_gemv) or cuBLAS serves a one-row product. Each candidate tim
 of the model's weights of that shape in turn (the layers' own weights, read one after another as a step
 reads them), replayed from a CUDA graph; the fastest whose product matches the reference's is kept, and
 saved in the user's table, where the next start finds it. CANDELABRA_GEMV_TUNING=0 leaves the int4
-fallback tiling and cuBLAS in place."""
+fallback tiling and cuBLAS in place; CANDELABRA_GEMV_TUNING=all measures every shape again, those the
+tables hold too (after a driver, Triton or kernel change), and the user's table then holds them all."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ PROGRAMS_PER_SM = (2, 4, 8)
 # itself), and left out.
 MOST_NMSE = 1e-4
 SWITCH = "CANDELABRA_GEMV_TUNING"
+EVERY_SHAPE = "all"
 
 Stopwatch = Callable[[Sequence[Callable[[], object]]], float]  # µs a call of the calls given
 Measured = dict[tuple[int, int], gemv_tilings.GemvTiling | None]  # by [N, K]; None: cuBLAS (dense)
@@ -47,15 +49,16 @@ Measured = dict[tuple[int, int], gemv_tilings.GemvTiling | None]  # by [N, K]; N
 
 def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
     """Measure and save, per kind of weight ("int4", "dense"), the GEMV tilings of `model`'s linear shapes
-    that this GPU's tables lack; what was measured (a dense shape's None: cuBLAS was faster). Nothing on CPU
-    tensors, under the interpreter, or with CANDELABRA_GEMV_TUNING=0. A failure is logged and leaves the
-    fallback in place: serving goes on."""
-    if device.type != "cuda" or interpreting() or os.environ.get(SWITCH, "1").strip() == "0":
+    that this GPU's tables lack (every one with CANDELABRA_GEMV_TUNING=all); what was measured (a dense
+    shape's None: cuBLAS was faster). Nothing on CPU tensors, under the interpreter, or with
+    CANDELABRA_GEMV_TUNING=0. A failure is logged and leaves the fallback in place: serving goes on."""
+    switch = os.environ.get(SWITCH, "1").strip().lower()
+    if device.type != "cuda" or interpreting() or switch == "0":
         return {}
     name = gpu_name(device)
     measured_by_kind = {}
     for kind, measure in (("int4", fastest_tilings), ("dense", fastest_dense)):
-        known = gemv_tilings.measured_tilings(name, kind)
+        known = {} if switch == EVERY_SHAPE else gemv_tilings.measured_tilings(name, kind)
         missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
         if not missing:
             continue
