@@ -157,6 +157,24 @@ def check_gelu_and_mul(h: Harness, tokens: int, intermediate: int, approximate: 
     h.close("out", out, oracle.gelu_and_mul(x, approximate))
 
 
+def check_gated_linear(h: Harness, tokens: int, intermediate: int, out_features: int, activation: str,
+                       bias: bool, format: str | None = None) -> None:
+    """The oracle's gated values are not rounded before the product: a backend may round them or not."""
+    if format is not None and format not in h.backend.quantized_formats:
+        raise OpNotSupported(h.backend.name, "gated_linear", f"it keeps no {format} weights (quantized_formats)")
+    x = h.rand(tokens, 2 * intermediate, scale=2.0)
+    weight = (h.rand(out_features, intermediate, scale=intermediate**-0.5) if format is None
+              else random_quantized(h.rng, format, out_features, intermediate))
+    b = h.rand(out_features) if bias else None
+    out = h.call(h.backend.ops.gated_linear, h.upload(x), h.upload_weight("down.weight", WeightRole.LINEAR, weight),
+                 None if b is None else h.upload_weight("down.bias", WeightRole.BIAS, b), activation)
+    gated = (oracle.silu_and_mul(x) if activation == "silu"
+             else oracle.gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none"))
+    dense = weight if format is None else weight.dequantize()
+    h.close("out", out, oracle.linear(gated, dense, b),
+            threshold=None if format is None else max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format]))
+
+
 def check_gelu(h: Harness, shape: tuple, approximate: str) -> None:
     x = h.rand(*shape, scale=3.0)
     h.close("out", h.call(h.backend.ops.gelu, h.upload(x), approximate), oracle.gelu(x, approximate))
@@ -807,6 +825,13 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         *_grid("gelu_and_mul", check_gelu_and_mul, dtypes, tokens=[1, 23], intermediate=[2048],
                approximate=["none", "tanh"]),
         *_grid("gelu", check_gelu, dtypes, shape=[(3, 1000), (17, 10240)], approximate=["none", "tanh"]),
+        # one row, a decode's (which a backend may fuse into a GEMV), and a few
+        *_grid("gated_linear", check_gated_linear, dtypes, tokens=[1, 3], intermediate=[1024], out_features=[896],
+               activation=["silu", "gelu", "gelu_tanh"], bias=[False]),
+        *_grid("gated_linear", check_gated_linear, dtypes, tokens=[1], intermediate=[2816], out_features=[640],
+               activation=["silu"], bias=[True]),
+        *_quantized_grid("gated_linear", check_gated_linear, dtypes, ["Q4_K"], tokens=[1, 5],
+                         intermediate=[1024], out_features=[384], activation=["silu"], bias=[False]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16, 32], kv_heads=[2, 8], head_dim=[128],
                tokens=[1, 70], padding=["none", "some"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],

@@ -91,6 +91,12 @@ def test_a_gemv_variant_fails_over_its_instruction_budget_or_where_they_were_not
     assert Compiled("_int4_gemv_kernel", variant, "sm_80", per_unit=6.0).problems == []
     assert Compiled("_int4_gemv_kernel", variant, "sm_90a", error="E: x").problems == ["does not compile: E: x"]
     assert budget.units({"BLOCK_N": 32, "BLOCK_K": 512}, 2) == 256
+    # the 16-bit GEMV is held to 4.5 a weight, but with a gated MLP's activation computed as it loads x to 12
+    plain = "BLOCK_N=8 BLOCK_K=512 VECTOR=8 SPLIT=True PREFETCH=False HAS_BIAS=False GATE=-1 DEPENDENT=True"
+    assert Compiled("_dense_gemv_kernel", plain, "sm_90a", per_unit=4.6).problems
+    assert Compiled("_dense_gemv_kernel", plain.replace("GATE=-1", "GATE=0"), "sm_90a", per_unit=6.3).problems == []
+    assert "(gated x) says at most 12.0" in Compiled("_dense_gemv_kernel", plain.replace("GATE=-1", "GATE=2"),
+                                                     "sm_90a", per_unit=12.5).problems[0]
 
 
 def test_the_recorder_refuses_to_run_under_the_interpreter():
@@ -209,3 +215,8 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     counted = [entry for entry in gemv if budget.covers("sm_90a", entry["variant"])]
     assert counted and all(entry["per_unit"] is not None for entry in counted)
     assert {"BLOCK_N=16", "BLOCK_N=32"} <= {word for entry in gemv for word in entry["variant"].split()}
+    # the 16-bit GEMV of a gated MLP's down projection, SiLU's (Llama) and GELU tanh's (Gemma), counted too
+    dense = [entry for entry in compiled if entry["kernel"] == "_dense_gemv_kernel" and entry["target"] == "sm_90a"]
+    gated = [entry for entry in dense if "GATE=-1" not in entry["variant"].split()]
+    assert {"GATE=0", "GATE=2"} <= {word for entry in gated for word in entry["variant"].split()}
+    assert all(entry["per_unit"] is not None for entry in dense)

@@ -3,6 +3,8 @@ product; and where the backend's linear takes it instead of cuBLAS: the GPU's de
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -72,6 +74,35 @@ def test_a_weight_with_rows_apart_and_x_with_rows_apart():
     assert nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
 
 
+GATED = {"silu": lambda g: g / (1 + np.exp(-g)),
+         "gelu": lambda g: 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2))),
+         "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))}
+
+
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("activation", list(GATED))
+def test_a_gated_x_gives_the_product_of_its_gated_values_as_the_activation_kernel_rounds_them(activation, split_k):
+    from candelabra.backends.cuda.kernels.activations import gelu_and_mul, silu_and_mul
+
+    rng = np.random.default_rng([7, split_k, len(activation)])
+    gate_up = round_to(2 * rng.standard_normal((1, 1024)), "float16")
+    _, weight, _ = case(rng, 1, 72, 512)
+    bias = (torch.from_numpy(round_to(rng.standard_normal(72), "float16")).to(DEVICE, torch.float16) if split_k == 2
+            else None)
+    gated = GATED[activation](gate_up[:, :512].astype(np.float64)) * gate_up[:, 512:]
+    expected = round_to(gated, "float16").astype(np.float64) @ float64_values(weight).T
+    if bias is not None:
+        expected += float64_values(bias)
+    x = torch.from_numpy(gate_up).to(DEVICE, torch.float16)
+    layout = tiling(block_n=16, block_k=128, split_k=split_k)
+    out = kernel.dense_gemv(x, weight, layout, bias, gated=activation)
+    assert out.shape == (1, 72) and nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
+    # the very values the activation's kernel stores, so the very product the GEMV gives of them
+    activated = silu_and_mul(x) if activation == "silu" else gelu_and_mul(x, "tanh" if "tanh" in activation else "none")
+    assert torch.equal(out, kernel.dense_gemv(activated, weight, layout, bias))
+
+
 def test_what_the_gemv_does_not_take_is_refused():
     x = torch.ones(1, 512, dtype=torch.float16)
     weight = torch.ones(8, 512, dtype=torch.float16)
@@ -92,6 +123,10 @@ def test_what_the_gemv_does_not_take_is_refused():
     assert not kernel.fits(far) and kernel.fits(weight)
     with pytest.raises(ValueError, match="spans more than the GEMV's 32-bit offsets reach"):
         kernel.dense_gemv(x, far, tiling())
+    with pytest.raises(ValueError, match="unknown gated activation 'relu'"):
+        kernel.dense_gemv(x, torch.ones(8, 256, dtype=torch.float16), tiling(), gated="relu")
+    with pytest.raises(ValueError, match=r"a gated x \[1, 512\] needs a weight \[N, 256\]"):
+        kernel.dense_gemv(x, weight, tiling(), gated="silu")
 
 
 def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables, monkeypatch):
@@ -109,6 +144,9 @@ def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables
         assert kernel.chosen_tiling(one, torch.ones(512, 64, dtype=torch.float16).T) is None
         far = torch.empty_strided((64, 512), (2**26, 1), dtype=torch.float16, device="meta")
         assert kernel.chosen_tiling(one, far) is None  # past the kernel's 32-bit offsets
+        # a gated MLP's [gate | up] row: its gated half's width is the weight's
+        assert kernel.chosen_tiling(torch.ones(1, 1024, dtype=torch.float16), weight, gated=True) == mine
+        assert kernel.chosen_tiling(one, weight, gated=True) is None
         monkeypatch.setenv(kernel.SWITCH, "0")
         assert kernel.chosen_tiling(one, weight) is None
     assert kernel.chosen_tiling(one, weight) is None  # CPU tensors name no GPU
@@ -147,6 +185,32 @@ def test_the_backends_linear_takes_the_gemv_where_the_table_says_and_cublas_else
         two_rows = ops.linear(torch.cat([x, x]), weight)
     assert len(launched) == 1 and two_rows.shape == (2, 64)
     assert nmse(float64_values(two_rows), np.concatenate([expected, expected])) <= THRESHOLD[torch.float16]
+
+
+@skip_where_the_kernels_cannot_run()
+def test_the_backends_gated_linear_is_one_gemv_where_the_table_says_and_two_ops_elsewhere(user_tables, monkeypatch):
+    from candelabra.backends.cuda.kernels import activations
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(10)
+    gate_up = torch.from_numpy(round_to(2 * rng.standard_normal((1, 1024)), "float16")).to(DEVICE, torch.float16)
+    _, weight, _ = case(rng, 1, 64, 512)
+    write_table(table_file(user_tables, GPU, "dense"), GPU, {(64, 512): tiling(block_k=256)}, "", "dense")
+    launched, activated = [], []
+    real_gemv, real_gated = kernel.dense_gemv, activations._gated
+    monkeypatch.setattr(kernel, "dense_gemv", lambda *args, **kwargs: (
+        launched.append(kwargs.get("gated")) or real_gemv(*args, **kwargs)))
+    monkeypatch.setattr(activations, "_gated", lambda *args: activated.append(args[1]) or real_gated(*args))
+    ops = CudaOps(DEVICE)
+    expected = ops.linear(activations.gelu_and_mul(torch.cat([gate_up, gate_up]), "tanh"), weight)
+    activated.clear()
+    with assume_gpu(GPU):
+        out = ops.gated_linear(gate_up.reshape(1, 1, 1024), weight, activation="gelu_tanh")
+        assert out.shape == (1, 1, 64) and launched == ["gelu_tanh"] and activated == []
+        assert torch.equal(out.reshape(1, 64), expected[:1])
+        two_rows = ops.gated_linear(torch.cat([gate_up, gate_up]), weight, activation="gelu_tanh")
+    assert launched == ["gelu_tanh"] and activated == [activations.GELU_TANH.value]  # the activation, then cuBLAS
+    assert torch.equal(two_rows, expected)
 
 
 def test_a_tile_is_made_shallower_and_wider_until_its_depth_divides_k():

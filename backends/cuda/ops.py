@@ -25,6 +25,17 @@ class CudaOps(TorchOps):
             return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias).reshape(*x.shape[:-1], -1)
         return super().linear(x, weight, bias)
 
+    def gated_linear(self, x, weight, bias=None, activation="silu"):
+        """One launch where the GPU's dense table chose the GEMV for the weight at one row (the activation
+        computed as the GEMV loads x); else the activation's kernel, then `linear`. int4 weights take the
+        two in turn too: their GEMV issues about four instructions a weight, as many as the HBM's pace
+        allows, and the activation would add to them."""
+        tiling = dense_gemv.chosen_tiling(x, weight, gated=True)
+        if tiling is not None and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())):
+            return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=activation).reshape(
+                *x.shape[:-1], -1)
+        return super().gated_linear(x, weight, bias, activation)
+
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         return norms.rms_norm(x, weight, eps, weight_offset)
 

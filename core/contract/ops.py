@@ -33,6 +33,9 @@ from typing import Any, Literal, NamedTuple
 Tensor = Any
 RotaryStyle = Literal["neox", "gptj"]
 GeluApproximation = Literal["none", "tanh"]
+# A gated MLP's activation: silu_and_mul's, or gelu_and_mul's in its erf or tanh form.
+GatedActivation = Literal["silu", "gelu", "gelu_tanh"]
+GATED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh")
 ExpertScoring = Literal["softmax", "sigmoid"]
 GroupScoring = Literal["max", "top2_sum"]
 
@@ -47,6 +50,7 @@ OP_NAMES: tuple[str, ...] = (
     "silu_and_mul",
     "gelu_and_mul",
     "gelu",
+    "gated_linear",
     "write_kv",
     "rotary_and_write_kv",
     "paged_attention",
@@ -62,7 +66,8 @@ OP_NAMES: tuple[str, ...] = (
 
 
 # Ops whose default implementation runs other ops in turn, which a backend may fuse.
-FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv")}
+FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv"),
+                                         "gated_linear": ("silu_and_mul", "gelu_and_mul", "linear")}
 
 
 class OpNotSupported(NotImplementedError):
@@ -216,6 +221,21 @@ class Ops:
         """GELU, elementwise. "none": x/2 * (1 + erf(x / sqrt(2))); "tanh":
         x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x**3)))."""
         raise self._unsupported("gelu")
+
+    def gated_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                     activation: GatedActivation = "silu") -> Tensor:
+        """A gated MLP's down projection: `linear(gated, weight, bias)` of gated = `silu_and_mul(x)`
+        (activation "silu") or `gelu_and_mul(x, "none")` ("gelu") or `gelu_and_mul(x, "tanh")`
+        ("gelu_tanh"), for x [..., 2I] and a linear weight W [N, I] -> [..., N]. A backend may fuse
+        the two and may or may not round the gated values to x's dtype before the product (this
+        default runs the two ops in turn, so it does)."""
+        if activation == "silu":
+            gated = self.silu_and_mul(x)
+        elif activation in ("gelu", "gelu_tanh"):
+            gated = self.gelu_and_mul(x, "tanh" if activation == "gelu_tanh" else "none")
+        else:
+            raise ValueError(f"unknown gated activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
+        return self.linear(gated, weight, bias)
 
     def write_kv(self, cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> KVCache:
         """Store each token's key [T, Hk, D] and value [T, Hk, Dv] in the cache at its slot (Dv is D

@@ -175,13 +175,8 @@ class DecoderModel:
         ops, act = self.ops, self.config.hidden_act
         projected = ops.linear(h, layer.mlp_in, layer.mlp_in_bias)
         if self.gated_mlp:
-            if act == "silu":
-                activated = ops.silu_and_mul(projected)
-            else:
-                activated = ops.gelu_and_mul(projected, _gelu_approximation(act))
-        else:
-            activated = ops.gelu(projected, _gelu_approximation(act))
-        return ops.linear(activated, layer.mlp_out, layer.mlp_out_bias)
+            return ops.gated_linear(projected, layer.mlp_out, layer.mlp_out_bias, _gated_activation(act))
+        return ops.linear(ops.gelu(projected, _gelu_approximation(act)), layer.mlp_out, layer.mlp_out_bias)
 
     def compute_logits(self, hidden, rows):
         """Logits [N, vocab] of the hidden states at `rows` (int32 backend tensor [N]), on every rank."""
@@ -194,6 +189,13 @@ class DecoderModel:
             if logits.shape[1] != self.vocab_size:  # the last ranks' padding rows
                 logits = logits[:, : self.vocab_size]
         return logits
+
+
+def _gated_activation(activation: str) -> str:
+    """The `Ops.gated_linear` activation of a config's hidden_act."""
+    if activation == "silu":
+        return "silu"
+    return "gelu_tanh" if _gelu_approximation(activation) == "tanh" else "gelu"
 
 
 def _gelu_approximation(activation: str) -> str:

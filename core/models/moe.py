@@ -54,7 +54,7 @@ class SparseMoeMlp:
         routed = run_experts(ops, experts, h, weights, expert_ids)
         if experts.shared_gate_up is None:
             return routed
-        return routed + ops.linear(ops.silu_and_mul(ops.linear(h, experts.shared_gate_up)), experts.shared_down)
+        return routed + ops.gated_linear(ops.linear(h, experts.shared_gate_up), experts.shared_down)
 
 
 def run_experts(ops: Ops, experts: Experts, h, weights, expert_ids):

@@ -17,13 +17,16 @@ from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_opti
 SILU = tl.constexpr(0)
 GELU_ERF = tl.constexpr(1)
 GELU_TANH = tl.constexpr(2)
+NO_GATE = tl.constexpr(-1)
+# Ops.gated_linear's activations as kernel kinds.
+GATED_KINDS = {"silu": SILU.value, "gelu": GELU_ERF.value, "gelu_tanh": GELU_TANH.value}
 INV_SQRT2 = tl.constexpr(1 / math.sqrt(2))
 SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2 / math.pi))
 MAX_BLOCK = 1024
 
 
 @triton.jit
-def _activate(x, KIND: tl.constexpr):
+def activate(x, KIND: tl.constexpr):
     """silu or gelu of float32 x."""
     if KIND == SILU:
         return x / (1.0 + tl.exp(-x))
@@ -37,6 +40,18 @@ def _activate(x, KIND: tl.constexpr):
 
 
 @triton.jit
+def gated_input(row_ptr, offsets, up_offset, GATE: tl.constexpr):
+    """A GEMV's float32 x at `offsets` of its row; with GATE an activation kind (not NO_GATE), the row is a
+    gated MLP's [gate | up], up `up_offset` elements on, and x the gated value, rounded to the row's dtype
+    as `_gated_kernel` stores it, so that the product is the one its output would give."""
+    x = tl.load(row_ptr + offsets).to(tl.float32)
+    if GATE != NO_GATE:
+        up = tl.load(row_ptr + up_offset + offsets).to(tl.float32)
+        x = (activate(x, GATE) * up).to(row_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gated_kernel(x_ptr, out_ptr, inner, x_row_stride, out_row_stride, KIND: tl.constexpr, BLOCK: tl.constexpr,
                   DEPENDENT: tl.constexpr):
     begin(DEPENDENT)
@@ -46,7 +61,7 @@ def _gated_kernel(x_ptr, out_ptr, inner, x_row_stride, out_row_stride, KIND: tl.
     gate_row = x_ptr + row * x_row_stride
     gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_row + inner + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _activate(gate, KIND) * up
+    out = activate(gate, KIND) * up
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -56,7 +71,7 @@ def _elementwise_kernel(x_ptr, out_ptr, numel, KIND: tl.constexpr, BLOCK: tl.con
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, _activate(x, KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, activate(x, KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _gelu_kind(approximate: str) -> int:

@@ -11,6 +11,10 @@ for a few programs an SM, and the last split to finish a tile adds the partial s
 (kernels/split_k.py), one launch in all. Whether that wins depends on the GPU and the shape, so the
 backend times it against cuBLAS over the model's own weights at start-up (backends/cuda/gemv_tuning.py)
 and keeps whichever was faster in the GPU's dense table.
+
+A gated MLP's down projection (`Ops.gated_linear`) takes the gate and up halves as its x and computes
+the gated values as it loads them: the activation's kernel, its launch and its output's trip through
+memory are gone, for twice the x loads (from L2: the gate and up row is the product before's output).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name
+from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
 from candelabra.backends.cuda.kernels.split_k import arrival_counts, finish_gemv_row, partial_sums
@@ -50,12 +55,14 @@ def _dense_gemv_kernel(
     w_row_stride,
     out_row_stride,
     partials_split_stride,
+    up_offset,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VECTOR: tl.constexpr,
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATE: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     start_dependents(DEPENDENT)
@@ -81,7 +88,7 @@ def _dense_gemv_kernel(
         more = step + 1 < steps_per_split
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_w = tl.load(w_ptr + k + BLOCK_K + w_offsets, mask=w_mask & more, other=0.0)
-        x = tl.load(x_row + k + along_k).to(tl.float32)
+        x = gated_input(x_row, k + along_k, up_offset, GATE)
         acc += tl.sum(w.to(tl.float32) * x[:, None, :], axis=2)
         k += BLOCK_K
         if PREFETCH:
@@ -93,11 +100,19 @@ def _dense_gemv_kernel(
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, gated: str | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias [N]) -> [M, N] in x's dtype, for a float16 or bfloat16 `weight` [N, K]
     with unit stride along K, tiled as `tiling` says (its block_k a divisor of K, split_k one of its steps).
-    Each row of x reads the whole weight: meant for one."""
+    With `gated` (an `Ops.gated_linear` activation), x is [M, 2K], a gated MLP's gate and up halves, and
+    the product is `gated_linear`'s. Each row of x reads the whole weight: meant for one."""
+    if gated is not None and gated not in GATED_KINDS:
+        raise ValueError(f"unknown gated activation {gated!r}; expected one of {tuple(GATED_KINDS)}")
     rows, width = x.shape
+    if gated is not None:
+        if width != 2 * weight.shape[-1]:
+            raise ValueError(f"a gated x [{rows}, {width}] needs a weight [N, {width // 2}] for its gated half, "
+                             f"not {list(weight.shape)}")
+        width //= 2
     columns = weight.shape[0]
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"the dense GEMV takes float16 or bfloat16 x and weight of one dtype, not {x.dtype} and "
@@ -124,9 +139,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
         x, weight, out if bias is None else bias, out, partials, arrivals, columns, steps // tiling.split_k,
-        x.stride(0), weight.stride(0), out.stride(0), rows * columns,
+        x.stride(0), weight.stride(0), out.stride(0), rows * columns, width,
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
-        PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None, num_warps=tiling.num_warps, num_stages=1,
+        PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None,
+        GATE=NO_GATE.value if gated is None else GATED_KINDS[gated], num_warps=tiling.num_warps, num_stages=1,
         **launch_options(x.device),
     )  # fmt: skip
     return out
@@ -148,14 +164,15 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.shape[0] * weight.stride(0) <= MOST_ELEMENTS
 
 
-def chosen_tiling(x: torch.Tensor, weight) -> GemvTiling | None:
-    """The GEMV tiling this GPU's dense table chose for x @ weight.T, or None where cuBLAS serves it: more
-    than one row, another dtype, a shape the table does not hold or gave to cuBLAS, a GPU without a table,
-    CANDELABRA_DENSE_GEMV=0."""
+def chosen_tiling(x: torch.Tensor, weight, gated: bool = False) -> GemvTiling | None:
+    """The GEMV tiling this GPU's dense table chose for x @ weight.T (for a `gated` x [.., 2K], its gated
+    values'), or None where cuBLAS serves it: more than one row, another dtype, a shape the table does not
+    hold or gave to cuBLAS, a GPU without a table, CANDELABRA_DENSE_GEMV=0."""
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or x.dtype not in DTYPES:
         return None
     width = weight.shape[1]
-    if (x.shape[-1] != width or x.numel() != width or weight.dtype != x.dtype or weight.stride(1) != 1
+    inputs = 2 * width if gated else width
+    if (x.shape[-1] != inputs or x.numel() != inputs or weight.dtype != x.dtype or weight.stride(1) != 1
             or not fits(weight)):
         return None
     name = gpu_name(x.device)
