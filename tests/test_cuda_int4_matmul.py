@@ -9,7 +9,7 @@ import torch
 from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles
-from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, MIN_STEPS_PER_SPLIT, arrival_counts
+from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, MIN_STEPS_PER_SPLIT, arrival_counts, splittable
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
 from candelabra.conformance.quantized_weights import random_quantized
@@ -180,12 +180,24 @@ def test_the_bias_is_added_as_the_output_is_written(path):
         int4_matmul(x, kept.packed, kept.scales, kept.zeros, bias=torch.zeros(99, dtype=torch.float16, device=DEVICE))
 
 
-def test_split_k_that_does_not_divide_the_steps_falls_back_to_one_that_does():
+def test_a_split_k_that_would_leave_a_split_without_a_step_falls_back_to_fewer():
     rng = np.random.default_rng(8)
-    weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 1
+    weight, x, expected = _case(rng, "Q4_1", "float32", 2, 48, 160)  # 5 steps of 32: 4 splits become 3 (2, 2, 1)
     kept = Int4CudaWeight.from_quantized(weight, torch.float32, DEVICE)
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, TileConfig(16, 32, 32, split_k=4))
     assert nmse(out.cpu().numpy(), expected) <= THRESHOLDS["float32"]
+
+
+@pytest.mark.parametrize("block_m", [1, 16], ids=["gemv", "tiles"])
+def test_splits_whose_last_takes_fewer_steps_add_up_to_the_product(block_m):
+    # K = 832 in 13 steps of 64, split five ways: 3, 3, 3, 3 and 1
+    rng = np.random.default_rng(12)
+    weight, x, expected = _case(rng, "Q4_1", "float16", 1 if block_m == 1 else 5, 72, 832)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    config = TileConfig(block_m, 32, 64, split_k=5, num_stages=2 if block_m == 1 else 3)
+    out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, config)
+    assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS["float16"]
+    assert not arrival_counts(DEVICE, 1).any()
 
 
 def test_leading_dims_strided_rows_and_no_rows():
@@ -243,7 +255,7 @@ def test_formats_and_inputs_it_does_not_take_are_refused_clearly():
 
 
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 151936, 896), (8, 14336, 4864), (64, 896, 4864),
-                                   (200, 4096, 4096), (4096, 4096, 14336), (3, 40, 96)])
+                                   (200, 4096, 4096), (4096, 4096, 14336), (3, 40, 96), (1, 3584, 18944)])
 def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
     monkeypatch.setattr(kernel, "interpreting", lambda: False)
     rows, columns, width = shape
@@ -253,11 +265,13 @@ def test_hopper_tiling_divides_k_and_splits_only_decodes(monkeypatch, shape):
     assert width % config.block_k == 0 and config.block_k % 32 == 0
     if rows <= kernel.DECODE_ROWS:
         assert rows <= config.block_m <= kernel.DECODE_ROWS
-    assert steps % config.split_k == 0 and config.split_k <= MAX_SPLIT_K
+    assert splittable(steps, config.split_k) and config.split_k <= MAX_SPLIT_K
     assert config.split_k == 1 or steps // config.split_k >= MIN_STEPS_PER_SPLIT
     tiles = -(-rows // config.block_m) * -(-columns // config.block_n)
-    if rows == 1 and columns == 4096:  # 64 column tiles alone would leave half the SMs idle
+    if rows == 1 and columns in (4096, 3584):  # 64 (112) column tiles alone would leave SMs idle
         assert tiles * config.split_k >= 132
+    if width == 18944:  # Qwen2.5-7B's down projection: 37 steps of 512, split unevenly rather than not at all
+        assert steps == 37 and config.split_k > 1 and steps % config.split_k
     if rows > kernel.DECODE_ROWS and tiles >= 132:
         assert config.split_k == 1
 

@@ -29,7 +29,13 @@ from candelabra.backends.cuda.availability import gpu_name
 from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.split_k import arrival_counts, finish_gemv_row, partial_sums
+from candelabra.backends.cuda.kernels.split_k import (
+    arrival_counts,
+    finish_gemv_row,
+    partial_sums,
+    splittable,
+    steps_a_split,
+)
 
 DTYPES = (torch.float16, torch.bfloat16)
 # Weights a thread loads at once: 16 bytes of 16-bit values.
@@ -41,7 +47,7 @@ SWITCH = "CANDELABRA_DENSE_GEMV"
 MOST_ELEMENTS = 2**31 - 1
 
 
-@triton.jit(do_not_specialize=["steps_per_split"])
+@triton.jit(do_not_specialize=["steps_per_split", "steps"])
 def _dense_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -51,6 +57,7 @@ def _dense_gemv_kernel(
     arrivals_ptr,
     N,
     steps_per_split,
+    steps,
     x_row_stride,
     w_row_stride,
     out_row_stride,
@@ -82,10 +89,11 @@ def _dense_gemv_kernel(
     x_row = x_ptr + row * x_row_stride
     acc = tl.zeros((CHUNKS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
-    w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_per_split > 0), other=0.0)
+    steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
+    w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_here > 0), other=0.0)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
-    for step in range(steps_per_split):
-        more = step + 1 < steps_per_split
+    for step in range(steps_here):
+        more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_w = tl.load(w_ptr + k + BLOCK_K + w_offsets, mask=w_mask & more, other=0.0)
         x = gated_input(x_row, k + along_k, up_offset, GATE)
@@ -102,7 +110,8 @@ def _dense_gemv_kernel(
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
                bias: torch.Tensor | None = None, gated: str | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias [N]) -> [M, N] in x's dtype, for a float16 or bfloat16 `weight` [N, K]
-    with unit stride along K, tiled as `tiling` says (its block_k a divisor of K, split_k one of its steps).
+    with unit stride along K, tiled as `tiling` says (its block_k a divisor of K, split_k at most its steps,
+    each split taking one at least: `steps_a_split`).
     With `gated` (an `Ops.gated_linear` activation), x is [M, 2K], a gated MLP's gate and up halves, and
     the product is `gated_linear`'s. Each row of x reads the whole weight: meant for one."""
     if gated is not None and gated not in GATED_KINDS:
@@ -126,9 +135,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     if bias is not None and (bias.shape != (columns,) or not bias.is_contiguous()):
         raise ValueError(f"the bias must be a contiguous [{columns}], not {list(bias.shape)}")
     steps, ragged = divmod(width, tiling.block_k)
-    if ragged or tiling.block_k % VECTOR or tiling.split_k < 1 or steps % tiling.split_k:
-        raise ValueError(f"block_k {tiling.block_k} (a multiple of {VECTOR}) and split_k {tiling.split_k} must "
-                         f"divide K = {width} into whole steps per split")
+    if ragged or tiling.block_k % VECTOR or not splittable(steps, tiling.split_k):
+        raise ValueError(f"block_k {tiling.block_k} (a multiple of {VECTOR}) must divide K = {width} into steps, "
+                         f"and split_k {tiling.split_k} split them with a step for each split")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
@@ -138,7 +147,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     partials = partial_sums(out, tiling.split_k)
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
-        x, weight, out if bias is None else bias, out, partials, arrivals, columns, steps // tiling.split_k,
+        x, weight, out if bias is None else bias, out, partials, arrivals, columns,
+        steps_a_split(steps, tiling.split_k), steps,
         x.stride(0), weight.stride(0), out.stride(0), rows * columns, width,
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
         PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None,

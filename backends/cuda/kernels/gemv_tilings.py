@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from candelabra.backends.cuda.kernels.split_k import splittable
+
 log = logging.getLogger("candelabra")
 
 PACKAGE_TABLES = Path(__file__).resolve().parent / "gemv_tables"
@@ -78,9 +80,9 @@ def _check(tiling: GemvTiling, shape: tuple[int, int], kind: str) -> None:
     if min(shape) < 1 or any(p < 1 or p & (p - 1) for p in powers) or tiling.block_k < shallowest:
         raise ValueError(f"[{columns}, {width}]: shape, block_n, block_k (at least {shallowest}) and num_warps "
                          f"must be positive, the three powers of two")
-    if width % tiling.block_k or (width // tiling.block_k) % tiling.split_k or tiling.split_k < 1:
-        raise ValueError(f"[{columns}, {width}]: block_k {tiling.block_k} and split_k {tiling.split_k} must "
-                         f"divide K into whole steps per split")
+    if width % tiling.block_k or not splittable(width // tiling.block_k, tiling.split_k):
+        raise ValueError(f"[{columns}, {width}]: block_k {tiling.block_k} must divide K into steps, and split_k "
+                         f"{tiling.split_k} split them with a step for each split")
     if tiling.num_stages not in (1, 2):
         raise ValueError(f"[{columns}, {width}]: num_stages is 1 or 2, not {tiling.num_stages}")
 

@@ -56,6 +56,8 @@ from candelabra.backends.cuda.kernels.split_k import (
     finish_tile,
     partial_sums,
     splits_for,
+    splittable,
+    steps_a_split,
 )
 
 GROUP_SIZE = 32  # values along K a packing run covers; a scale and zero may cover several runs
@@ -122,7 +124,7 @@ PROGRAMS_PER_SM = 2
 
 
 # The rows and each split's steps are loop bounds and masks only: one kernel for every batch and K.
-@triton.jit(do_not_specialize=["M", "steps_per_split"])
+@triton.jit(do_not_specialize=["M", "steps_per_split", "steps"])
 def _int4_matmul_kernel(
     x_ptr,
     packed_ptr,
@@ -135,6 +137,7 @@ def _int4_matmul_kernel(
     M,
     N,
     steps_per_split,
+    steps,
     x_row_stride,
     packed_row_stride,
     scale_row_stride,
@@ -177,9 +180,10 @@ def _int4_matmul_kernel(
     x_rows = x_ptr + rows[:, None] * x_row_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * steps_per_split * BLOCK_K
+    steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     if SCALE_AFTER_DOT:
         byte_rows = tl.arange(0, 16)
-        for step in range(steps_per_split):
+        for step in range(steps_here):
             for group in tl.static_range(GROUPS):
                 k = k_start + step * BLOCK_K + group * 32
                 packed = tl.load(packed_ptr + cols[None, :] * packed_row_stride + (k // 2 + byte_rows)[:, None],
@@ -201,7 +205,7 @@ def _int4_matmul_kernel(
         # K offset, within a step, of the value in each byte row's low nibble; its high nibble's is 16 on.
         low_k = (byte_rows // 16) * 32 + byte_rows % 16
         groups = tl.arange(0, GROUPS)
-        for step in range(steps_per_split):
+        for step in range(steps_here):
             k = k_start + step * BLOCK_K
             packed = tl.load(packed_ptr + cols[None, :] * packed_row_stride + (k // 2 + byte_rows)[:, None],
                              mask=weight_mask, other=0).to(BITS)
@@ -258,7 +262,7 @@ def _quarters(values, GROUPS: tl.constexpr):
 
 
 # K is a loop bound only; the grid's third axis is the row.
-@triton.jit(do_not_specialize=["steps_per_split"])
+@triton.jit(do_not_specialize=["steps_per_split", "steps"])
 def _int4_gemv_kernel(
     x_ptr,
     packed_ptr,
@@ -270,6 +274,7 @@ def _int4_gemv_kernel(
     arrivals_ptr,
     N,
     steps_per_split,
+    steps,
     x_row_stride,
     packed_row_stride,
     scale_row_stride,
@@ -304,11 +309,12 @@ def _int4_gemv_kernel(
     x_row = x_ptr + row * x_row_stride
     acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
+    steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
-                                      steps_per_split > 0, RUNS)
+                                      steps_here > 0, RUNS)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
-    for step in range(steps_per_split):
-        more = step + 1 < steps_per_split
+    for step in range(steps_here):
+        more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_words, next_scale, next_zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k + BLOCK_K,
                                                              word_offsets, group_offsets, col_mask, more, RUNS)
@@ -389,8 +395,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     if config.block_m == 1 and config.block_k % group:
         raise ValueError(f"the GEMV's block_k {config.block_k} must be a multiple of the scales' group of {group}")
     steps = width // config.block_k
-    # every split takes the same number of steps
-    split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if steps % split == 0)
+    # each split takes a step at least (the last may take fewer than the others)
+    split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if splittable(steps, split))
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
     partials = partial_sums(out, split_k)
     arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
@@ -398,7 +404,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     if config.block_m == 1:
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
             x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals, columns,
-            steps // split_k, *strides, ONE_BITS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=split_k > 1,
+            steps_a_split(steps, split_k), steps, *strides, ONE_BITS, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, SPLIT=split_k > 1,
             PREFETCH=config.num_stages > 1, RUNS=group // GROUP_SIZE, HAS_BIAS=bias is not None,
             num_warps=config.num_warps, num_stages=1, **launch_options(x.device),
         )  # fmt: skip
@@ -406,7 +413,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
     _int4_matmul_kernel[(tiles, split_k)](
         x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals,
-        rows, columns, steps // split_k, *strides,
+        rows, columns, steps_a_split(steps, split_k), steps, *strides,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

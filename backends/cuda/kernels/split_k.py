@@ -43,13 +43,34 @@ MAX_SPLIT_K = 16
 MIN_STEPS_PER_SPLIT = 2
 
 
+def steps_a_split(steps: int, split_k: int) -> int:
+    """The steps along K each of `split_k` splits of `steps` takes, ceil(steps / split_k): the last split
+    takes what is left, fewer where they do not divide (a K of 37 steps, Qwen2.5-7B's down projection in
+    steps of 512, splits 8, 8, 8, 8 and 5 ways in five). ValueError where a split would take none."""
+    per_split = -(-steps // split_k) if split_k >= 1 else 0
+    if steps < 1 or split_k < 1 or (split_k - 1) * per_split >= steps:
+        raise ValueError(f"{steps} steps along K cannot be split {split_k} ways with a step for each")
+    return per_split
+
+
+def splittable(steps: int, split_k: int) -> bool:
+    """Whether each of `split_k` splits of `steps` steps takes at least one (see steps_a_split)."""
+    return steps >= 1 and 1 <= split_k and (split_k - 1) * -(-steps // split_k) < steps
+
+
 def splits_for(tiles: int, steps: int, programs: int, most_splits: int = MAX_SPLIT_K) -> int:
-    """The fewest splits of `steps` steps along K (a divisor of them) that give `tiles` output tiles
-    `programs` programs, or as many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow."""
+    """The fewest splits of `steps` steps along K that give `tiles` output tiles `programs` programs, or as
+    many as `most_splits`, MAX_SPLIT_K and MIN_STEPS_PER_SPLIT allow: a divisor of the steps where one
+    gives enough, else splits whose last takes fewer steps (K of a prime number of steps kept whole left
+    an H200's SMs with one or two programs each)."""
     allowed = [split for split in range(1, min(most_splits, MAX_SPLIT_K) + 1)
-               if steps % split == 0 and (split == 1 or steps // split >= MIN_STEPS_PER_SPLIT)]
-    enough = [split for split in allowed if tiles * split >= programs]
-    return enough[0] if enough else allowed[-1]
+               if split == 1 or (splittable(steps, split) and steps // split >= MIN_STEPS_PER_SPLIT)]
+    even = [split for split in allowed if steps % split == 0]
+    for candidates in (even, allowed):
+        enough = [split for split in candidates if tiles * split >= programs]
+        if enough:
+            return enough[0]
+    return allowed[-1]
 
 
 @triton.jit
