@@ -16,6 +16,7 @@ from candelabra.backends.cuda.compile_check import (
     SPILL_FREE,
     TARGETS,
     Compiled,
+    loads_before_wait,
     longest_loop,
     parse_ptxas_report,
 )
@@ -74,6 +75,23 @@ def test_the_longest_loop_runs_from_a_label_to_the_furthest_branch_back_to_it():
     assert "/*1ff30*/" in past_64k and longest_loop(past_64k) == 5
     assert longest_loop(SASS.replace("@P2 BRA `(.L_x_1)", "NOP")) == 2
     assert longest_loop("") == 0
+
+
+def test_the_loads_a_program_issues_before_it_waits_for_the_kernel_before_are_counted():
+    sass = """
+        /*00e0*/                   PREEXIT ;
+        /*0270*/               @P1 LDG.E.128 R16, desc[UR12][R8.64] ;
+        /*02a0*/               @P1 LDG.E.128 R12, desc[UR12][R2.64] ;
+        /*0530*/                   ACQBULK ;
+        /*0540*/                   LDG.E.128 R20, desc[UR12][R4.64] ;
+"""
+    assert loads_before_wait(sass) == 2
+    assert loads_before_wait(sass.replace("ACQBULK", "NOP")) == 3  # never waits: all of them
+    assert loads_before_wait("/*0100*/ ACQBULK ;\n/*0270*/ @P1 LDG.E.128 R16, desc[UR12][R8.64] ;") == 0
+    # a GEMV launched as a dependent that loaded nothing before its wait would stream nothing meanwhile
+    fault = "loads none of its weight before it waits (no LDG ahead of ACQBULK in its SASS), so nothing"
+    assert fault in Compiled("_dense_gemv_kernel", "GATE=-1", "sm_90a", per_unit=4.1,
+                             dependent_fault=fault).problems[0]
 
 
 def test_a_gemv_variant_fails_over_its_instruction_budget_or_where_they_were_not_counted():

@@ -547,13 +547,28 @@ def compile_launch(launch: Launch, spec: Specialization, target: Target) -> Comp
         compiled.dependent_fault = dependent_fault(ptx)
     compiled.registers, compiled.spilled = parse_ptxas_report(report.getvalue())
     budget = compiled.budget
-    if budget:
-        sass = disassemble(kernel.asm["cubin"])
-        if sass is not None:
-            names = list(spec.signature)
-            constants = {names[path[0]]: value for path, value in spec.constexprs.items() if len(path) == 1}
-            compiled.per_unit = longest_loop(sass) / budget.units(constants, spec.options.num_warps)
+    prefetches = getattr(spec.options, "launch_pdl", False) and launch.name in PREFETCHING
+    sass = disassemble(kernel.asm["cubin"]) if budget or prefetches else None
+    if budget and sass is not None:
+        names = list(spec.signature)
+        constants = {names[path[0]]: value for path, value in spec.constexprs.items() if len(path) == 1}
+        compiled.per_unit = longest_loop(sass) / budget.units(constants, spec.options.num_warps)
+    if prefetches and sass is not None and not compiled.dependent_fault and not loads_before_wait(sass):
+        compiled.dependent_fault = ("loads none of its weight before it waits (no LDG ahead of ACQBULK in its "
+                                    "SASS), so nothing streams while the kernel before finishes")
     return compiled
+
+
+# The kernels that load their first step's weight before they wait for the kernel before (the GEMVs): the
+# machine code must keep those loads ahead of the wait, which ptxas could move after it.
+PREFETCHING = frozenset({"_dense_gemv_kernel", "_int4_gemv_kernel"})
+
+
+def loads_before_wait(sass: str) -> int:
+    """The global loads (LDG) a program issues before it first waits for the kernel before it (ACQBULK,
+    PTX's griddepcontrol.wait), in nvdisasm's listing; all of them where it never waits."""
+    wait = re.search(r"\bACQBULK\b", sass)
+    return len(re.findall(r"\bLDG\b", sass[:wait.start()] if wait else sass))
 
 
 # What a program may not do before it waits for the kernel before it (kernels/dependent_launch.py): write

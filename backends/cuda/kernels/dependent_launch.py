@@ -12,7 +12,8 @@ launches so; most wait first thing (`begin`), having nothing to read that the ke
 have written.
 
 Two rules keep that safe; `compile_check` holds the PTX of every dependent variant to both, but for what a
-program reads before its wait, which is the code's to say:
+program reads before its wait, which is the code's to say (and the GEMVs' machine code to loading their
+first step's weight ahead of the wait, ACQBULK in SASS, which is what they gain):
 - before its wait a program reads only what no kernel of the step writes, and writes nothing;
 - every program waits, even one with nothing to do: the kernel after trusts that this one finished only
   after the one before it did.
