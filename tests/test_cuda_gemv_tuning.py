@@ -203,6 +203,51 @@ def test_cublas_serves_a_shape_where_it_was_timed_fastest_and_the_fastest_gemv_e
     assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
 
 
+def test_a_gated_mlps_down_projections_are_found_with_their_activation():
+    rng = np.random.default_rng(10)
+    layers = [Layer(qkv=dense(rng, 48, 512), qkv_bias=None, out=dense(rng, 40, 512), out_bias=None,
+                    mlp_in=dense(rng, 64, 512), mlp_out=dense(rng, 40, 32)) for _ in range(2)]
+    gemma = SimpleNamespace(config=SimpleNamespace(hidden_act="gelu_pytorch_tanh"), gated_mlp=True, layers=layers)
+    assert gemv_tuning.gated_downs(gemma) == {(40, 32): "gelu_tanh"}
+    llama = SimpleNamespace(config=SimpleNamespace(hidden_act="silu"), gated_mlp=True, layers=layers)
+    assert gemv_tuning.gated_downs(llama) == {(40, 32): "silu"}
+    phi = SimpleNamespace(config=SimpleNamespace(hidden_act="gelu_new"), gated_mlp=False, layers=layers)
+    assert gemv_tuning.gated_downs(phi) == {}
+    layers[1].mlp_out = int4(rng, 40, 1024)  # an int4 down projection runs the activation's kernel, then its GEMV
+    assert gemv_tuning.gated_downs(llama) == {(40, 32): "silu"}
+
+
+@skip_where_the_kernels_cannot_run()
+def test_a_gated_down_projection_is_timed_as_gated_linear_runs_it_on_each_side(monkeypatch, caplog):
+    from candelabra.backends.cuda.kernels import activations
+
+    rng = np.random.default_rng(11)
+    weights = [dense(rng, 40, 512), dense(rng, 40, 512)]
+    activated, gates = [], []
+    real_silu, real_gemv = activations.silu_and_mul, dense_gemv.dense_gemv
+    monkeypatch.setattr(activations, "silu_and_mul", lambda x: activated.append(x.shape) or real_silu(x))
+    monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args, gated=None: (
+        gates.append(gated) or real_gemv(*args, gated=gated)))
+    timings = []
+
+    def stopwatch(calls):  # cuBLAS first at 9 µs, then each candidate faster than the one before
+        for call in calls:
+            assert call().shape == (1, 40)
+        timings.append(len(calls))
+        return 9.0 if len(timings) == 1 else 8.0 - 0.01 * len(timings)
+
+    with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
+        chosen = gemv_tuning.fastest_dense({(40, 512): weights}, kernel_device(), stopwatch, {(40, 512): "silu"})
+    assert "[40, 512] x 2 weights, one row, silu-gated x: cuBLAS 9.0 µs" in caplog.text
+    # cuBLAS's side ran the activation's kernel over [gate | up] before each product; every GEMV was gated
+    assert activated and set(activated) == {(1, 1024)} and gates and set(gates) == {"silu"}
+    kept = chosen[40, 512]
+    x = dense(rng, 1, 1024)
+    expected = float64_values(real_silu(x)) @ float64_values(weights[0]).T
+    got = real_gemv(x, weights[0], kept, gated="silu")
+    assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
+
+
 @skip_where_the_kernels_cannot_run()
 def test_start_up_measures_both_kinds_saves_them_and_the_backends_linear_follows(user_tables, monkeypatch):
     from candelabra.backends.cuda.ops import CudaOps

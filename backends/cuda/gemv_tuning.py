@@ -3,9 +3,11 @@ the GPU model's tables (kernels/gemv_tilings) lack: the int4 GEMV's, and for 16-
 GEMV (kernels/dense_gemv) or cuBLAS serves a one-row product. Each candidate times one product with each
 of the model's weights of that shape in turn (the layers' own weights, read one after another as a step
 reads them), replayed from a CUDA graph; the fastest whose product matches the reference's is kept, and
-saved in the user's table, where the next start finds it. CANDELABRA_GEMV_TUNING=0 leaves the int4
-fallback tiling and cuBLAS in place; CANDELABRA_GEMV_TUNING=all measures every shape again, those the
-tables hold too (after a driver, Triton or kernel change), and the user's table then holds them all."""
+saved in the user's table, where the next start finds it. A gated MLP's down projection is timed as
+`Ops.gated_linear` runs it: the GEMV computing the activation as it loads x, against the activation's
+kernel and cuBLAS. CANDELABRA_GEMV_TUNING=0 leaves the int4 fallback tiling and cuBLAS in place;
+CANDELABRA_GEMV_TUNING=all measures every shape again, those the tables hold too (after a driver, Triton
+or kernel change), and the user's table then holds them all."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
-from candelabra.backends.cuda.kernels import dense_gemv, gemv_tilings
+from candelabra.backends.cuda.kernels import activations, dense_gemv, gemv_tilings
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.split_k import splits_for
 from candelabra.backends.cuda.quantized import Int4CudaWeight
+from candelabra.core.models.base import gated_activation
 
 log = logging.getLogger("candelabra")
 
@@ -57,6 +60,7 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         return {}
     name = gpu_name(device)
     measured_by_kind = {}
+    gated = gated_downs(model)
     for kind, measure in (("int4", fastest_tilings), ("dense", fastest_dense)):
         known = {} if switch == EVERY_SHAPE else gemv_tilings.measured_tilings(name, kind)
         missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
@@ -65,7 +69,8 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         started = time.perf_counter()
         what = "int4 GEMV's tilings" if kind == "int4" else "16-bit GEMV against cuBLAS"
         try:
-            measured = measure(missing, device, graph_median_us)
+            measured = (measure(missing, device, graph_median_us) if kind == "int4"
+                        else measure(missing, device, graph_median_us, gated))
             path = save(name, measured, kind, next(iter(missing.values()))[0].dtype)
         except Exception as exc:  # the fallback serves as well as before: a slower start, not a failed one
             log.warning("cuda: measuring the %s on %s failed (%s: %s); the %s serves", what, name,
@@ -104,6 +109,18 @@ def weights_by_shape(model, kind: str = "int4") -> dict[tuple[int, int], list]:
     return found
 
 
+def gated_downs(model) -> dict[tuple[int, int], str]:
+    """[N, K] of the 16-bit down projections `model`'s gated MLPs multiply through `Ops.gated_linear`
+    (the GEMV computing the activation as it loads x), each with its activation."""
+    config = getattr(model, "config", None)
+    if not getattr(model, "gated_mlp", False) or config is None:
+        return {}
+    activation = gated_activation(config.hidden_act)
+    return {tuple(layer.mlp_out.shape): activation for layer in getattr(model, "layers", ())
+            if getattr(layer, "experts", None) is None and isinstance(layer.mlp_out, torch.Tensor)
+            and layer.mlp_out.ndim == 2}
+
+
 def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], device: torch.device,
                     stopwatch: Stopwatch) -> dict[tuple[int, int], gemv_tilings.GemvTiling]:
     """Each shape's candidate int4 tiling that `stopwatch` timed fastest over that shape's weights (each
@@ -137,28 +154,43 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
 
 
 def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: torch.device,
-                  stopwatch: Stopwatch) -> Measured:
+                  stopwatch: Stopwatch, gated: dict[tuple[int, int], str] | None = None) -> Measured:
     """Per shape of 16-bit weights, the 16-bit GEMV's tiling that `stopwatch` timed fastest over that
-    shape's weights, or None where cuBLAS's product was faster than all of them (each shape's times logged)."""
+    shape's weights, or None where cuBLAS's product was faster than all of them (each shape's times logged).
+    A shape in `gated` (a gated MLP's down projection, by its activation) is timed as `Ops.gated_linear`
+    runs it: the activation computed in the GEMV, against the activation's kernel then cuBLAS."""
     sm_count = multiprocessor_count(device)
     chosen = {}
     for (columns, width), weights in by_shape.items():
-        x = torch.randn(1, width, device=weights[0].device, dtype=weights[0].dtype)
-        expected = F.linear(x, weights[0]).float()
-        cublas = stopwatch([lambda w=w, x=x: F.linear(x, w) for w in weights])
+        activation = (gated or {}).get((columns, width))
+        x = torch.randn(1, 2 * width if activation else width, device=weights[0].device, dtype=weights[0].dtype)
+        inputs = _gated_values(x, activation) if activation else (lambda x=x: x)
+        expected = F.linear(inputs(), weights[0]).float()
+        cublas = stopwatch([lambda w=w, inputs=inputs: F.linear(inputs(), w) for w in weights])
         timed = {}
         for tiling in dense_candidates(columns, width, sm_count):
-            if not _matches(dense_gemv.dense_gemv(x, weights[0], tiling), expected, tiling, (columns, width)):
+            got = dense_gemv.dense_gemv(x, weights[0], tiling, gated=activation)
+            if not _matches(got, expected, tiling, (columns, width)):
                 continue
-            timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x: dense_gemv.dense_gemv(x, w, t) for w in weights])
+            timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x, a=activation: dense_gemv.dense_gemv(x, w, t, gated=a)
+                                       for w in weights])
         best = min(timed, key=timed.get) if timed else None
         faster = best is not None and timed[best] < cublas
-        log.info("cuda: [%d, %d] x %d weights, one row: cuBLAS %.1f µs, the 16-bit GEMV's best %s; %s serves",
-                 columns, width, len(weights), cublas,
+        log.info("cuda: [%d, %d] x %d weights, one row%s: cuBLAS %.1f µs, the 16-bit GEMV's best %s; %s serves",
+                 columns, width, len(weights), f", {activation}-gated x" if activation else "", cublas,
                  f"{timed[best]:.1f} µs ({_label(best)})" if best else "(none fits K)",
                  "the GEMV" if faster else "cuBLAS")
         chosen[columns, width] = best if faster else None
     return chosen
+
+
+def _gated_values(x: torch.Tensor, activation: str) -> Callable[[], torch.Tensor]:
+    """The activation's kernel over a gated MLP's [gate | up] row x, as `Ops.gated_linear` runs it before
+    cuBLAS's product."""
+    if activation == "silu":
+        return lambda: activations.silu_and_mul(x)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return lambda: activations.gelu_and_mul(x, approximate)
 
 
 def int4_candidates(columns: int, width: int, group: int, sm_count: int) -> list:

@@ -175,7 +175,7 @@ class DecoderModel:
         ops, act = self.ops, self.config.hidden_act
         projected = ops.linear(h, layer.mlp_in, layer.mlp_in_bias)
         if self.gated_mlp:
-            return ops.gated_linear(projected, layer.mlp_out, layer.mlp_out_bias, _gated_activation(act))
+            return ops.gated_linear(projected, layer.mlp_out, layer.mlp_out_bias, gated_activation(act))
         return ops.linear(ops.gelu(projected, _gelu_approximation(act)), layer.mlp_out, layer.mlp_out_bias)
 
     def compute_logits(self, hidden, rows):
@@ -191,7 +191,7 @@ class DecoderModel:
         return logits
 
 
-def _gated_activation(activation: str) -> str:
+def gated_activation(activation: str) -> str:
     """The `Ops.gated_linear` activation of a config's hidden_act."""
     if activation == "silu":
         return "silu"
