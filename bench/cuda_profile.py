@@ -9,7 +9,10 @@ For each batch, requests of random ids (--load-format dummy weights in bfloat16)
 decode steps warm up (graphs captured, kernels compiled), then --steps decode steps run under
 torch.profiler. Printed per batch: the wall time of a step, the time the GPU was busy inside it (the
 union of its kernels' intervals), the rest (the host's work while the GPU waits: step preparation,
-copies, sampling's launches, the engine), and the ten kernels that took the most GPU time. The trace is
+copies, sampling's launches, the engine), and the kernels that added the most to the step: a kernel's
+exposed time is how far it ran past the end of every kernel before it, so a kernel that ran beside the
+one before it (a dependent launch's start and prefetch) counts only what it added after that one ended,
+and the exposed times of a step add up to its busy time. Each beside its own run time. The trace is
 written to --out as Chrome JSON (open it in chrome://tracing or ui.perfetto.dev).
 
 Then `Ops.sample` alone, on random logits of each --vocab at each batch: greedy, and temperature 1 with
@@ -58,6 +61,20 @@ def launch_gaps(intervals: list[tuple[float, float]]) -> list[float]:
     return gaps
 
 
+def exposed_by_name(kernels: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
+    """Per kernel name, (its run time, its exposed time) summed over `kernels` (name, start, end): exposed
+    is how far each ran past the end of every kernel that started before it, so the exposed times add up
+    to the union of the intervals."""
+    totals: dict[str, tuple[float, float]] = {}
+    reach = float("-inf")
+    for name, start, end in sorted(kernels, key=lambda kernel: (kernel[1], kernel[2])):
+        exposed = max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        run, hidden_before = totals.get(name, (0.0, 0.0))
+        totals[name] = (run + end - start, hidden_before + exposed)
+    return totals
+
+
 def device_kernels(profile, on_gpu: bool) -> list:
     """The profile's device kernels (on a GPU), or its top-level CPU ops (on a CPU)."""
     events = profile.events()
@@ -91,10 +108,9 @@ def profile_decode(llm: LLM, batch: int, steps: int, rng, out: Path, on_gpu: boo
     busy = busy_union(intervals) / 1e6 / steps
     gaps = launch_gaps(intervals)
     overlapped = (sum(end - start for start, end in intervals) / 1e6 / steps) - busy
-    totals: dict[str, float] = {}
-    for kernel in kernels:
-        totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() / 1e3 / steps
-    top = sorted(totals.items(), key=lambda item: -item[1])[:10]
+    totals = exposed_by_name([(k.name, k.time_range.start, k.time_range.end) for k in kernels])
+    top = sorted(((name, run / 1e3 / steps, exposed / 1e3 / steps) for name, (run, exposed) in totals.items()),
+                 key=lambda item: -item[2])[:12]
     return {"batch": batch, "step_ms": wall * 1e3, "busy_ms": busy * 1e3, "host_ms": max(0.0, wall - busy) * 1e3,
             "kernels": len(kernels) / steps, "median_gap_us": float(np.median(gaps)) if gaps else 0.0,
             "overlapped_ms": overlapped * 1e3, "top": top}
@@ -213,8 +229,9 @@ def main() -> None:
     print("median gap: from the end of the kernels before to a kernel's start (negative: it started before "
           "they ended, as a dependent launch may); overlapped: kernel time a step beyond the GPU's busy time")
     for s in steps:
-        print(f"batch {s['batch']}, most time a step:")
-        print(format_table(("kernel", "ms a step"), [(name[:90], f"{ms:.3f}") for name, ms in s["top"]]))
+        print(f"batch {s['batch']}, what adds most to a step (exposed: past the end of every kernel before it):")
+        print(format_table(("kernel", "exposed ms a step", "run ms a step"),
+                           [(name[:90], f"{exposed:.3f}", f"{run:.3f}") for name, run, exposed in s["top"]]))
 
     sampling = []
     for vocab in [] if args.no_sampling else args.vocab:
