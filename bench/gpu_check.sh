@@ -57,11 +57,12 @@ STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-
 # The kernels' correctness with dependent launches (new since the last run), the open goal, batch 1 of the
 # roofline (bench-bf16), beside the same without dependent launches, the models and engine levels with
 # them, a step's profile and transformers (about 410 s by the step times of the H200 runs of 27 November).
-# Then each 16-bit shape's GEMV and cuBLAS times with dependent launches (retuned, about 45 s), int4 batch 1
-# against bfloat16 (bench-int4, 200 s), start-up measurement at Qwen2.5-7B's shapes (95 s), cuBLAS alone
-# and in-turn scheduling, as the budget allows.
+# Then each 16-bit shape's GEMV and cuBLAS times with dependent launches (retuned, about 45 s), Qwen2.5-7B's
+# shapes measured again now that K may split unevenly, and its int4 ratio (int4-tuned, 95 s), int4 batch 1
+# against bfloat16 at Llama-3-8B's (bench-int4, 200 s, met at 1.66x before), cuBLAS alone and in-turn
+# scheduling, as the budget allows.
 FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile bench-transformers)
-SECOND=(retuned bench-int4 int4-tuned bench-cublas bench-in-turn)
+SECOND=(retuned int4-tuned bench-int4 bench-cublas bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
