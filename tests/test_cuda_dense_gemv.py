@@ -177,7 +177,7 @@ def test_the_backends_linear_takes_the_gemv_where_the_table_says_and_cublas_else
     write_table(table_file(user_tables, GPU, "dense"), GPU, {(64, 512): tiling(block_k=256, split_k=2)}, "", "dense")
     launched = []
     real = kernel.dense_gemv
-    monkeypatch.setattr(kernel, "dense_gemv", lambda *args: launched.append(args[2]) or real(*args))
+    monkeypatch.setattr(kernel, "dense_gemv", lambda *args, **kwargs: launched.append(args[2]) or real(*args, **kwargs))
     ops = CudaOps(DEVICE)
     with assume_gpu(GPU):
         out = ops.linear(x.reshape(1, 1, 512), weight, bias)

@@ -224,8 +224,8 @@ def test_a_gated_down_projection_is_timed_as_gated_linear_runs_it_on_each_side(m
     rng = np.random.default_rng(11)
     weights = [dense(rng, 40, 512), dense(rng, 40, 512)]
     activated, gates = [], []
-    real_silu, real_gemv = activations.silu_and_mul, dense_gemv.dense_gemv
-    monkeypatch.setattr(activations, "silu_and_mul", lambda x: activated.append(x.shape) or real_silu(x))
+    real_gated, real_gemv = activations.gated, dense_gemv.dense_gemv
+    monkeypatch.setattr(activations, "gated", lambda x, a: activated.append((x.shape, a)) or real_gated(x, a))
     monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args, gated=None: (
         gates.append(gated) or real_gemv(*args, gated=gated)))
     timings = []
@@ -240,10 +240,10 @@ def test_a_gated_down_projection_is_timed_as_gated_linear_runs_it_on_each_side(m
         chosen = gemv_tuning.fastest_dense({(40, 512): weights}, kernel_device(), stopwatch, {(40, 512): "silu"})
     assert "[40, 512] x 2 weights, one row, silu-gated x: cuBLAS 9.0 µs" in caplog.text
     # cuBLAS's side ran the activation's kernel over [gate | up] before each product; every GEMV was gated
-    assert activated and set(activated) == {(1, 1024)} and gates and set(gates) == {"silu"}
+    assert activated and set(activated) == {((1, 1024), "silu")} and gates and set(gates) == {"silu"}
     kept = chosen[40, 512]
     x = dense(rng, 1, 1024)
-    expected = float64_values(real_silu(x)) @ float64_values(weights[0]).T
+    expected = float64_values(activations.silu_and_mul(x)) @ float64_values(weights[0]).T
     got = real_gemv(x, weights[0], kept, gated="silu")
     assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
 
@@ -277,7 +277,7 @@ def test_start_up_measures_both_kinds_saves_them_and_the_backends_linear_follows
     assert gemv_tuning.tune_missing_shapes(model, torch.device("cuda")) == {}  # all known now
 
     launched = []
-    monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args: launched.append(args[1].shape) or
+    monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args, **kwargs: launched.append(args[1].shape) or
                         torch.zeros(1, args[1].shape[0], dtype=torch.float16))
     ops = CudaOps(kernel_device())
     with assume_gpu(GPU):

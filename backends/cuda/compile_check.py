@@ -132,14 +132,14 @@ def _weights_a_thread(constexprs: dict, warps: int) -> float:
 # With a gated MLP's activation computed as it loads x, each x costs 17 to 24 more (SiLU, GELU's tanh form),
 # shared by the BLOCK_N outputs a thread takes: 6.3 to 7.2 a weight at 8 outputs, 8.7 to 10.5 at 4, still
 # under the fourteen.
-INSTRUCTION_BUDGETS: dict[str, InstructionBudget] = {
-    "_int4_gemv_kernel": InstructionBudget("sm_90a", ("BLOCK_N=32 BLOCK_K=512 w2s1",),
-                                           "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight", _weights_a_thread),
-    "_dense_gemv_kernel": InstructionBudget("sm_90a", ("GATE=-1",), "kernels/dense_gemv.py", 4.5, "weight",
-                                            _weights_a_thread),
-    "_dense_gemv_kernel, gated": InstructionBudget("sm_90a", ("GATE=0", "GATE=1", "GATE=2"),
-                                                   "kernels/dense_gemv.py (gated x)", 12.0, "weight",
-                                                   _weights_a_thread),
+INSTRUCTION_BUDGETS: dict[str, tuple[InstructionBudget, ...]] = {  # per kernel, the first covering a variant
+    "_int4_gemv_kernel": (InstructionBudget("sm_90a", ("BLOCK_N=32 BLOCK_K=512 w2s1",),
+                                            "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight", _weights_a_thread),),
+    "_dense_gemv_kernel": (
+        InstructionBudget("sm_90a", ("GATE=-1",), "kernels/dense_gemv.py", 4.5, "weight", _weights_a_thread),
+        InstructionBudget("sm_90a", ("GATE=0", "GATE=1", "GATE=2"), "kernels/dense_gemv.py (gated x)", 12.0,
+                          "weight", _weights_a_thread),
+    ),
 }
 
 
@@ -469,8 +469,8 @@ class Compiled:
 
     @property
     def budget(self) -> InstructionBudget | None:
-        return next((budget for name, budget in INSTRUCTION_BUDGETS.items()
-                     if name.split(",")[0] == self.kernel and budget.covers(self.target, self.variant)), None)
+        return next((budget for budget in INSTRUCTION_BUDGETS.get(self.kernel, ())
+                     if budget.covers(self.target, self.variant)), None)
 
 
 @dataclass

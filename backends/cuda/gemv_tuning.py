@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +61,7 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         return {}
     name = gpu_name(device)
     measured_by_kind = {}
-    gated = gated_downs(model)
-    for kind, measure in (("int4", fastest_tilings), ("dense", fastest_dense)):
+    for kind, measure in (("int4", fastest_tilings), ("dense", partial(fastest_dense, gated=gated_downs(model)))):
         known = {} if switch == EVERY_SHAPE else gemv_tilings.measured_tilings(name, kind)
         missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
         if not missing:
@@ -69,8 +69,7 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         started = time.perf_counter()
         what = "int4 GEMV's tilings" if kind == "int4" else "16-bit GEMV against cuBLAS"
         try:
-            measured = (measure(missing, device, graph_median_us) if kind == "int4"
-                        else measure(missing, device, graph_median_us, gated))
+            measured = measure(missing, device, graph_median_us)
             path = save(name, measured, kind, next(iter(missing.values()))[0].dtype)
         except Exception as exc:  # the fallback serves as well as before: a slower start, not a failed one
             log.warning("cuda: measuring the %s on %s failed (%s: %s); the %s serves", what, name,
@@ -164,7 +163,7 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
     for (columns, width), weights in by_shape.items():
         activation = (gated or {}).get((columns, width))
         x = torch.randn(1, 2 * width if activation else width, device=weights[0].device, dtype=weights[0].dtype)
-        inputs = _gated_values(x, activation) if activation else (lambda x=x: x)
+        inputs = (lambda x=x, a=activation: activations.gated(x, a)) if activation else (lambda x=x: x)
         expected = F.linear(inputs(), weights[0]).float()
         cublas = stopwatch([lambda w=w, inputs=inputs: F.linear(inputs(), w) for w in weights])
         timed = {}
@@ -182,15 +181,6 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
                  "the GEMV" if faster else "cuBLAS")
         chosen[columns, width] = best if faster else None
     return chosen
-
-
-def _gated_values(x: torch.Tensor, activation: str) -> Callable[[], torch.Tensor]:
-    """The activation's kernel over a gated MLP's [gate | up] row x, as `Ops.gated_linear` runs it before
-    cuBLAS's product."""
-    if activation == "silu":
-        return lambda: activations.silu_and_mul(x)
-    approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return lambda: activations.gelu_and_mul(x, approximate)
 
 
 def int4_candidates(columns: int, width: int, group: int, sm_count: int) -> list:

@@ -20,21 +20,16 @@ class CudaOps(TorchOps):
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Int4CudaWeight):
             return weight.matmul(x, bias)
-        tiling = dense_gemv.chosen_tiling(x, weight)
-        if tiling is not None and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())):
-            return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias).reshape(*x.shape[:-1], -1)
-        return super().linear(x, weight, bias)
+        out = _one_row_gemv(x, weight, bias)
+        return out if out is not None else super().linear(x, weight, bias)
 
     def gated_linear(self, x, weight, bias=None, activation="silu"):
         """One launch where the GPU's dense table chose the GEMV for the weight at one row (the activation
         computed as the GEMV loads x); else the activation's kernel, then `linear`. int4 weights take the
         two in turn too: their GEMV issues about four instructions a weight, as many as the HBM's pace
         allows, and the activation would add to them."""
-        tiling = dense_gemv.chosen_tiling(x, weight, gated=True)
-        if tiling is not None and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())):
-            return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=activation).reshape(
-                *x.shape[:-1], -1)
-        return super().gated_linear(x, weight, bias, activation)
+        out = _one_row_gemv(x, weight, bias, activation)
+        return out if out is not None else super().gated_linear(x, weight, bias, activation)
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         return norms.rms_norm(x, weight, eps, weight_offset)
@@ -79,3 +74,12 @@ class CudaOps(TorchOps):
 
     def sample(self, logits, params):
         return sampling.sample(logits, params)
+
+
+def _one_row_gemv(x, weight, bias, gated=None):
+    """x @ weight.T (+ bias) by the 16-bit GEMV (of x's gated values, with `gated` an activation) where the
+    GPU's dense table chose it for this one-row product; None where cuBLAS serves it."""
+    tiling = dense_gemv.chosen_tiling(x, weight, gated=gated is not None)
+    if tiling is None or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+        return None
+    return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=gated).reshape(*x.shape[:-1], -1)

@@ -110,6 +110,13 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return _gated(x, _gelu_kind(approximate))
 
 
+def gated(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated values of x [..., 2I] by an `Ops.gated_linear` activation: "silu", "gelu", "gelu_tanh"."""
+    if activation not in GATED_KINDS:
+        raise ValueError(f"unknown gated activation {activation!r}; expected one of {tuple(GATED_KINDS)}")
+    return _gated(x, GATED_KINDS[activation])
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU elementwise: "none" is the erf form, "tanh" the tanh approximation."""
     kind = _gelu_kind(approximate)

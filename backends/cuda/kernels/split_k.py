@@ -47,10 +47,9 @@ def steps_a_split(steps: int, split_k: int) -> int:
     """The steps along K each of `split_k` splits of `steps` takes, ceil(steps / split_k): the last split
     takes what is left, fewer where they do not divide (a K of 37 steps, Qwen2.5-7B's down projection in
     steps of 512, splits 8, 8, 8, 8 and 5 ways in five). ValueError where a split would take none."""
-    per_split = -(-steps // split_k) if split_k >= 1 else 0
-    if steps < 1 or split_k < 1 or (split_k - 1) * per_split >= steps:
+    if not splittable(steps, split_k):
         raise ValueError(f"{steps} steps along K cannot be split {split_k} ways with a step for each")
-    return per_split
+    return -(-steps // split_k)
 
 
 def splittable(steps: int, split_k: int) -> bool:
