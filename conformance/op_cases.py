@@ -175,6 +175,31 @@ def check_gated_linear(h: Harness, tokens: int, intermediate: int, out_features:
             threshold=None if format is None else max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format]))
 
 
+def check_rms_norm_linear(h: Harness, tokens: int, hidden: int, out_features: int, residual: bool,
+                          weight_offset: float, bias: bool, format: str | None = None) -> None:
+    """The oracle's normalised values are not rounded before the product: a backend may round them or not."""
+    if format is not None and format not in h.backend.quantized_formats:
+        raise OpNotSupported(h.backend.name, "rms_norm_linear", f"it keeps no {format} weights (quantized_formats)")
+    x, added = h.rand(tokens, hidden), h.rand(tokens, hidden, scale=4.0) if residual else None
+    norm_weight = h.rand(hidden, scale=0.2, offset=1.0 - weight_offset)
+    weight = (h.rand(out_features, hidden, scale=hidden**-0.5) if format is None
+              else random_quantized(h.rng, format, out_features, hidden))
+    b = h.rand(out_features) if bias else None
+    out, joined = h.call(
+        h.backend.ops.rms_norm_linear, h.upload(x), None if added is None else h.upload(added), h.upload(norm_weight),
+        1e-5, h.upload_weight("proj.weight", WeightRole.LINEAR, weight),
+        None if b is None else h.upload_weight("proj.bias", WeightRole.BIAS, b), weight_offset)
+    if added is None:
+        normed, ref_joined = oracle.rms_norm(x, norm_weight, 1e-5, weight_offset), x
+    else:
+        normed, ref_joined = oracle.add_rms_norm(x, added, norm_weight, 1e-5, weight_offset,
+                                                 round_sum=lambda a: round_to(a, h.dtype))
+    dense = weight if format is None else weight.dequantize()
+    h.close("out", out, oracle.linear(normed, dense, b),
+            threshold=None if format is None else max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format]))
+    h.close("residual", joined, ref_joined)
+
+
 def check_gelu(h: Harness, shape: tuple, approximate: str) -> None:
     x = h.rand(*shape, scale=3.0)
     h.close("out", h.call(h.backend.ops.gelu, h.upload(x), approximate), oracle.gelu(x, approximate))
@@ -832,6 +857,14 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                activation=["silu"], bias=[True]),
         *_quantized_grid("gated_linear", check_gated_linear, dtypes, ["Q4_K"], tokens=[1, 5],
                          intermediate=[1024], out_features=[384], activation=["silu"], bias=[False]),
+        # one row, a decode's (which a backend may fuse into a GEMV), and a few; the first layer's without a
+        # residual, Gemma's norm weights stored less one
+        *_grid("rms_norm_linear", check_rms_norm_linear, dtypes, tokens=[1, 4], hidden=[1024], out_features=[768],
+               residual=[True, False], weight_offset=[0.0], bias=[False]),
+        *_grid("rms_norm_linear", check_rms_norm_linear, dtypes, tokens=[1], hidden=[2560], out_features=[640],
+               residual=[True], weight_offset=[1.0], bias=[True]),
+        *_quantized_grid("rms_norm_linear", check_rms_norm_linear, dtypes, ["Q4_K"], tokens=[1, 5], hidden=[1024],
+                         out_features=[384], residual=[True], weight_offset=[0.0], bias=[False]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16, 32], kv_heads=[2, 8], head_dim=[128],
                tokens=[1, 70], padding=["none", "some"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],

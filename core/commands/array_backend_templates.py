@@ -105,11 +105,13 @@ Work down the list: after each step its check passes, and `pytest` still does.
        candelabra conformance --backend $name --level ops --op write_kv --op rotary_and_write_kv --op paged_attention
 
 4. **The ops that read whole weights** (`ops.py`): `linear`, `gated_linear` (a gated MLP's
-   activation and down projection: delete it to run your activation, then your `linear`) and
-   `embedding`; override `upload_weight` in `backend.py` if your kernels want weights in a layout of
-   their own.
+   activation and down projection: delete it to run your activation, then your `linear`),
+   `rms_norm_linear` (a pre-norm and the projection reading it: delete it to run your norm, then your
+   `linear`) and `embedding`; override `upload_weight` in `backend.py` if your kernels want weights in a
+   layout of their own.
 
-       candelabra conformance --backend $name --level ops --op linear --op gated_linear --op embedding
+       candelabra conformance --backend $name --level ops --op linear --op gated_linear \\
+           --op rms_norm_linear --op embedding
 
 5. **The rest, one at a time** (`ops.py`): `rms_norm`, `add_rms_norm`, `layer_norm`, `rotary`,
    `silu_and_mul`, `gelu_and_mul`, `gelu`, `softcap`, `softmax`, `gather_rows`, `sample`,
@@ -360,6 +362,9 @@ class $ops_class_name(Ops):
 
     def gated_linear(self, x, weight, bias=None, activation="silu"):
         return self.on_host("gated_linear", x, weight, bias, activation)
+
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, weight_offset=0.0):
+        return self.on_host("rms_norm_linear", x, residual, norm_weight, eps, weight, bias, weight_offset)
 
     def embedding(self, ids, table, scale=None):
         return self.on_host("embedding", ids, table, scale)

@@ -51,6 +51,7 @@ OP_NAMES: tuple[str, ...] = (
     "gelu_and_mul",
     "gelu",
     "gated_linear",
+    "rms_norm_linear",
     "write_kv",
     "rotary_and_write_kv",
     "paged_attention",
@@ -67,7 +68,8 @@ OP_NAMES: tuple[str, ...] = (
 
 # Ops whose default implementation runs other ops in turn, which a backend may fuse.
 FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv"),
-                                         "gated_linear": ("silu_and_mul", "gelu_and_mul", "linear")}
+                                         "gated_linear": ("silu_and_mul", "gelu_and_mul", "linear"),
+                                         "rms_norm_linear": ("rms_norm", "add_rms_norm", "linear")}
 
 
 class OpNotSupported(NotImplementedError):
@@ -236,6 +238,19 @@ class Ops:
         else:
             raise ValueError(f"unknown gated activation {activation!r}; expected one of {GATED_ACTIVATIONS}")
         return self.linear(gated, weight, bias)
+
+    def rms_norm_linear(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                        bias: Tensor | None = None, weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
+        """A pre-norm's first projection: (`linear(normed, weight, bias)`, s) for (normed, s) =
+        `add_rms_norm(x, residual, norm_weight, eps, weight_offset)`, or normed = `rms_norm(x, ...)` and
+        s = x itself with `residual` None. x [..., H], W [N, H] -> ([..., N], [..., H]). A backend may fuse
+        the norm into the product and may or may not round the normalised values to x's dtype before it
+        (this default runs the ops in turn, so it does); s is rounded as `add_rms_norm`'s is."""
+        if residual is None:
+            normed, joined = self.rms_norm(x, norm_weight, eps, weight_offset), x
+        else:
+            normed, joined = self.add_rms_norm(x, residual, norm_weight, eps, weight_offset)
+        return self.linear(normed, weight, bias), joined
 
     def write_kv(self, cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> KVCache:
         """Store each token's key [T, Hk, D] and value [T, Hk, Dv] in the cache at its slot (Dv is D

@@ -23,7 +23,7 @@ from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.dtypes import DType
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
-from candelabra.core.models.blocks import Block, SequentialBlock
+from candelabra.core.models.blocks import Block, SequentialBlock, joined_and_normed
 from candelabra.core.models.config import ModelConfig
 from candelabra.core.models.layer_weights import DecoderWeights, Layer, Norm
 from candelabra.core.models.moe import MOE_OPS, ExpertNames, SparseMoeMlp
@@ -83,7 +83,6 @@ class DecoderModel:
         self.embed_tokens, self.lm_head, self.lm_head_bias = weights.embed_tokens, weights.lm_head, weights.lm_head_bias
         self.layers, self.final_norm = weights.layers, weights.final_norm
         self._sparse_moe = SparseMoeMlp(config.moe) if config.moe is not None else None
-        self._mlps = [self._dense_mlp if layer.experts is None else self._experts_mlp for layer in self.layers]
         self.rotary = self._rotary_table(config.rope)
         self.local_rotary = self._rotary_table(config.local_rope) if config.local_rope else self.rotary
         self._rotary_device = backend.to_device(self.rotary.table, "float32")
@@ -137,6 +136,16 @@ class DecoderModel:
         """(norm(x + residual), x + residual)."""
         return self.ops.add_rms_norm(x, residual, norm.weight, self.config.norm_eps, self.norm_offset)
 
+    def normed_projection(self, norm: Norm, x, branch, weight, bias=None):
+        """(linear(norm(x + branch), weight, bias), x + branch): a pre-norm and the first projection of its
+        output, one op for an RMS norm (`Ops.rms_norm_linear`, which a backend may fuse); without a branch,
+        (linear(norm(x), weight, bias), x)."""
+        if self.norm_kind == "layer":
+            h, joined = joined_and_normed(self, norm, x, branch)
+            return self.ops.linear(h, weight, bias), joined
+        return self.ops.rms_norm_linear(x if branch is None else branch, None if branch is None else x, norm.weight,
+                                        self.config.norm_eps, weight, bias, self.norm_offset)
+
     def _layer_norm(self, norm: Norm, x):
         return self.ops.layer_norm(x, norm.weight, norm.bias, self.config.norm_eps)
 
@@ -144,13 +153,17 @@ class DecoderModel:
         summed = x + residual
         return self._layer_norm(norm, summed), summed
 
-    def attention(self, index: int, layer: Layer, h, step, positions, cache):
-        """This rank's heads' attention through the output projection, and the updated cache: with
-        tensor parallelism a partial sum (see `summed_over_ranks`)."""
+    def attention_projection(self, layer: Layer):
+        """(weight, bias) of the projection attention starts from, which reads the normalised hidden states."""
+        return layer.qkv, layer.qkv_bias
+
+    def attention(self, index: int, layer: Layer, qkv, step, positions, cache):
+        """This rank's heads' attention, from its `attention_projection` of the normalised hidden states
+        through the output projection, and the updated cache: with tensor parallelism a partial sum (see
+        `summed_over_ranks`)."""
         c, ops = self.config, self.ops
-        tokens, heads, kv_heads = h.shape[0], self.num_local_heads, self.num_local_kv_heads
+        tokens, heads, kv_heads = qkv.shape[0], self.num_local_heads, self.num_local_kv_heads
         q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
-        qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
         q = qkv[:, :q_width].reshape(tokens, heads, c.head_dim)
         k = qkv[:, q_width : q_width + kv_width].reshape(tokens, kv_heads, c.head_dim)
         v = qkv[:, q_width + kv_width :].reshape(tokens, kv_heads, c.head_dim)
@@ -166,14 +179,22 @@ class DecoderModel:
     def mlp(self, index: int, layer: Layer, h):
         """Layer `index`'s MLP of `h`, dense or its experts: with tensor parallelism this rank's partial
         sum (see `summed_over_ranks`)."""
-        return self._mlps[index](layer, h)
+        if layer.experts is not None:
+            return self._sparse_moe(self.ops, layer.experts, h)
+        return self._dense_mlp_rest(layer, self.ops.linear(h, layer.mlp_in, layer.mlp_in_bias))
 
-    def _experts_mlp(self, layer: Layer, h):
-        return self._sparse_moe(self.ops, layer.experts, h)
+    def normed_mlp(self, index: int, layer: Layer, norm: Norm, x, branch):
+        """(mlp(norm(x + branch)), x + branch), a dense MLP's first projection made with the norm
+        (`normed_projection`); without a branch, of norm(x) and x."""
+        if layer.experts is not None:
+            h, joined = joined_and_normed(self, norm, x, branch)
+            return self._sparse_moe(self.ops, layer.experts, h), joined
+        projected, joined = self.normed_projection(norm, x, branch, layer.mlp_in, layer.mlp_in_bias)
+        return self._dense_mlp_rest(layer, projected), joined
 
-    def _dense_mlp(self, layer: Layer, h):
+    def _dense_mlp_rest(self, layer: Layer, projected):
+        """A dense MLP after its first projection (gate and up, or fc1)."""
         ops, act = self.ops, self.config.hidden_act
-        projected = ops.linear(h, layer.mlp_in, layer.mlp_in_bias)
         if self.gated_mlp:
             return ops.gated_linear(projected, layer.mlp_out, layer.mlp_out_bias, gated_activation(act))
         return ops.linear(ops.gelu(projected, _gelu_approximation(act)), layer.mlp_out, layer.mlp_out_bias)
@@ -181,7 +202,7 @@ class DecoderModel:
     def compute_logits(self, hidden, rows):
         """Logits [N, vocab] of the hidden states at `rows` (int32 backend tensor [N]), on every rank."""
         picked = self.ops.gather_rows(hidden, rows)
-        logits = self.ops.linear(self.norm(self.final_norm, picked), self.lm_head, self.lm_head_bias)
+        logits, _ = self.normed_projection(self.final_norm, picked, None, self.lm_head, self.lm_head_bias)
         if self.config.final_logit_softcapping:
             logits = self.ops.softcap(logits, self.config.final_logit_softcapping)
         if self._vocab_parallel:

@@ -5,7 +5,8 @@ dense MLP or its experts).
 
 Each `forward` takes the residual stream and the branch the layer before left to add to it (None at the
 first layer), and returns the same two for the next layer with the updated KV cache: a layer's last add
-is made by the next layer's first norm (`add_norm`, one kernel where two were). With tensor parallelism
+is made by the next layer's first norm, and a norm and the projection that reads its output are one op
+(`DecoderModel.normed_projection`), which a backend may make one kernel. With tensor parallelism
 the attention output and the MLP are this rank's partial sums, and the block says where they are summed
 over the ranks (`DecoderModel.summed_over_ranks`).
 """
@@ -32,10 +33,11 @@ class SequentialBlock:
         return (self.before_attention, self.before_mlp)
 
     def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
-        h, x = joined_and_normed(model, layer.norms[self.before_attention], x, branch)
-        attended, cache = model.attention(index, layer, h, step, positions, cache)
-        h, x = model.add_norm(layer.norms[self.before_mlp], model.summed_over_ranks(attended), x)
-        return x, model.summed_over_ranks(model.mlp(index, layer, h)), cache
+        projected, x = model.normed_projection(layer.norms[self.before_attention], x, branch,
+                                               *model.attention_projection(layer))
+        attended, cache = model.attention(index, layer, projected, step, positions, cache)
+        out, x = model.normed_mlp(index, layer, layer.norms[self.before_mlp], x, model.summed_over_ranks(attended))
+        return x, model.summed_over_ranks(out), cache
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,12 @@ class SandwichBlock:
 
     def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
         norms = layer.norms
-        h, x = joined_and_normed(model, norms[self.before_attention], x, branch)
-        attended, cache = model.attention(index, layer, h, step, positions, cache)
+        projected, x = model.normed_projection(norms[self.before_attention], x, branch,
+                                               *model.attention_projection(layer))
+        attended, cache = model.attention(index, layer, projected, step, positions, cache)
         attended = model.norm(norms[self.after_attention], model.summed_over_ranks(attended))
-        h, x = model.add_norm(norms[self.before_mlp], attended, x)
-        return x, model.norm(norms[self.after_mlp], model.summed_over_ranks(model.mlp(index, layer, h))), cache
+        out, x = model.normed_mlp(index, layer, norms[self.before_mlp], x, attended)
+        return x, model.norm(norms[self.after_mlp], model.summed_over_ranks(out)), cache
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class ParallelBlock:
 
     def forward(self, model: DecoderModel, index: int, layer: Layer, x, branch, step, positions, cache):
         h, x = joined_and_normed(model, layer.norms[self.norm], x, branch)
-        attended, cache = model.attention(index, layer, h, step, positions, cache)
+        weight, bias = model.attention_projection(layer)
+        attended, cache = model.attention(index, layer, model.ops.linear(h, weight, bias), step, positions, cache)
         if model.communicator is None:
             return x + attended, model.mlp(index, layer, h), cache
         # both branches' partial sums add up before the layer's one all-reduce

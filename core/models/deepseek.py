@@ -35,17 +35,20 @@ class DeepseekV2(DecoderModel):
         """The latent cache: one head, the rotary key as the key and the latent as the value."""
         return 1, config.mla.qk_rope_head_dim, config.mla.kv_lora_rank
 
-    def attention(self, index: int, layer: Layer, h, step, positions, cache):
+    def attention_projection(self, layer: Layer):
+        """The queries' (or their compressed queries'), the latent's and the rotary key's projection."""
+        return layer.latent_attention.latent_in, layer.latent_attention.latent_in_bias
+
+    def attention(self, index: int, layer: Layer, projected, step, positions, cache):
         mla, ops, weights = self.config.mla, self.ops, layer.latent_attention
-        tokens, heads = h.shape[0], self.num_local_heads
+        tokens, heads = projected.shape[0], self.num_local_heads
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
-        projected = ops.linear(h, weights.latent_in, weights.latent_in_bias)
         if weights.q_up is None:
             q_width = heads * mla.qk_head_dim
             q = projected[:, :q_width]
         else:
             q_width = mla.q_lora_rank
-            q = ops.linear(self.norm(weights.q_norm, projected[:, :q_width]), weights.q_up)
+            q, _ = self.normed_projection(weights.q_norm, projected[:, :q_width], None, weights.q_up)
         latent = self.norm(weights.latent_norm, projected[:, q_width : q_width + rank])
         rotary_key = projected[:, q_width + rank :].reshape(tokens, 1, mla.qk_rope_head_dim)
         q = q.reshape(tokens, heads, mla.qk_head_dim)
