@@ -115,6 +115,23 @@ def test_a_gemv_variant_fails_over_its_instruction_budget_or_where_they_were_not
     assert Compiled("_dense_gemv_kernel", plain.replace("GATE=-1", "GATE=0"), "sm_90a", per_unit=6.3).problems == []
     assert "(gated x) says at most 12.0" in Compiled("_dense_gemv_kernel", plain.replace("GATE=-1", "GATE=2"),
                                                      "sm_90a", per_unit=12.5).problems[0]
+    # and normalising x as it loads it to 6
+    normed = plain.replace("DEPENDENT", "NORM=True RESIDUAL=True DEPENDENT")
+    assert Compiled("_dense_gemv_kernel", normed, "sm_90a", per_unit=5.8).problems == []
+    assert "(normalised x) says at most 6.0" in Compiled("_dense_gemv_kernel", normed, "sm_90a",
+                                                         per_unit=6.1).problems[0]
+
+
+def test_the_projections_of_an_rms_norms_output_are_built_with_the_norm():
+    from candelabra.backends.cuda.compile_check import DEFAULT_CONFIGS, workloads_from
+
+    configs = {w.label: w for w in workloads_from([DEFAULT_CONFIGS])}
+    llama = configs["llama-3-8b"]
+    assert llama.normed_shapes() == {(6144, 4096): (True, False), (28672, 4096): (True,), (128256, 4096): (False,)}
+    deepseek = configs["deepseek-v2-lite"]  # no compressed queries; its first layer's MLP is dense
+    assert deepseek.normed_shapes() == {(3072 + 512 + 64, 2048): (True, False), (2 * 10944, 2048): (True,),
+                                        (102400, 2048): (False,)}
+    assert configs["phi-2"].normed_shapes() == {}  # layer norms
 
 
 def test_the_recorder_refuses_to_run_under_the_interpreter():
@@ -237,4 +254,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     dense = [entry for entry in compiled if entry["kernel"] == "_dense_gemv_kernel" and entry["target"] == "sm_90a"]
     gated = [entry for entry in dense if "GATE=-1" not in entry["variant"].split()]
     assert {"GATE=0", "GATE=2"} <= {word for entry in gated for word in entry["variant"].split()}
+    # and a pre-norm's projection normalising x as it loads it, after a residual add and without
+    normed = [entry["variant"].split() for entry in dense if "NORM=True" in entry["variant"].split()]
+    assert {"RESIDUAL=True", "RESIDUAL=False"} <= {word for words in normed for word in words}
     assert all(entry["per_unit"] is not None for entry in dense)

@@ -104,6 +104,30 @@ def test_a_gated_x_gives_the_product_of_its_gated_values_as_the_activation_kerne
     assert torch.equal(out, kernel.dense_gemv(activated, weight, layout, bias))
 
 
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("residual", [True, False], ids=["plus-residual", "alone"])
+def test_a_normed_x_gives_the_product_of_its_normalised_values_and_the_row_the_next_layer_adds_to(residual, split_k):
+    rng = np.random.default_rng([11, split_k, residual])
+    width, offset = 768, 1.0 if split_k == 3 else 0.0
+    x = round_to(rng.standard_normal((1, width)), "float16")
+    added = round_to(4 * rng.standard_normal((1, width)), "float16")
+    norm_weight = round_to(0.2 * rng.standard_normal(width) + 1.0 - offset, "float16")
+    _, weight, _ = case(rng, 1, 40, width)
+    bias = torch.from_numpy(round_to(rng.standard_normal(40), "float16")).to(DEVICE, torch.float16)
+    joined = round_to(x.astype(np.float64) + added, "float16").astype(np.float64) if residual else x.astype(np.float64)
+    normed = joined / np.sqrt(np.mean(joined**2) + 1e-5) * (offset + norm_weight.astype(np.float64))
+    expected = normed @ float64_values(weight).T + float64_values(bias)
+    on_device = [torch.from_numpy(a).to(DEVICE, torch.float16) for a in (x, added, norm_weight)]
+    norm = kernel.RowNorm(on_device[2], 1e-5, offset, on_device[1] if residual else None)
+    layout = tiling(block_n=16, block_k=128, split_k=split_k)  # 6 steps: 2 a split in three
+    out, row = kernel.normed_dense_gemv(on_device[0], norm, weight, layout, bias)
+    assert out.shape == (1, 40) and nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
+    assert np.array_equal(float64_values(row), joined)  # rounded as add_rms_norm's sum, every element written
+    assert (row is on_device[0]) == (not residual)  # no residual: the row is x itself
+    assert not arrival_counts(DEVICE, 1).any()
+
+
 def test_what_the_gemv_does_not_take_is_refused():
     x = torch.ones(1, 512, dtype=torch.float16)
     weight = torch.ones(8, 512, dtype=torch.float16)
@@ -128,6 +152,12 @@ def test_what_the_gemv_does_not_take_is_refused():
         kernel.dense_gemv(x, torch.ones(8, 256, dtype=torch.float16), tiling(), gated="relu")
     with pytest.raises(ValueError, match=r"a gated x \[1, 512\] needs a weight \[N, 256\]"):
         kernel.dense_gemv(x, weight, tiling(), gated="silu")
+    norm_weight = torch.ones(512, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"the residual \[1, 256\] torch.float16 does not match x \[1, 512\]"):
+        kernel.normed_dense_gemv(x, kernel.RowNorm(norm_weight, 1e-6, 0.0, torch.ones(1, 256, dtype=torch.float16)),
+                                 weight, tiling())
+    with pytest.raises(ValueError, match=r"the norm's weight \[256\] does not match x's width 512"):
+        kernel.normed_dense_gemv(x, kernel.RowNorm(norm_weight[:256], 1e-6), weight, tiling())
 
 
 def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables, monkeypatch):
@@ -214,6 +244,41 @@ def test_the_backends_gated_linear_is_one_gemv_where_the_table_says_and_two_ops_
     assert torch.equal(two_rows, expected)
 
 
+@skip_where_the_kernels_cannot_run()
+def test_the_backends_rms_norm_linear_is_one_gemv_where_the_table_says_and_two_ops_elsewhere(user_tables, monkeypatch):
+    from candelabra.backends.cuda.kernels import norms
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(12)
+    x, weight, _ = case(rng, 1, 64, 512)
+    residual = torch.from_numpy(round_to(3 * rng.standard_normal((1, 512)), "float16")).to(DEVICE, torch.float16)
+    norm_weight = torch.from_numpy(round_to(rng.standard_normal(512), "float16")).to(DEVICE, torch.float16)
+    write_table(table_file(user_tables, GPU, "dense"), GPU, {(64, 512): tiling(block_k=256)}, "", "dense")
+    launched, normalised = [], []
+    real_gemv, real_launch = kernel.normed_dense_gemv, norms._launch
+    monkeypatch.setattr(kernel, "normed_dense_gemv", lambda *args: launched.append(args[3]) or real_gemv(*args))
+    monkeypatch.setattr(norms, "_launch", lambda *args: normalised.append(args[1] is not None) or real_launch(*args))
+    ops = CudaOps(DEVICE)
+    two_rows = torch.cat([x, 2 * x]), torch.cat([residual, residual])
+    expected = ops.linear(norms.add_rms_norm(*two_rows, norm_weight, 1e-6, 1.0)[0], weight)
+    normalised.clear()
+    with assume_gpu(GPU):
+        out, joined = ops.rms_norm_linear(x.reshape(1, 1, 512), residual.reshape(1, 1, 512), norm_weight, 1e-6,
+                                          weight, weight_offset=1.0)
+        assert out.shape == (1, 1, 64) and joined.shape == (1, 1, 512)
+        assert launched == [tiling(block_k=256)] and normalised == []
+        assert nmse(float64_values(out).reshape(1, 64), float64_values(expected[:1])) <= THRESHOLD[torch.float16]
+        assert torch.equal(joined.reshape(1, 512), x + residual)
+        alone, same = ops.rms_norm_linear(x, None, norm_weight, 1e-6, weight)
+        assert same is x and len(launched) == 2
+        reference = ops.linear(norms.rms_norm(x, norm_weight, 1e-6), weight)
+        assert nmse(float64_values(alone), float64_values(reference)) <= THRESHOLD[torch.float16]
+        normalised.clear()
+        out, joined = ops.rms_norm_linear(*two_rows, norm_weight, 1e-6, weight, weight_offset=1.0)
+    assert len(launched) == 2 and normalised == [True]  # the norm's kernel, then cuBLAS
+    assert torch.equal(out, expected) and torch.equal(joined, two_rows[0] + two_rows[1])
+
+
 def test_a_tile_is_made_shallower_and_wider_until_its_depth_divides_k():
     assert kernel.fitted_tile(8, 1024, 4096) == (8, 1024)
     assert kernel.fitted_tile(8, 1024, 3584) == (16, 512)  # Qwen2.5-7B's hidden size, 7 x 512
@@ -240,3 +305,47 @@ def test_every_package_dense_table_reads_is_built_by_a_compile_target_and_its_ti
             x, weight, expected = case(rng, 1, 3 * chosen.block_n + 5, width)
             out = kernel.dense_gemv(x, weight, chosen)
             assert nmse(float64_values(out), expected) <= THRESHOLD[torch.float16], (path.name, chosen)
+
+
+@skip_where_the_kernels_cannot_run()
+def test_a_decode_through_the_gemvs_the_table_chose_for_every_shape_generates_what_cublas_does(
+        tiny_llm, user_tables, monkeypatch):
+    """The tiny Qwen2 model's one-row steps with every projection on the GEMV: the first layer's qkv normalised
+    without a residual, the others' after one, gate/up normalised, the attention output plain, down gated, the
+    LM head after the final norm; the tokens cuBLAS gives, and logprobs as near float32's as its."""
+    from candelabra.backends.cuda.backend import CudaBackend
+    from candelabra.core.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    prompt = [[5, 9, 23, 42, 7, 11]]
+    reference = tiny_llm(seed=21, backend=CudaBackend, dtype="float16").generate(prompt, params, progress=False)
+    llm = tiny_llm(seed=21, backend=CudaBackend, dtype="float16")
+    model = llm.model
+    shapes = {tuple(w.shape) for layer in model.layers for w in (layer.qkv, layer.out, layer.mlp_in, layer.mlp_out)}
+    layout = tiling(block_n=8, block_k=32, split_k=2)
+    write_table(table_file(user_tables, GPU, "dense"), GPU, dict.fromkeys(shapes | {tuple(model.lm_head.shape)},
+                                                                         layout), "", "dense")
+    launched = []
+    plain, normed = kernel.dense_gemv, kernel.normed_dense_gemv
+    monkeypatch.setattr(kernel, "dense_gemv", lambda x, w, *args, gated=None: (
+        launched.append(("gated" if gated else "plain", tuple(w.shape))) or plain(x, w, *args, gated=gated)))
+    monkeypatch.setattr(kernel, "normed_dense_gemv", lambda x, norm, w, *args: (
+        launched.append(("normed" if norm.residual is None else "added", tuple(w.shape))) or normed(x, norm, w, *args)))
+    with assume_gpu(GPU):
+        ours = llm.generate(prompt, params, progress=False)
+
+    layer = model.layers[0]
+    decode = ([("normed", tuple(layer.qkv.shape)), ("plain", tuple(layer.out.shape)),
+               ("added", tuple(layer.mlp_in.shape)), ("gated", tuple(layer.mlp_out.shape))]
+              + [("added", tuple(layer.qkv.shape)), ("plain", tuple(layer.out.shape)),
+                 ("added", tuple(layer.mlp_in.shape)), ("gated", tuple(layer.mlp_out.shape))] * (len(model.layers) - 1)
+              + [("normed", tuple(model.lm_head.shape))])
+    # the prefill's rows go to cuBLAS but for the one its logits are taken from
+    assert launched == [("normed", tuple(model.lm_head.shape))] + decode * (params.max_tokens - 1)
+    assert ours[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+    # float16's own noise: both within 0.015 of float32's logprobs (cuBLAS's 0.0095 off at the last token, the
+    # GEMVs' 0.002, the normalised values not rounded before their products)
+    exact = tiny_llm(seed=21, backend=CudaBackend, dtype="float32").generate(prompt, params, progress=False)
+    for outputs in (ours, reference):
+        np.testing.assert_allclose([e.logprob for e in outputs[0].outputs[0].logprobs],
+                                   [e.logprob for e in exact[0].outputs[0].logprobs], atol=0.015)

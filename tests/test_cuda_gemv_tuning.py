@@ -248,6 +248,52 @@ def test_a_gated_down_projection_is_timed_as_gated_linear_runs_it_on_each_side(m
     assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-6
 
 
+def test_the_projections_of_an_rms_norms_output_are_found_for_the_norm_in_their_gemv():
+    rng = np.random.default_rng(12)
+    layers = [Layer(qkv=dense(rng, 48, 512), qkv_bias=None, out=dense(rng, 40, 512), out_bias=None,
+                    mlp_in=dense(rng, 64, 512), mlp_out=dense(rng, 40, 32)) for _ in range(2)]
+    layers[1].mlp_in = int4(rng, 72, 1024)  # an int4 projection runs the norm's kernel, then its GEMV
+    llama = SimpleNamespace(norm_kind="rms", layers=layers, lm_head=dense(rng, 96, 512),
+                            attention_projection=lambda layer: (layer.qkv, layer.qkv_bias))
+    assert gemv_tuning.normed_projections(llama) == {(48, 512), (64, 512), (96, 512)}
+    layers[0].experts = object()  # a layer of experts has no dense first projection
+    assert gemv_tuning.normed_projections(llama) == {(48, 512), (96, 512)}
+    phi = SimpleNamespace(**{**vars(llama), "norm_kind": "layer"})
+    assert gemv_tuning.normed_projections(phi) == frozenset()
+
+
+@skip_where_the_kernels_cannot_run()
+def test_a_normed_projection_is_timed_as_rms_norm_linear_runs_it_on_each_side(monkeypatch, caplog):
+    from candelabra.backends.cuda.kernels import norms
+
+    rng = np.random.default_rng(13)
+    weights = [dense(rng, 40, 512), dense(rng, 40, 512)]
+    normalised, gemvs = [], []
+    real_norm, real_gemv = norms.add_rms_norm, dense_gemv.normed_dense_gemv
+    monkeypatch.setattr(norms, "add_rms_norm", lambda x, *args: normalised.append(x.shape) or real_norm(x, *args))
+    monkeypatch.setattr(dense_gemv, "normed_dense_gemv", lambda x, norm, *args: (
+        gemvs.append(norm.residual.shape) or real_gemv(x, norm, *args)))
+    timings = []
+
+    def stopwatch(calls):  # cuBLAS first at 9 µs, then each candidate faster than the one before
+        for call in calls:
+            assert call().shape == (1, 40)
+        timings.append(len(calls))
+        return 9.0 if len(timings) == 1 else 8.0 - 0.01 * len(timings)
+
+    with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
+        chosen = gemv_tuning.fastest_dense({(40, 512): weights}, kernel_device(), stopwatch,
+                                           normed=frozenset({(40, 512)}))
+    assert "[40, 512] x 2 weights, one row, x normalised after a residual add: cuBLAS 9.0 µs" in caplog.text
+    # cuBLAS's side ran the norm's kernel over x and a residual before each product; every GEMV normalised
+    assert normalised and set(normalised) == {(1, 512)} and gemvs and set(gemvs) == {(1, 512)}
+    x, residual = dense(rng, 1, 512), dense(rng, 1, 512)
+    norm_weight = dense(rng, 1, 512).reshape(512)
+    expected = float64_values(real_norm(x, residual, norm_weight, 1e-6)[0]) @ float64_values(weights[0]).T
+    got, _ = real_gemv(x, dense_gemv.RowNorm(norm_weight, 1e-6, 0.0, residual), weights[0], chosen[40, 512])
+    assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-5
+
+
 @skip_where_the_kernels_cannot_run()
 def test_start_up_measures_both_kinds_saves_them_and_the_backends_linear_follows(user_tables, monkeypatch):
     from candelabra.backends.cuda.ops import CudaOps

@@ -131,11 +131,14 @@ def _weights_a_thread(constexprs: dict, warps: int) -> float:
 # its layout decides whether a thread converts an x for every weight: 5.6 a weight so, 4.1 to 4.4 as it is.
 # With a gated MLP's activation computed as it loads x, each x costs 17 to 24 more (SiLU, GELU's tanh form),
 # shared by the BLOCK_N outputs a thread takes: 6.3 to 7.2 a weight at 8 outputs, 8.7 to 10.5 at 4, still
-# under the fourteen.
+# under the fourteen. Normalising x as it loads it (the residual added, the norm's weight applied) issued
+# 4.3 to 4.7 a weight at 8 to 32 outputs, 5.5 to 5.8 at 4 (Llama-3-8B's shapes).
 INSTRUCTION_BUDGETS: dict[str, tuple[InstructionBudget, ...]] = {  # per kernel, the first covering a variant
     "_int4_gemv_kernel": (InstructionBudget("sm_90a", ("BLOCK_N=32 BLOCK_K=512 w2s1",),
                                             "kernels/int4_matmul.py GEMV_CONFIG", 4.5, "weight", _weights_a_thread),),
     "_dense_gemv_kernel": (
+        InstructionBudget("sm_90a", ("NORM=True",), "kernels/dense_gemv.py (normalised x)", 6.0, "weight",
+                          _weights_a_thread),
         InstructionBudget("sm_90a", ("GATE=-1",), "kernels/dense_gemv.py", 4.5, "weight", _weights_a_thread),
         InstructionBudget("sm_90a", ("GATE=0", "GATE=1", "GATE=2"), "kernels/dense_gemv.py (gated x)", 12.0,
                           "weight", _weights_a_thread),
@@ -250,6 +253,22 @@ class Workload:
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return [(q_width + 2 * kv_width, self.hidden), (self.hidden, q_width), *mlp_and_head]
 
+    def normed_shapes(self) -> dict[tuple[int, int], tuple[bool, ...]]:
+        """(N, K) of each linear layer that reads an RMS norm's output (`Ops.rms_norm_linear`), with whether
+        the norm adds a residual first: a layer's qkv (latent attention's input projection) with one, and
+        the first layer's without; a dense MLP's gate/up (or up) with one (a mixture of experts may have dense
+        layers too: DeepSeek's first); the LM head and the query's up-projection without. None for a model of
+        layer norms."""
+        if self.norm != "rms":
+            return {}
+        shapes = self.linear_shapes()
+        normed = {shapes[0]: (True, False), (self.vocab, self.hidden): (False,)}
+        if self.mla is not None and self.mla.q_lora_rank:
+            normed[shapes[1]] = (False,)
+        mlp_in = (2 * self.intermediate if self.mlp != "gelu" else self.intermediate, self.hidden)
+        normed[mlp_in] = tuple(sorted({*normed.get(mlp_in, ()), True}))
+        return normed
+
 
 def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                     steps: list[list[int]] | None = None, gpus: tuple[str, ...] = ()) -> None:
@@ -312,11 +331,13 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
 
     # the 16-bit GEMV at every tiling start-up measurement tries, and those the GPUs' dense tables chose; the
-    # down projection of a gated MLP also with its activation computed as it loads x (Ops.gated_linear)
+    # down projection of a gated MLP also with its activation computed as it loads x (Ops.gated_linear), and
+    # the projections of a norm's output with the norm (Ops.rms_norm_linear)
     sm_count = multiprocessor_count(torch.device("cuda"))
     if compute in dense_gemv.DTYPES:
         down = (w.hidden, w.intermediate)
         gated = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh" if w.gelu_approximation == "tanh" else "gelu"}
+        normed = w.normed_shapes()
         for columns, width in w.linear_shapes():
             tilings = set(dense_candidates(columns, width, sm_count))
             tilings |= {measured_tilings(gpu, "dense").get((columns, width)) for gpu in gpus} - {None}
@@ -326,6 +347,11 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                 if (columns, width) == down and w.mlp in gated:
                     dense_gemv.dense_gemv(torch.empty(1, 2 * width, dtype=compute), weight, tiling,
                                           gated=gated[w.mlp])
+                for residual in normed.get((columns, width), ()):
+                    row = torch.empty(1, width, dtype=compute)
+                    norm = dense_gemv.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
+                                              torch.empty_like(row) if residual else None)
+                    dense_gemv.normed_dense_gemv(row, norm, weight, tiling)
 
     # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each
     for group, batches in ((GROUP_SIZE, INT4_ROWS), (GPTQ_GROUP, GPTQ_INT4_ROWS)):

@@ -5,9 +5,10 @@ of the model's weights of that shape in turn (the layers' own weights, read one 
 reads them), replayed from a CUDA graph; the fastest whose product matches the reference's is kept, and
 saved in the user's table, where the next start finds it. A gated MLP's down projection is timed as
 `Ops.gated_linear` runs it: the GEMV computing the activation as it loads x, against the activation's
-kernel and cuBLAS. CANDELABRA_GEMV_TUNING=0 leaves the int4 fallback tiling and cuBLAS in place;
-CANDELABRA_GEMV_TUNING=all measures every shape again, those the tables hold too (after a driver, Triton
-or kernel change), and the user's table then holds them all."""
+kernel and cuBLAS; a projection of an RMS norm's output as `Ops.rms_norm_linear` does: the GEMV normalising
+x as it loads it, against the norm's kernel and cuBLAS. CANDELABRA_GEMV_TUNING=0 leaves the int4 fallback
+tiling and cuBLAS in place; CANDELABRA_GEMV_TUNING=all measures every shape again, those the tables hold too
+(after a driver, Triton or kernel change), and the user's table then holds them all."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
-from candelabra.backends.cuda.kernels import activations, dense_gemv, gemv_tilings
+from candelabra.backends.cuda.kernels import activations, dense_gemv, gemv_tilings, norms
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.split_k import splits_for
 from candelabra.backends.cuda.quantized import Int4CudaWeight
@@ -61,7 +62,8 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         return {}
     name = gpu_name(device)
     measured_by_kind = {}
-    for kind, measure in (("int4", fastest_tilings), ("dense", partial(fastest_dense, gated=gated_downs(model)))):
+    dense = partial(fastest_dense, gated=gated_downs(model), normed=normed_projections(model))
+    for kind, measure in (("int4", fastest_tilings), ("dense", dense)):
         known = {} if switch == EVERY_SHAPE else gemv_tilings.measured_tilings(name, kind)
         missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
         if not missing:
@@ -120,6 +122,18 @@ def gated_downs(model) -> dict[tuple[int, int], str]:
             and layer.mlp_out.ndim == 2}
 
 
+def normed_projections(model) -> frozenset[tuple[int, int]]:
+    """[N, K] of the 16-bit projections of an RMS norm's output in `model`, which it makes through
+    `Ops.rms_norm_linear` (the GEMV normalising x as it loads it): attention's first projection, a dense
+    MLP's first, the LM head."""
+    if getattr(model, "norm_kind", None) != "rms" or not hasattr(model, "attention_projection"):
+        return frozenset()
+    weights = [model.attention_projection(layer)[0] for layer in model.layers]
+    weights += [layer.mlp_in for layer in model.layers if layer.experts is None]
+    weights.append(model.lm_head)
+    return frozenset(tuple(w.shape) for w in weights if isinstance(w, torch.Tensor) and w.ndim == 2)
+
+
 def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], device: torch.device,
                     stopwatch: Stopwatch) -> dict[tuple[int, int], gemv_tilings.GemvTiling]:
     """Each shape's candidate int4 tiling that `stopwatch` timed fastest over that shape's weights (each
@@ -153,34 +167,54 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
 
 
 def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: torch.device,
-                  stopwatch: Stopwatch, gated: dict[tuple[int, int], str] | None = None) -> Measured:
+                  stopwatch: Stopwatch, gated: dict[tuple[int, int], str] | None = None,
+                  normed: frozenset[tuple[int, int]] = frozenset()) -> Measured:
     """Per shape of 16-bit weights, the 16-bit GEMV's tiling that `stopwatch` timed fastest over that
     shape's weights, or None where cuBLAS's product was faster than all of them (each shape's times logged).
     A shape in `gated` (a gated MLP's down projection, by its activation) is timed as `Ops.gated_linear`
-    runs it: the activation computed in the GEMV, against the activation's kernel then cuBLAS."""
+    runs it: the activation computed in the GEMV, against the activation's kernel then cuBLAS; one in
+    `normed` as `Ops.rms_norm_linear` runs it after a residual add: the norm in the GEMV, against the norm's
+    kernel then cuBLAS."""
     sm_count = multiprocessor_count(device)
     chosen = {}
     for (columns, width), weights in by_shape.items():
         activation = (gated or {}).get((columns, width))
-        x = torch.randn(1, 2 * width if activation else width, device=weights[0].device, dtype=weights[0].dtype)
-        inputs = (lambda x=x, a=activation: activations.gated(x, a)) if activation else (lambda x=x: x)
-        expected = F.linear(inputs(), weights[0]).float()
-        cublas = stopwatch([lambda w=w, inputs=inputs: F.linear(inputs(), w) for w in weights])
+        by_cublas, by_gemv, what = _one_row_products(width, weights[0], activation, (columns, width) in normed)
+        expected = by_cublas(weights[0]).float()
+        cublas = stopwatch([partial(by_cublas, w) for w in weights])
         timed = {}
         for tiling in dense_candidates(columns, width, sm_count):
-            got = dense_gemv.dense_gemv(x, weights[0], tiling, gated=activation)
-            if not _matches(got, expected, tiling, (columns, width)):
+            if not _matches(by_gemv(weights[0], tiling), expected, tiling, (columns, width)):
                 continue
-            timed[tiling] = stopwatch([lambda w=w, t=tiling, x=x, a=activation: dense_gemv.dense_gemv(x, w, t, gated=a)
-                                       for w in weights])
+            timed[tiling] = stopwatch([partial(by_gemv, w, tiling) for w in weights])
         best = min(timed, key=timed.get) if timed else None
         faster = best is not None and timed[best] < cublas
         log.info("cuda: [%d, %d] x %d weights, one row%s: cuBLAS %.1f µs, the 16-bit GEMV's best %s; %s serves",
-                 columns, width, len(weights), f", {activation}-gated x" if activation else "", cublas,
+                 columns, width, len(weights), what, cublas,
                  f"{timed[best]:.1f} µs ({_label(best)})" if best else "(none fits K)",
                  "the GEMV" if faster else "cuBLAS")
         chosen[columns, width] = best if faster else None
     return chosen
+
+
+def _one_row_products(width: int, like: torch.Tensor, activation: str | None, normed: bool):
+    """(cuBLAS's product of a weight, the GEMV's at a tiling, what precedes the product in words) for one row
+    of random x, as serving makes that product: of a gated x's activation, of a norm's output, or of x."""
+    def randn(*shape):
+        return torch.randn(*shape, device=like.device, dtype=like.dtype)
+
+    if activation:
+        x = randn(1, 2 * width)
+        return (lambda w: F.linear(activations.gated(x, activation), w),
+                lambda w, tiling: dense_gemv.dense_gemv(x, w, tiling, gated=activation), f", {activation}-gated x")
+    if normed:
+        x, residual, weight = randn(1, width), randn(1, width), randn(width)
+        norm = dense_gemv.RowNorm(weight, 1e-6, 0.0, residual)
+        return (lambda w: F.linear(norms.add_rms_norm(x, residual, weight, 1e-6)[0], w),
+                lambda w, tiling: dense_gemv.normed_dense_gemv(x, norm, w, tiling)[0],
+                ", x normalised after a residual add")
+    x = randn(1, width)
+    return (lambda w: F.linear(x, w), lambda w, tiling: dense_gemv.dense_gemv(x, w, tiling), "")
 
 
 def int4_candidates(columns: int, width: int, group: int, sm_count: int) -> list:

@@ -31,6 +31,17 @@ class CudaOps(TorchOps):
         out = _one_row_gemv(x, weight, bias, activation)
         return out if out is not None else super().gated_linear(x, weight, bias, activation)
 
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, weight_offset=0.0):
+        """One launch where the GPU's dense table chose the GEMV for the weight at one row (x normalised as the
+        GEMV loads it); else the norm's kernel, then `linear`."""
+        tiling = _one_row_tiling(x, weight, bias)
+        if tiling is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
+            return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
+        added = None if residual is None else residual.reshape(1, -1)
+        norm = dense_gemv.RowNorm(norm_weight, eps, weight_offset, added)
+        out, joined = dense_gemv.normed_dense_gemv(x.reshape(1, -1), norm, weight, tiling, bias)
+        return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
+
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         return norms.rms_norm(x, weight, eps, weight_offset)
 
@@ -79,7 +90,15 @@ class CudaOps(TorchOps):
 def _one_row_gemv(x, weight, bias, gated=None):
     """x @ weight.T (+ bias) by the 16-bit GEMV (of x's gated values, with `gated` an activation) where the
     GPU's dense table chose it for this one-row product; None where cuBLAS serves it."""
-    tiling = dense_gemv.chosen_tiling(x, weight, gated=gated is not None)
-    if tiling is None or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+    tiling = _one_row_tiling(x, weight, bias, gated is not None)
+    if tiling is None:
         return None
     return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=gated).reshape(*x.shape[:-1], -1)
+
+
+def _one_row_tiling(x, weight, bias, gated=False):
+    """The GEMV tiling the GPU's dense table chose for this one-row product, None where cuBLAS serves it."""
+    tiling = dense_gemv.chosen_tiling(x, weight, gated=gated)
+    if tiling is None or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+        return None
+    return tiling

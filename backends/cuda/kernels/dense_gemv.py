@@ -15,11 +15,15 @@ and keeps whichever was faster in the GPU's dense table.
 A gated MLP's down projection (`Ops.gated_linear`) takes the gate and up halves as its x and computes
 the gated values as it loads them: the activation's kernel, its launch and its output's trip through
 memory are gone, for twice the x loads (from L2: the gate and up row is the product before's output).
+A pre-norm's projection (`Ops.rms_norm_linear`) likewise normalises x as it loads it: each program first
+reads the whole row (and the residual it adds) for its 1 / rms, which scales its sums, and the first
+program stores the row plus residual the next layer adds to; the norm's kernel and its launch are gone.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +33,7 @@ from candelabra.backends.cuda.availability import gpu_name
 from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
+from candelabra.backends.cuda.kernels.norms import normed_input, row_inverse_rms
 from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
@@ -45,6 +50,8 @@ SWITCH = "CANDELABRA_DENSE_GEMV"
 # The kernel's offsets into the weight are 32-bit: a larger matrix (a 256k vocabulary at a hidden size of
 # 8,192) stays with cuBLAS.
 MOST_ELEMENTS = 2**31 - 1
+# Elements of x a pass of the 1 / rms a normalising GEMV computes first.
+NORM_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit(do_not_specialize=["steps_per_split", "steps"])
@@ -55,6 +62,9 @@ def _dense_gemv_kernel(
     out_ptr,
     partials_ptr,
     arrivals_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    joined_ptr,
     N,
     steps_per_split,
     steps,
@@ -62,7 +72,9 @@ def _dense_gemv_kernel(
     w_row_stride,
     out_row_stride,
     partials_split_stride,
-    up_offset,
+    width,
+    eps,
+    norm_offset,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VECTOR: tl.constexpr,
@@ -70,6 +82,8 @@ def _dense_gemv_kernel(
     PREFETCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATE: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     start_dependents(DEPENDENT)
@@ -87,24 +101,44 @@ def _dense_gemv_kernel(
     w_offsets = along_k[:, None, :] + cols[None, :, None] * w_row_stride
     w_mask = col_mask[None, :, None]
     x_row = x_ptr + row * x_row_stride
+    residual_row = residual_ptr + row * x_row_stride
     acc = tl.zeros((CHUNKS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
     steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_here > 0), other=0.0)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
+    if NORM:
+        inverse_rms = row_inverse_rms(x_row, residual_row, joined_ptr + row * x_row_stride, width, eps,
+                                      (tile_n == 0) & (split == 0), RESIDUAL, NORM_BLOCK)
     for step in range(steps_here):
         more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_w = tl.load(w_ptr + k + BLOCK_K + w_offsets, mask=w_mask & more, other=0.0)
-        x = gated_input(x_row, k + along_k, up_offset, GATE)
+        if NORM:
+            x = normed_input(x_row, residual_row, norm_weight_ptr, k + along_k, norm_offset, RESIDUAL)
+        else:
+            x = gated_input(x_row, k + along_k, width, GATE)
         acc += tl.sum(w.to(tl.float32) * x[:, None, :], axis=2)
         k += BLOCK_K
         if PREFETCH:
             w = next_w
         else:
             w = tl.load(w_ptr + k + w_offsets, mask=w_mask & more, other=0.0)
-    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+    sums = tl.sum(acc, axis=0)
+    if NORM:
+        sums *= inverse_rms
+    finish_gemv_row(sums, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
                     col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+
+
+class RowNorm(NamedTuple):
+    """The RMS norm a GEMV applies to its x as it loads it (`Ops.rms_norm_linear`): of x + `residual` (a
+    [M, K] of x's dtype) where there is one, else of x."""
+
+    weight: torch.Tensor
+    eps: float
+    weight_offset: float = 0.0
+    residual: torch.Tensor | None = None
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
@@ -116,11 +150,29 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     the product is `gated_linear`'s. Each row of x reads the whole weight: meant for one."""
     if gated is not None and gated not in GATED_KINDS:
         raise ValueError(f"unknown gated activation {gated!r}; expected one of {tuple(GATED_KINDS)}")
+    if gated is not None and x.shape[1] != 2 * weight.shape[-1]:
+        raise ValueError(f"a gated x {list(x.shape)} needs a weight [N, {x.shape[1] // 2}] for its gated half, "
+                         f"not {list(weight.shape)}")
+    return _launch(x, weight, tiling, bias, gated, None)[0]
+
+
+def normed_dense_gemv(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor, tiling: GemvTiling,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Ops.rms_norm_linear` as `dense_gemv` computes a product: (rms_norm(s) @ weight.T (+ bias), s) for
+    s = x + norm.residual rounded to x's dtype, or x itself without a residual. Each program normalises the
+    whole row again (it reads it from L2): meant for one row."""
+    residual = norm.residual
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"the residual {list(residual.shape)} {residual.dtype} does not match x {list(x.shape)} "
+                         f"{x.dtype}")
+    if norm.weight.shape != (x.shape[1],):
+        raise ValueError(f"the norm's weight {list(norm.weight.shape)} does not match x's width {x.shape[1]}")
+    return _launch(x.contiguous(), weight, tiling, bias, None, norm)
+
+
+def _launch(x, weight, tiling, bias, gated, norm):
     rows, width = x.shape
     if gated is not None:
-        if width != 2 * weight.shape[-1]:
-            raise ValueError(f"a gated x [{rows}, {width}] needs a weight [N, {width // 2}] for its gated half, "
-                             f"not {list(weight.shape)}")
         width //= 2
     columns = weight.shape[0]
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
@@ -141,21 +193,25 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    residual = None if norm is None else norm.residual
+    joined = x if residual is None else torch.empty_like(x)
     if rows == 0 or columns == 0:
-        return out
+        return out, joined
     tiles_n = triton.cdiv(columns, tiling.block_n)
     partials = partial_sums(out, tiling.split_k)
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
-        x, weight, out if bias is None else bias, out, partials, arrivals, columns,
-        steps_a_split(steps, tiling.split_k), steps,
+        x, weight, out if bias is None else bias, out, partials, arrivals,
+        x if residual is None else residual.contiguous(), x if norm is None else norm.weight.contiguous(), joined,
+        columns, steps_a_split(steps, tiling.split_k), steps,
         x.stride(0), weight.stride(0), out.stride(0), rows * columns, width,
+        0.0 if norm is None else float(norm.eps), 0.0 if norm is None else float(norm.weight_offset),
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
         PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None,
-        GATE=NO_GATE.value if gated is None else GATED_KINDS[gated], num_warps=tiling.num_warps, num_stages=1,
-        **launch_options(x.device),
+        GATE=NO_GATE.value if gated is None else GATED_KINDS[gated], NORM=norm is not None,
+        RESIDUAL=residual is not None, num_warps=tiling.num_warps, num_stages=1, **launch_options(x.device),
     )  # fmt: skip
-    return out
+    return out, joined
 
 
 def fitted_tile(block_n: int, block_k: int, width: int) -> tuple[int, int] | None:
