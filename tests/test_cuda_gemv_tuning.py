@@ -171,6 +171,20 @@ def stopwatch_timing(order: list[float]):
     return stopwatch, timed
 
 
+def gemv_outruns_cublas(columns: int):
+    """A stopwatch that runs every call, each a one-row product of `columns` outputs, and times cuBLAS (timed
+    first) at 9 µs and then each candidate faster than the one before."""
+    timings = []
+
+    def stopwatch(calls):
+        for call in calls:
+            assert call().shape == (1, columns)
+        timings.append(len(calls))
+        return 9.0 if len(timings) == 1 else 8.0 - 0.01 * len(timings)
+
+    return stopwatch
+
+
 @skip_where_the_kernels_cannot_run()
 def test_cublas_serves_a_shape_where_it_was_timed_fastest_and_the_fastest_gemv_elsewhere(caplog):
     rng = np.random.default_rng(8)
@@ -228,14 +242,7 @@ def test_a_gated_down_projection_is_timed_as_gated_linear_runs_it_on_each_side(m
     monkeypatch.setattr(activations, "gated", lambda x, a: activated.append((x.shape, a)) or real_gated(x, a))
     monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args, gated=None: (
         gates.append(gated) or real_gemv(*args, gated=gated)))
-    timings = []
-
-    def stopwatch(calls):  # cuBLAS first at 9 µs, then each candidate faster than the one before
-        for call in calls:
-            assert call().shape == (1, 40)
-        timings.append(len(calls))
-        return 9.0 if len(timings) == 1 else 8.0 - 0.01 * len(timings)
-
+    stopwatch = gemv_outruns_cublas(columns=40)
     with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
         chosen = gemv_tuning.fastest_dense({(40, 512): weights}, kernel_device(), stopwatch, {(40, 512): "silu"})
     assert "[40, 512] x 2 weights, one row, silu-gated x: cuBLAS 9.0 µs" in caplog.text
@@ -273,14 +280,7 @@ def test_a_normed_projection_is_timed_as_rms_norm_linear_runs_it_on_each_side(mo
     monkeypatch.setattr(norms, "add_rms_norm", lambda x, *args: normalised.append(x.shape) or real_norm(x, *args))
     monkeypatch.setattr(dense_gemv, "normed_dense_gemv", lambda x, norm, *args: (
         gemvs.append(norm.residual.shape) or real_gemv(x, norm, *args)))
-    timings = []
-
-    def stopwatch(calls):  # cuBLAS first at 9 µs, then each candidate faster than the one before
-        for call in calls:
-            assert call().shape == (1, 40)
-        timings.append(len(calls))
-        return 9.0 if len(timings) == 1 else 8.0 - 0.01 * len(timings)
-
+    stopwatch = gemv_outruns_cublas(columns=40)
     with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
         chosen = gemv_tuning.fastest_dense({(40, 512): weights}, kernel_device(), stopwatch,
                                            normed=frozenset({(40, 512)}))
