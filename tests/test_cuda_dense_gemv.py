@@ -11,7 +11,7 @@ import torch
 
 from candelabra.backends.cuda.availability import assume_gpu
 from candelabra.backends.cuda.kernels import dense_gemv as kernel
-from candelabra.backends.cuda.kernels import gemv_tilings
+from candelabra.backends.cuda.kernels import gemv_tilings, norms
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, table_file, write_table
 from candelabra.backends.cuda.kernels.split_k import arrival_counts
 from candelabra.conformance.compare import nmse, round_to
@@ -119,7 +119,7 @@ def test_a_normed_x_gives_the_product_of_its_normalised_values_and_the_row_the_n
     normed = joined / np.sqrt(np.mean(joined**2) + 1e-5) * (offset + norm_weight.astype(np.float64))
     expected = normed @ float64_values(weight).T + float64_values(bias)
     on_device = [torch.from_numpy(a).to(DEVICE, torch.float16) for a in (x, added, norm_weight)]
-    norm = kernel.RowNorm(on_device[2], 1e-5, offset, on_device[1] if residual else None)
+    norm = norms.RowNorm(on_device[2], 1e-5, offset, on_device[1] if residual else None)
     layout = tiling(block_n=16, block_k=128, split_k=split_k)  # 6 steps: 2 a split in three
     out, row = kernel.normed_dense_gemv(on_device[0], norm, weight, layout, bias)
     assert out.shape == (1, 40) and nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
@@ -154,10 +154,10 @@ def test_what_the_gemv_does_not_take_is_refused():
         kernel.dense_gemv(x, weight, tiling(), gated="silu")
     norm_weight = torch.ones(512, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"the residual \[1, 256\] torch.float16 does not match x \[1, 512\]"):
-        kernel.normed_dense_gemv(x, kernel.RowNorm(norm_weight, 1e-6, 0.0, torch.ones(1, 256, dtype=torch.float16)),
+        kernel.normed_dense_gemv(x, norms.RowNorm(norm_weight, 1e-6, 0.0, torch.ones(1, 256, dtype=torch.float16)),
                                  weight, tiling())
     with pytest.raises(ValueError, match=r"the norm's weight \[256\] does not match x's width 512"):
-        kernel.normed_dense_gemv(x, kernel.RowNorm(norm_weight[:256], 1e-6), weight, tiling())
+        kernel.normed_dense_gemv(x, norms.RowNorm(norm_weight[:256], 1e-6), weight, tiling())
 
 
 def test_the_gpus_dense_table_chooses_the_gemv_or_cublas_for_one_row(user_tables, monkeypatch):
@@ -246,7 +246,6 @@ def test_the_backends_gated_linear_is_one_gemv_where_the_table_says_and_two_ops_
 
 @skip_where_the_kernels_cannot_run()
 def test_the_backends_rms_norm_linear_is_one_gemv_where_the_table_says_and_two_ops_elsewhere(user_tables, monkeypatch):
-    from candelabra.backends.cuda.kernels import norms
     from candelabra.backends.cuda.ops import CudaOps
 
     rng = np.random.default_rng(12)

@@ -290,7 +290,7 @@ def test_a_normed_projection_is_timed_as_rms_norm_linear_runs_it_on_each_side(mo
     x, residual = dense(rng, 1, 512), dense(rng, 1, 512)
     norm_weight = dense(rng, 1, 512).reshape(512)
     expected = float64_values(real_norm(x, residual, norm_weight, 1e-6)[0]) @ float64_values(weights[0]).T
-    got, _ = real_gemv(x, dense_gemv.RowNorm(norm_weight, 1e-6, 0.0, residual), weights[0], chosen[40, 512])
+    got, _ = real_gemv(x, norms.RowNorm(norm_weight, 1e-6, 0.0, residual), weights[0], chosen[40, 512])
     assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-5
 
 

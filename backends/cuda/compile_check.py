@@ -349,7 +349,7 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                                           gated=gated[w.mlp])
                 for residual in normed.get((columns, width), ()):
                     row = torch.empty(1, width, dtype=compute)
-                    norm = dense_gemv.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
+                    norm = norms.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
                                               torch.empty_like(row) if residual else None)
                     dense_gemv.normed_dense_gemv(row, norm, weight, tiling)
 

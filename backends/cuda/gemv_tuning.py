@@ -209,7 +209,7 @@ def _one_row_products(width: int, like: torch.Tensor, activation: str | None, no
                 lambda w, tiling: dense_gemv.dense_gemv(x, w, tiling, gated=activation), f", {activation}-gated x")
     if normed:
         x, residual, weight = randn(1, width), randn(1, width), randn(width)
-        norm = dense_gemv.RowNorm(weight, 1e-6, 0.0, residual)
+        norm = norms.RowNorm(weight, 1e-6, 0.0, residual)
         return (lambda w: F.linear(norms.add_rms_norm(x, residual, weight, 1e-6)[0], w),
                 lambda w, tiling: dense_gemv.normed_dense_gemv(x, norm, w, tiling)[0],
                 ", x normalised after a residual add")

@@ -38,7 +38,7 @@ class CudaOps(TorchOps):
         if tiling is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
             return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
         added = None if residual is None else residual.reshape(1, -1)
-        norm = dense_gemv.RowNorm(norm_weight, eps, weight_offset, added)
+        norm = norms.RowNorm(norm_weight, eps, weight_offset, added)
         out, joined = dense_gemv.normed_dense_gemv(x.reshape(1, -1), norm, weight, tiling, bias)
         return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
 

@@ -23,7 +23,6 @@ program stores the row plus residual the next layer adds to; the norm's kernel a
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -33,7 +32,7 @@ from candelabra.backends.cuda.availability import gpu_name
 from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.norms import normed_input, row_inverse_rms
+from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input, row_inverse_rms
 from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
@@ -65,6 +64,8 @@ def _dense_gemv_kernel(
     residual_ptr,
     norm_weight_ptr,
     joined_ptr,
+    eps,
+    norm_offset,
     N,
     steps_per_split,
     steps,
@@ -73,8 +74,6 @@ def _dense_gemv_kernel(
     out_row_stride,
     partials_split_stride,
     width,
-    eps,
-    norm_offset,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VECTOR: tl.constexpr,
@@ -131,16 +130,6 @@ def _dense_gemv_kernel(
                     col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
 
 
-class RowNorm(NamedTuple):
-    """The RMS norm a GEMV applies to its x as it loads it (`Ops.rms_norm_linear`): of x + `residual` (a
-    [M, K] of x's dtype) where there is one, else of x."""
-
-    weight: torch.Tensor
-    eps: float
-    weight_offset: float = 0.0
-    residual: torch.Tensor | None = None
-
-
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
                bias: torch.Tensor | None = None, gated: str | None = None) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias [N]) -> [M, N] in x's dtype, for a float16 or bfloat16 `weight` [N, K]
@@ -161,12 +150,7 @@ def normed_dense_gemv(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor, tili
     """`Ops.rms_norm_linear` as `dense_gemv` computes a product: (rms_norm(s) @ weight.T (+ bias), s) for
     s = x + norm.residual rounded to x's dtype, or x itself without a residual. Each program normalises the
     whole row again (it reads it from L2): meant for one row."""
-    residual = norm.residual
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"the residual {list(residual.shape)} {residual.dtype} does not match x {list(x.shape)} "
-                         f"{x.dtype}")
-    if norm.weight.shape != (x.shape[1],):
-        raise ValueError(f"the norm's weight {list(norm.weight.shape)} does not match x's width {x.shape[1]}")
+    norm.check(x)
     return _launch(x.contiguous(), weight, tiling, bias, None, norm)
 
 
@@ -194,7 +178,7 @@ def _launch(x, weight, tiling, bias, gated, norm):
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     residual = None if norm is None else norm.residual
-    joined = x if residual is None else torch.empty_like(x)
+    joined = norm.joined_like(x) if norm is not None else x
     if rows == 0 or columns == 0:
         return out, joined
     tiles_n = triton.cdiv(columns, tiling.block_n)
@@ -202,10 +186,9 @@ def _launch(x, weight, tiling, bias, gated, norm):
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
         x, weight, out if bias is None else bias, out, partials, arrivals,
-        x if residual is None else residual.contiguous(), x if norm is None else norm.weight.contiguous(), joined,
+        *(RowNorm.absent(x) if norm is None else norm.kernel_arguments(x, joined)),
         columns, steps_a_split(steps, tiling.split_k), steps,
         x.stride(0), weight.stride(0), out.stride(0), rows * columns, width,
-        0.0 if norm is None else float(norm.eps), 0.0 if norm is None else float(norm.weight_offset),
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
         PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None,
         GATE=NO_GATE.value if gated is None else GATED_KINDS[gated], NORM=norm is not None,

@@ -8,6 +8,8 @@ Semantics are those of `Ops.rms_norm` and `Ops.add_rms_norm`. The one-row GEMV n
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,39 @@ def _rms_norm_kernel(
     inverse_rms = 1.0 / tl.sqrt(mean_square + eps)
     out = x * inverse_rms * weight
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class RowNorm(NamedTuple):
+    """The RMS norm a GEMV applies to its x as it loads it (`Ops.rms_norm_linear`): of x + `residual` (a
+    [M, K] of x's dtype) where there is one, else of x."""
+
+    weight: torch.Tensor
+    eps: float
+    weight_offset: float = 0.0
+    residual: torch.Tensor | None = None
+
+    def check(self, x: torch.Tensor) -> None:
+        """ValueError unless this norm fits x [M, K]."""
+        residual = self.residual
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            raise ValueError(f"the residual {list(residual.shape)} {residual.dtype} does not match x "
+                             f"{list(x.shape)} {x.dtype}")
+        if self.weight.shape != (x.shape[1],):
+            raise ValueError(f"the norm's weight {list(self.weight.shape)} does not match x's width {x.shape[1]}")
+
+    def joined_like(self, x: torch.Tensor) -> torch.Tensor:
+        """Where the GEMV stores x + residual (laid out as contiguous x), or x itself without a residual."""
+        return x if self.residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def kernel_arguments(self, x: torch.Tensor, joined: torch.Tensor) -> tuple:
+        """A GEMV kernel's residual, norm weight, joined row, eps and weight offset arguments for contiguous x."""
+        residual = x if self.residual is None else self.residual.contiguous()
+        return residual, self.weight.contiguous(), joined, float(self.eps), float(self.weight_offset)
+
+    @staticmethod
+    def absent(x: torch.Tensor) -> tuple:
+        """The same arguments for a GEMV that normalises nothing."""
+        return x, x, x, 0.0, 0.0
 
 
 @triton.jit
