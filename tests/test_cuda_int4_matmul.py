@@ -9,6 +9,7 @@ import torch
 from candelabra.backends.cuda.availability import assume_gpu, assume_multiprocessors
 from candelabra.backends.cuda.kernels import int4_matmul as kernel
 from candelabra.backends.cuda.kernels.int4_matmul import TileConfig, int4_matmul, pack_nibbles
+from candelabra.backends.cuda.kernels.norms import RowNorm
 from candelabra.backends.cuda.kernels.split_k import MAX_SPLIT_K, MIN_STEPS_PER_SPLIT, arrival_counts, splittable
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.conformance.compare import NMSE_THRESHOLDS, nmse, round_to
@@ -98,6 +99,38 @@ def test_the_gemv_kernel_matches_the_dequantized_product(dtype, split_k, stages)
     assert nmse(out.float().cpu().numpy(), expected) <= THRESHOLDS.get(dtype, 5e-5)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("residual", [True, False], ids=["plus-residual", "alone"])
+def test_the_gemv_normalises_x_as_it_loads_it_and_stores_the_row_the_next_layer_adds_to(residual, split_k):
+    # K = 768 in 6 steps of 128 (2 a split in three), groups of 128 (GPTQ's), Gemma's weight offset of one
+    rng = np.random.default_rng([13, split_k, residual])
+    weight, x, _ = _case(rng, "INT4_G128", "float16", 1, 72, 768)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    added = round_to(4 * rng.standard_normal((1, 768)), "float16")
+    norm_weight = round_to(0.2 * rng.standard_normal(768), "float16")
+    joined = float64_values(x) + (added if residual else 0.0)
+    joined = round_to(joined, "float16").astype(np.float64)
+    normed = joined / np.sqrt(np.mean(joined**2) + 1e-5) * (1.0 + norm_weight.astype(np.float64))
+    bias = round_to(rng.standard_normal(72), "float16")
+    expected = normed @ weight.dequantize().astype(np.float64).T + bias
+    norm = RowNorm(torch.from_numpy(norm_weight).to(DEVICE, torch.float16), 1e-5, 1.0,
+                   torch.from_numpy(added).to(DEVICE, torch.float16) if residual else None)
+    config = TileConfig(block_m=1, block_n=32, block_k=128, split_k=split_k)
+    out, row = kernel.normed_int4_gemv(x, norm, kept.packed, kept.scales, kept.zeros, config,
+                                       torch.from_numpy(bias).to(DEVICE, torch.float16))
+    assert out.shape == (1, 72) and nmse(float64_values(out), expected) <= THRESHOLDS["float16"]
+    assert np.array_equal(float64_values(row), joined) and (row is x) == (not residual)
+    assert not arrival_counts(DEVICE, 1).any()
+    # the backend's weight takes it for one row in the weight's own column order, and leaves it otherwise
+    assert torch.equal(kept.normed_matmul(x, norm, torch.from_numpy(bias).to(DEVICE, torch.float16))[1], row)
+    assert kept.normed_matmul(torch.cat([x, x]), norm._replace(residual=None)) is None
+    shuffled = QuantizedTensor(weight.format, weight.blocks, weight.shape, rng.permutation(768))
+    assert Int4CudaWeight.from_quantized(shuffled, torch.float16, DEVICE).normed_matmul(x, norm) is None
+    with pytest.raises(ValueError, match="2 rows .* take the tensor-core GEMM"):
+        kernel.normed_int4_gemv(torch.cat([x, x]), norm._replace(residual=None), kept.packed, kept.scales,
+                                kept.zeros)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("format", FORMATS)
 def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_product(format, dtype):
@@ -172,7 +205,7 @@ def test_the_bias_is_added_as_the_output_is_written(path):
     kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
     bias = round_to(rng.standard_normal(100) * 4, "float16")
     out = int4_matmul(x, kept.packed, kept.scales, kept.zeros, BIAS_PATHS[path],
-                      bias=torch.from_numpy(bias).to(DEVICE))
+                      bias=torch.from_numpy(bias).to(DEVICE, torch.float16))
     assert nmse(out.float().cpu().numpy(), expected + bias) <= THRESHOLDS["float16"]
     through_the_weight = kept.matmul(x, torch.from_numpy(bias).to(DEVICE, torch.float32))  # cast to float16
     assert nmse(through_the_weight.float().cpu().numpy(), expected + bias) <= THRESHOLDS["float16"]
@@ -281,3 +314,26 @@ def test_interpreter_uses_one_fixed_tiling_for_a_row_and_one_for_more(monkeypatc
     assert kernel.choose_config(1, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_GEMV_CONFIG
     assert kernel.choose_config(2, 4096, 4096, torch.device("cpu")) == kernel.INTERPRETER_CONFIG
     assert kernel.choose_config(3000, 40, 96, torch.device("cpu")).block_k == 32
+
+
+def test_the_backends_rms_norm_linear_takes_the_normalising_gemv_for_one_row_and_two_ops_for_more(monkeypatch):
+    from candelabra.backends.cuda import quantized
+    from candelabra.backends.cuda.kernels import norms
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(14)
+    weight, x, _ = _case(rng, "Q4_K", "float16", 2, 48, 512)
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    residual = torch.from_numpy(round_to(3 * rng.standard_normal((2, 512)), "float16")).to(DEVICE, torch.float16)
+    norm_weight = torch.from_numpy(round_to(rng.standard_normal(512), "float16")).to(DEVICE, torch.float16)
+    launched = []
+    real = quantized.normed_int4_gemv
+    monkeypatch.setattr(quantized, "normed_int4_gemv", lambda *args, **kwargs: (
+        launched.append(args[0].shape) or real(*args, **kwargs)))
+    ops = CudaOps(DEVICE)
+    two_ops = kept.matmul(norms.add_rms_norm(x, residual, norm_weight, 1e-6)[0])
+    out, joined = ops.rms_norm_linear(x[:1], residual[:1], norm_weight, 1e-6, kept)
+    assert launched == [(1, 512)] and torch.equal(joined, x[:1] + residual[:1])
+    assert nmse(float64_values(out), float64_values(two_ops[:1])) <= THRESHOLDS["float16"]
+    both, _ = ops.rms_norm_linear(x, residual, norm_weight, 1e-6, kept)
+    assert launched == [(1, 512)] and torch.equal(both, two_ops)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import re
 import subprocess
@@ -282,7 +283,7 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     from candelabra.backends.cuda.gemv_tuning import dense_candidates, int4_candidates
     from candelabra.backends.cuda.kernels import activations, dense_gemv, norms, rotary, sampling
     from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
-    from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul
+    from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul, normed_int4_gemv
     from candelabra.backends.cuda.kernels.paged_attention import paged_attention
     from candelabra.backends.torch.backend import torch_dtype
 
@@ -353,7 +354,9 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                                               torch.empty_like(row) if residual else None)
                     dense_gemv.normed_dense_gemv(row, norm, weight, tiling)
 
-    # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each
+    # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each; a norm's
+    # projections' GEMVs also normalising x as they load it (Ops.rms_norm_linear), at GGUF's groups
+    normed = w.normed_shapes() if compute in dense_gemv.DTYPES else {}
     for group, batches in ((GROUP_SIZE, INT4_ROWS), (GPTQ_GROUP, GPTQ_INT4_ROWS)):
         for columns, width in w.linear_shapes():
             if width % group:
@@ -362,11 +365,18 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             scales = torch.empty(columns, width // group, dtype=compute)
             for rows in batches:
                 int4_matmul(torch.empty(rows, width, dtype=compute), packed, scales, torch.empty_like(scales))
-            for config in int4_candidates(columns, width, group, sm_count):  # what start-up measurement tries
+            one_row = [*int4_candidates(columns, width, group, sm_count), None]  # what start-up tries, the fallback
+            for config in one_row:
                 int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales), config)
             for gpu in gpus:
                 with assume_gpu(gpu):
                     int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales))
+            residuals = normed.get((columns, width), ()) if group == GROUP_SIZE else ()
+            for residual, config in itertools.product(residuals, one_row):
+                row = torch.empty(1, width, dtype=compute)
+                norm = norms.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
+                                     torch.empty_like(row) if residual else None)
+                normed_int4_gemv(row, norm, packed, scales, torch.empty_like(scales), config)
 
 
 def launch_experts(workload: Workload, compute) -> None:

@@ -32,15 +32,18 @@ class CudaOps(TorchOps):
         return out if out is not None else super().gated_linear(x, weight, bias, activation)
 
     def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, weight_offset=0.0):
-        """One launch where the GPU's dense table chose the GEMV for the weight at one row (x normalised as the
-        GEMV loads it); else the norm's kernel, then `linear`."""
-        tiling = _one_row_tiling(x, weight, bias)
-        if tiling is None or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
-            return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
-        added = None if residual is None else residual.reshape(1, -1)
-        norm = norms.RowNorm(norm_weight, eps, weight_offset, added)
-        out, joined = dense_gemv.normed_dense_gemv(x.reshape(1, -1), norm, weight, tiling, bias)
-        return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
+        """One launch at one row where a GEMV serves the weight, normalising x as it loads it: int4 weights' GEMV
+        (but for columns stored in act order), and the 16-bit GEMV where the GPU's dense table chose it; else
+        the norm's kernel, then `linear`."""
+        if x.numel() == x.shape[-1] and (residual is None or (residual.shape == x.shape
+                                                              and residual.dtype == x.dtype)):
+            row = x.reshape(1, -1)
+            norm = norms.RowNorm(norm_weight, eps, weight_offset, None if residual is None else residual.reshape(1, -1))
+            done = _normed_one_row(row, norm, weight, bias)
+            if done is not None:
+                out, joined = done
+                return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
+        return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         return norms.rms_norm(x, weight, eps, weight_offset)
@@ -94,6 +97,15 @@ def _one_row_gemv(x, weight, bias, gated=None):
     if tiling is None:
         return None
     return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=gated).reshape(*x.shape[:-1], -1)
+
+
+def _normed_one_row(row, norm, weight, bias):
+    """(product, row plus residual) of `Ops.rms_norm_linear` for one row by a GEMV normalising it as it loads
+    it, or None where none serves the weight."""
+    if isinstance(weight, Int4CudaWeight):
+        return weight.normed_matmul(row, norm, bias)
+    tiling = _one_row_tiling(row, weight, bias)
+    return None if tiling is None else dense_gemv.normed_dense_gemv(row, norm, weight, tiling, bias)
 
 
 def _one_row_tiling(x, weight, bias, gated=False):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from candelabra.backends.cuda.kernels.int4_matmul import int4_matmul, pack_nibbles
+from candelabra.backends.cuda.kernels.int4_matmul import GEMV_ROWS, int4_matmul, normed_int4_gemv, pack_nibbles
+from candelabra.backends.cuda.kernels.norms import RowNorm
 from candelabra.backends.torch.quantized import INT4_FORMATS, int4_groupwise
 from candelabra.core.contract.weights import QuantizedTensor
 
@@ -81,6 +82,16 @@ class Int4CudaWeight:
         if bias is not None:
             bias = bias.to(self.dtype).contiguous()
         return int4_matmul(flat, self.packed, self.scales, self.zeros, bias=bias).reshape(*x.shape[:-1], rows)
+
+    def normed_matmul(self, x: torch.Tensor, norm: RowNorm,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Ops.rms_norm_linear` of one row x [1, K] by the GEMV normalising x as it loads it: (the product
+        [1, N], the row plus residual); None where it cannot (more rows, columns stored in another order)."""
+        if x.shape[0] > GEMV_ROWS or self.column_order is not None or x.dtype != self.dtype:
+            return None
+        if bias is not None:
+            bias = bias.to(self.dtype).contiguous()
+        return normed_int4_gemv(x, norm, self.packed, self.scales, self.zeros, bias=bias)
 
 
 def _on(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -32,7 +32,7 @@ from candelabra.backends.cuda.availability import gpu_name
 from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input, row_inverse_rms
+from candelabra.backends.cuda.kernels.norms import NORM_BLOCK, RowNorm, normed_input, row_inverse_rms
 from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
@@ -49,8 +49,6 @@ SWITCH = "CANDELABRA_DENSE_GEMV"
 # The kernel's offsets into the weight are 32-bit: a larger matrix (a 256k vocabulary at a hidden size of
 # 8,192) stays with cuBLAS.
 MOST_ELEMENTS = 2**31 - 1
-# Elements of x a pass of the 1 / rms a normalising GEMV computes first.
-NORM_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit(do_not_specialize=["steps_per_split", "steps"])

@@ -49,6 +49,7 @@ import triton.language as tl
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
 from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
+from candelabra.backends.cuda.kernels.norms import NORM_BLOCK, RowNorm, normed_input, row_inverse_rms
 from candelabra.backends.cuda.kernels.split_k import (
     MAX_SPLIT_K,
     arrival_counts,
@@ -272,6 +273,11 @@ def _int4_gemv_kernel(
     out_ptr,
     partials_ptr,
     arrivals_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    joined_ptr,
+    eps,
+    norm_offset,
     N,
     steps_per_split,
     steps,
@@ -287,6 +293,8 @@ def _int4_gemv_kernel(
     PREFETCH: tl.constexpr,
     RUNS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     start_dependents(DEPENDENT)
@@ -307,19 +315,27 @@ def _int4_gemv_kernel(
     # K offsets of the low nibbles of word w's four bytes, 4w to 4w + 3 in the group; the high ones' are 16 on
     x_offsets = groups[:, None, None] * 32 + quads[None, :, None] * 4 + quads[None, None, :]
     x_row = x_ptr + row * x_row_stride
+    residual_row = residual_ptr + row * x_row_stride
     acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
     k = split * steps_per_split * BLOCK_K
     steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
                                       steps_here > 0, RUNS)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
+    if NORM:  # the row's 1 / rms, which scales the sums (they are linear in x); x is loaded times the weight
+        inverse_rms = row_inverse_rms(x_row, residual_row, joined_ptr + row * x_row_stride, steps * BLOCK_K, eps,
+                                      (tile_n == 0) & (split == 0), RESIDUAL, NORM_BLOCK)
     for step in range(steps_here):
         more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_words, next_scale, next_zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k + BLOCK_K,
                                                              word_offsets, group_offsets, col_mask, more, RUNS)
-        x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
-        x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
+        if NORM:
+            x_low = normed_input(x_row, residual_row, norm_weight_ptr, k + x_offsets, norm_offset, RESIDUAL)
+            x_high = normed_input(x_row, residual_row, norm_weight_ptr, k + 16 + x_offsets, norm_offset, RESIDUAL)
+        else:
+            x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
+            x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
         low0, low1, low2, low3 = _quarters(x_low, GROUPS)
         high0, high1, high2, high3 = _quarters(x_high, GROUPS)
         # byte j of a word holds value 4w + j in bits 8j to 8j + 3 and value 16 + 4w + j above them
@@ -341,7 +357,10 @@ def _int4_gemv_kernel(
         else:
             words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets,
                                               col_mask, more, RUNS)
-    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+    sums = tl.sum(acc, axis=0)
+    if NORM:
+        sums *= inverse_rms
+    finish_gemv_row(sums, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
                     col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
 
 
@@ -369,6 +388,22 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     [N, K / 2] (`pack_nibbles`) and `scales`, `zeros` [N, K / G] with W[n, k] = (q - 8) * scale + zero for
     the nibble q of (n, k) and its group's scale and zero, G one of SCALE_GROUPS. `config` None picks one
     for the shape and device; a config's block_k must be a multiple of G."""
+    return _int4_product(x, packed, scales, zeros, config, bias, None)[0]
+
+
+def normed_int4_gemv(x: torch.Tensor, norm: RowNorm, packed: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, config: TileConfig | None = None,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Ops.rms_norm_linear` by the GEMV, for rows of x few enough for it (GEMV_ROWS): as `int4_matmul`
+    multiplies, of the rows normalised as it loads them, and the row plus residual (x itself without one)."""
+    norm.check(x)
+    if x.shape[0] > GEMV_ROWS or (config is not None and config.block_m != 1):
+        raise ValueError(f"the int4 GEMV normalises x as it loads it; {x.shape[0]} rows (or a config of "
+                         f"{config.block_m if config else '?'}) take the tensor-core GEMM, which does not")
+    return _int4_product(x.contiguous(), packed, scales, zeros, config, bias, norm)
+
+
+def _int4_product(x, packed, scales, zeros, config, bias, norm):
     rows, width = x.shape
     columns = packed.shape[0]
     group = width // scales.shape[1] if scales.ndim == 2 and scales.shape[1] else 0
@@ -385,10 +420,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    joined = x if norm is None else norm.joined_like(x)
     if rows == 0 or columns == 0:
-        return out
+        return out, joined
     if width == 0:
-        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+        return (out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()), joined
     config = config or choose_config(rows, columns, width, x.device, x.dtype, group)
     if width % config.block_k:
         raise ValueError(f"block_k {config.block_k} does not divide K = {width}")
@@ -403,13 +439,15 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
     if config.block_m == 1:
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
-            x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals, columns,
+            x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals,
+            *(RowNorm.absent(x) if norm is None else norm.kernel_arguments(x, joined)), columns,
             steps_a_split(steps, split_k), steps, *strides, ONE_BITS, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, SPLIT=split_k > 1,
             PREFETCH=config.num_stages > 1, RUNS=group // GROUP_SIZE, HAS_BIAS=bias is not None,
+            NORM=norm is not None, RESIDUAL=norm is not None and norm.residual is not None,
             num_warps=config.num_warps, num_stages=1, **launch_options(x.device),
         )  # fmt: skip
-        return out
+        return out, joined
     magic_bits, magic_plus_8 = MAGIC[x.dtype]
     _int4_matmul_kernel[(tiles, split_k)](
         x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals,
@@ -431,7 +469,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         num_stages=config.num_stages,
         **launch_options(x.device),
     )  # fmt: skip
-    return out
+    return out, joined
 
 
 def choose_config(rows: int, columns: int, width: int, device: torch.device,

@@ -56,6 +56,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Elements of x a pass of the 1 / rms a normalising GEMV computes first.
+NORM_BLOCK = tl.constexpr(1024)
+
+
 class RowNorm(NamedTuple):
     """The RMS norm a GEMV applies to its x as it loads it (`Ops.rms_norm_linear`): of x + `residual` (a
     [M, K] of x's dtype) where there is one, else of x."""
