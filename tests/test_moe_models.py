@@ -173,9 +173,9 @@ def test_ranks_holding_two_and_three_of_five_experts_add_up_to_the_whole_layer(t
     assert [(r.layers[0].experts.first, len(r.layers[0].experts.gate_up)) for r in ranks] == [(0, 2), (2, 3)]
     h = np.random.default_rng(4).standard_normal((16, whole.config.hidden_size)).astype(np.float32)
     for index, layer in enumerate(whole.layers):
-        partial = [rank.mlp(index, rank.layers[index], h) for rank in ranks]
+        partial = [rank.mlp(rank.layers[index], h) for rank in ranks]
         assert all(np.abs(p).max() > 0 for p in partial)  # each rank's experts were picked
-        np.testing.assert_allclose(partial[0] + partial[1], whole.mlp(index, layer, h), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(partial[0] + partial[1], whole.mlp(layer, h), rtol=1e-5, atol=1e-6)
 
 
 def test_more_ranks_than_a_moe_layer_has_experts_are_refused_before_loading_a_weight(tmp_path):

@@ -176,24 +176,24 @@ class DecoderModel:
                                        logit_softcap=c.attn_logit_softcapping)
         return ops.linear(attended.reshape(tokens, q_width), layer.out, layer.out_bias), cache
 
-    def mlp(self, index: int, layer: Layer, h):
-        """Layer `index`'s MLP of `h`, dense or its experts: with tensor parallelism this rank's partial
-        sum (see `summed_over_ranks`)."""
+    def mlp(self, layer: Layer, h):
+        """The layer's MLP of `h`, dense or its experts: with tensor parallelism this rank's partial sum (see
+        `summed_over_ranks`)."""
         if layer.experts is not None:
             return self._sparse_moe(self.ops, layer.experts, h)
-        return self._dense_mlp_rest(layer, self.ops.linear(h, layer.mlp_in, layer.mlp_in_bias))
+        return self._dense_mlp_from(layer, self.ops.linear(h, layer.mlp_in, layer.mlp_in_bias))
 
-    def normed_mlp(self, index: int, layer: Layer, norm: Norm, x, branch):
+    def normed_mlp(self, layer: Layer, norm: Norm, x, branch):
         """(mlp(norm(x + branch)), x + branch), a dense MLP's first projection made with the norm
         (`normed_projection`); without a branch, of norm(x) and x."""
         if layer.experts is not None:
             h, joined = joined_and_normed(self, norm, x, branch)
             return self._sparse_moe(self.ops, layer.experts, h), joined
         projected, joined = self.normed_projection(norm, x, branch, layer.mlp_in, layer.mlp_in_bias)
-        return self._dense_mlp_rest(layer, projected), joined
+        return self._dense_mlp_from(layer, projected), joined
 
-    def _dense_mlp_rest(self, layer: Layer, projected):
-        """A dense MLP after its first projection (gate and up, or fc1)."""
+    def _dense_mlp_from(self, layer: Layer, projected):
+        """A dense MLP from its first projection's output (gate and up, or fc1)."""
         ops, act = self.ops, self.config.hidden_act
         if self.gated_mlp:
             return ops.gated_linear(projected, layer.mlp_out, layer.mlp_out_bias, gated_activation(act))

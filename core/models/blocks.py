@@ -36,7 +36,7 @@ class SequentialBlock:
         projected, x = model.normed_projection(layer.norms[self.before_attention], x, branch,
                                                *model.attention_projection(layer))
         attended, cache = model.attention(index, layer, projected, step, positions, cache)
-        out, x = model.normed_mlp(index, layer, layer.norms[self.before_mlp], x, model.summed_over_ranks(attended))
+        out, x = model.normed_mlp(layer, layer.norms[self.before_mlp], x, model.summed_over_ranks(attended))
         return x, model.summed_over_ranks(out), cache
 
 
@@ -60,7 +60,7 @@ class SandwichBlock:
                                                *model.attention_projection(layer))
         attended, cache = model.attention(index, layer, projected, step, positions, cache)
         attended = model.norm(norms[self.after_attention], model.summed_over_ranks(attended))
-        out, x = model.normed_mlp(index, layer, norms[self.before_mlp], x, attended)
+        out, x = model.normed_mlp(layer, norms[self.before_mlp], x, attended)
         return x, model.norm(norms[self.after_mlp], model.summed_over_ranks(out)), cache
 
 
@@ -80,9 +80,9 @@ class ParallelBlock:
         weight, bias = model.attention_projection(layer)
         attended, cache = model.attention(index, layer, model.ops.linear(h, weight, bias), step, positions, cache)
         if model.communicator is None:
-            return x + attended, model.mlp(index, layer, h), cache
+            return x + attended, model.mlp(layer, h), cache
         # both branches' partial sums add up before the layer's one all-reduce
-        return x, model.summed_over_ranks(attended + model.mlp(index, layer, h)), cache
+        return x, model.summed_over_ranks(attended + model.mlp(layer, h)), cache
 
 
 Block = SequentialBlock | SandwichBlock | ParallelBlock
