@@ -250,6 +250,8 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     counted = [entry for entry in gemv if budget.covers("sm_90a", entry["variant"])]
     assert counted and all(entry["per_unit"] is not None for entry in counted)
     assert {"BLOCK_N=16", "BLOCK_N=32"} <= {word for entry in gemv for word in entry["variant"].split()}
+    # the int4 GEMV normalising x as it loads it too, counted where the budget covers it
+    assert any("NORM=True" in entry["variant"].split() for entry in counted)
     # the 16-bit GEMV of a gated MLP's down projection, SiLU's (Llama) and GELU tanh's (Gemma), counted too
     dense = [entry for entry in compiled if entry["kernel"] == "_dense_gemv_kernel" and entry["target"] == "sm_90a"]
     gated = [entry for entry in dense if "GATE=-1" not in entry["variant"].split()]
