@@ -15,9 +15,11 @@ and keeps whichever was faster in the GPU's dense table.
 A gated MLP's down projection (`Ops.gated_linear`) takes the gate and up halves as its x and computes
 the gated values as it loads them: the activation's kernel, its launch and its output's trip through
 memory are gone, for twice the x loads (from L2: the gate and up row is the product before's output).
-A pre-norm's projection (`Ops.rms_norm_linear`) likewise normalises x as it loads it: each program first
-reads the whole row (and the residual it adds) for its 1 / rms, which scales its sums, and the first
-program stores the row plus residual the next layer adds to; the norm's kernel and its launch are gone.
+A pre-norm's projection (`Ops.rms_norm_linear`) likewise normalises x as it loads it: a program multiplies
+each x (plus the residual it adds) by the norm's weight and sums its squares over its share of K; the 1 / rms
+they give scales the finished sums (with K split, the last split to finish adds every split's squares:
+kernels/split_k.py), and the first column tile's programs store the row plus residual the next layer adds
+to. The norm's kernel and its launch are gone, and no program reads more of x than its share.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from candelabra.backends.cuda.availability import gpu_name
 from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE, gated_input
 from candelabra.backends.cuda.kernels.dependent_launch import launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.norms import NORM_BLOCK, RowNorm, normed_input, row_inverse_rms
+from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input
 from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
+    partial_squares,
     partial_sums,
     splittable,
     steps_a_split,
@@ -59,6 +62,7 @@ def _dense_gemv_kernel(
     out_ptr,
     partials_ptr,
     arrivals_ptr,
+    squares_ptr,
     residual_ptr,
     norm_weight_ptr,
     joined_ptr,
@@ -99,20 +103,21 @@ def _dense_gemv_kernel(
     w_mask = col_mask[None, :, None]
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * x_row_stride
+    joined_row = joined_ptr + row * x_row_stride
     acc = tl.zeros((CHUNKS, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((CHUNKS, VECTOR), dtype=tl.float32)  # of a normalised x, over this program's share of K
     k = split * steps_per_split * BLOCK_K
     steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     w = tl.load(w_ptr + k + w_offsets, mask=w_mask & (steps_here > 0), other=0.0)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
-    if NORM:
-        inverse_rms = row_inverse_rms(x_row, residual_row, joined_ptr + row * x_row_stride, width, eps,
-                                      (tile_n == 0) & (split == 0), RESIDUAL, NORM_BLOCK)
     for step in range(steps_here):
         more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_w = tl.load(w_ptr + k + BLOCK_K + w_offsets, mask=w_mask & more, other=0.0)
-        if NORM:
-            x = normed_input(x_row, residual_row, norm_weight_ptr, k + along_k, norm_offset, RESIDUAL)
+        if NORM:  # the first column tile's programs store x + residual for the next layer
+            x, joined = normed_input(x_row, residual_row, norm_weight_ptr, joined_row, k + along_k, norm_offset,
+                                     tile_n == 0, RESIDUAL)
+            squares += joined * joined
         else:
             x = gated_input(x_row, k + along_k, width, GATE)
         acc += tl.sum(w.to(tl.float32) * x[:, None, :], axis=2)
@@ -121,11 +126,9 @@ def _dense_gemv_kernel(
             w = next_w
         else:
             w = tl.load(w_ptr + k + w_offsets, mask=w_mask & more, other=0.0)
-    sums = tl.sum(acc, axis=0)
-    if NORM:
-        sums *= inverse_rms
-    finish_gemv_row(sums, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
-                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS,
+                    tl.sum(tl.sum(squares, axis=1), axis=0), squares_ptr, width, eps, NORM)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
@@ -181,9 +184,10 @@ def _launch(x, weight, tiling, bias, gated, norm):
         return out, joined
     tiles_n = triton.cdiv(columns, tiling.block_n)
     partials = partial_sums(out, tiling.split_k)
+    squares = partial_squares(out, tiling.split_k, rows * tiles_n, norm is not None)
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
-        x, weight, out if bias is None else bias, out, partials, arrivals,
+        x, weight, out if bias is None else bias, out, partials, arrivals, squares,
         *(RowNorm.absent(x) if norm is None else norm.kernel_arguments(x, joined)),
         columns, steps_a_split(steps, tiling.split_k), steps,
         x.stride(0), weight.stride(0), out.stride(0), rows * columns, width,

@@ -49,12 +49,13 @@ import triton.language as tl
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
 from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
-from candelabra.backends.cuda.kernels.norms import NORM_BLOCK, RowNorm, normed_input, row_inverse_rms
+from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input
 from candelabra.backends.cuda.kernels.split_k import (
     MAX_SPLIT_K,
     arrival_counts,
     finish_gemv_row,
     finish_tile,
+    partial_squares,
     partial_sums,
     splits_for,
     splittable,
@@ -222,7 +223,7 @@ def _int4_matmul_kernel(
             acc = tl.dot(x_high, high.to(x_high.dtype), acc, input_precision=DOT_PRECISION)
 
     finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N,
-                out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+                out_row_stride, partials_split_stride, SPLIT, HAS_BIAS, 0.0, partials_ptr, 1, 0.0, False)
 
 
 # A nibble q ORed into the top four bits of 1.0f's mantissa (bits 19 to 22) makes the float 1 + q / 16.
@@ -273,6 +274,7 @@ def _int4_gemv_kernel(
     out_ptr,
     partials_ptr,
     arrivals_ptr,
+    squares_ptr,
     residual_ptr,
     norm_weight_ptr,
     joined_ptr,
@@ -316,23 +318,25 @@ def _int4_gemv_kernel(
     x_offsets = groups[:, None, None] * 32 + quads[None, :, None] * 4 + quads[None, None, :]
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * x_row_stride
+    joined_row = joined_ptr + row * x_row_stride
     acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((GROUPS, 4, 4), dtype=tl.float32)  # of a normalised x, over this program's share of K
     k = split * steps_per_split * BLOCK_K
     steps_here = tl.minimum(steps_per_split, steps - split * steps_per_split)  # the last split's may be fewer
     words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets, col_mask,
                                       steps_here > 0, RUNS)
     wait_for_prior(DEPENDENT)  # the first step's weight is on its way meanwhile
-    if NORM:  # the row's 1 / rms, which scales the sums (they are linear in x); x is loaded times the weight
-        inverse_rms = row_inverse_rms(x_row, residual_row, joined_ptr + row * x_row_stride, steps * BLOCK_K, eps,
-                                      (tile_n == 0) & (split == 0), RESIDUAL, NORM_BLOCK)
     for step in range(steps_here):
         more = step + 1 < steps_here
         if PREFETCH:  # the next step's weight is on its way while this one's is multiplied
             next_words, next_scale, next_zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k + BLOCK_K,
                                                              word_offsets, group_offsets, col_mask, more, RUNS)
-        if NORM:
-            x_low = normed_input(x_row, residual_row, norm_weight_ptr, k + x_offsets, norm_offset, RESIDUAL)
-            x_high = normed_input(x_row, residual_row, norm_weight_ptr, k + 16 + x_offsets, norm_offset, RESIDUAL)
+        if NORM:  # x times the norm's weight, its 1 / rms applied to the finished sums (they are linear in x)
+            x_low, s_low = normed_input(x_row, residual_row, norm_weight_ptr, joined_row, k + x_offsets, norm_offset,
+                                        tile_n == 0, RESIDUAL)
+            x_high, s_high = normed_input(x_row, residual_row, norm_weight_ptr, joined_row, k + 16 + x_offsets,
+                                          norm_offset, tile_n == 0, RESIDUAL)
+            squares += s_low * s_low + s_high * s_high
         else:
             x_low = tl.load(x_row + k + x_offsets).to(tl.float32)
             x_high = tl.load(x_row + k + 16 + x_offsets).to(tl.float32)
@@ -357,11 +361,10 @@ def _int4_gemv_kernel(
         else:
             words, scale, zero = _step_weight(words_ptr, scales_ptr, zeros_ptr, k, word_offsets, group_offsets,
                                               col_mask, more, RUNS)
-    sums = tl.sum(acc, axis=0)
-    if NORM:
-        sums *= inverse_rms
-    finish_gemv_row(sums, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
-                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+    row_squares = tl.sum(tl.sum(tl.sum(squares, axis=2), axis=1), axis=0)
+    finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
+                    col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS, row_squares, squares_ptr,
+                    steps * BLOCK_K, eps, NORM)
 
 
 @triton.jit
@@ -435,11 +438,12 @@ def _int4_product(x, packed, scales, zeros, config, bias, norm):
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if splittable(steps, split))
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
     partials = partial_sums(out, split_k)
+    squares = partial_squares(out, split_k, tiles, norm is not None)
     arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
     strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
     if config.block_m == 1:
         _int4_gemv_kernel[(triton.cdiv(columns, config.block_n), split_k, rows)](
-            x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals,
+            x, packed, scales, zeros, out if bias is None else bias, out, partials, arrivals, squares,
             *(RowNorm.absent(x) if norm is None else norm.kernel_arguments(x, joined)), columns,
             steps_a_split(steps, split_k), steps, *strides, ONE_BITS, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, SPLIT=split_k > 1,

@@ -2,8 +2,8 @@
 
 One program normalises one row: the whole row (hidden size padded to a power of two) is held in
 registers, squared and summed in float32, scaled, and rounded to the input dtype once at the store.
-Semantics are those of `Ops.rms_norm` and `Ops.add_rms_norm`. The one-row GEMV normalises its x with
-`row_inverse_rms` and `normed_input` (`Ops.rms_norm_linear`), in the same arithmetic.
+Semantics are those of `Ops.rms_norm` and `Ops.add_rms_norm`. The one-row GEMVs normalise their x with
+`normed_input` (`Ops.rms_norm_linear`), in the same arithmetic.
 """
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Elements of x a pass of the 1 / rms a normalising GEMV computes first.
-NORM_BLOCK = tl.constexpr(1024)
-
-
 class RowNorm(NamedTuple):
     """The RMS norm a GEMV applies to its x as it loads it (`Ops.rms_norm_linear`): of x + `residual` (a
     [M, K] of x's dtype) where there is one, else of x."""
@@ -94,32 +90,18 @@ class RowNorm(NamedTuple):
 
 
 @triton.jit
-def row_inverse_rms(x_row, residual_row, joined_row, width, eps, write_joined, RESIDUAL: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """1 / rms of a row of `width`, s = x (+ residual, rounded to x's dtype and stored at `joined_row` where
-    `write_joined`), BLOCK elements a pass."""
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < width
-        s = tl.load(x_row + cols, mask=mask, other=0.0)
-        if RESIDUAL:
-            residual = tl.load(residual_row + cols, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + residual.to(tl.float32)).to(x_row.dtype.element_ty)
-            tl.store(joined_row + cols, s, mask=mask & write_joined)
-        s = s.to(tl.float32)
-        squares += s * s
-    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / width + eps)
-
-
-@triton.jit
-def normed_input(x_row, residual_row, weight_ptr, offsets, weight_offset, RESIDUAL: tl.constexpr):
-    """s * (weight_offset + weight) at `offsets` of the row, in float32, s as `row_inverse_rms` makes it: a
-    normalised row before its 1 / rms, which a product applies to its sums."""
+def normed_input(x_row, residual_row, weight_ptr, joined_row, offsets, weight_offset, write_joined,
+                 RESIDUAL: tl.constexpr):
+    """(s * (weight_offset + weight), s) at `offsets` of the row, in float32, for s = x (+ residual, rounded
+    to x's dtype as `add_rms_norm` rounds it, and stored at `joined_row` where `write_joined`): a normalised
+    row before its 1 / rms, which a product applies to its sums (`split_k.finish_tile`), and what the squares
+    for it sum."""
     s = tl.load(x_row + offsets)
     if RESIDUAL:
         s = (s.to(tl.float32) + tl.load(residual_row + offsets).to(tl.float32)).to(x_row.dtype.element_ty)
-    return s.to(tl.float32) * (tl.load(weight_ptr + offsets).to(tl.float32) + weight_offset)
+        tl.store(joined_row + offsets, s, mask=write_joined)
+    s = s.to(tl.float32)
+    return s * (tl.load(weight_ptr + offsets).to(tl.float32) + weight_offset), s
 
 
 def _num_warps(block: int) -> int:

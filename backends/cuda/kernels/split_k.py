@@ -11,27 +11,41 @@ import triton.language as tl
 
 @triton.jit
 def finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N,
-                out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                squares, squares_ptr, width, eps, NORM: tl.constexpr):
     """Store a program's float32 [rows, cols] tile (plus the bias over cols where HAS_BIAS), or with K
     split, its partial sum: the program that arrives last at its output tile adds them all, in split order,
-    adds the bias, writes the tile and resets the tile's arrival count for the next launch."""
+    adds the bias, writes the tile and resets the tile's arrival count for the next launch.
+    With NORM (a one-row tile of a GEMV normalising x as it loads it) the sums are of x times the norm's
+    weight, and `squares` the sum of x's squares over the program's share of K: the tile is scaled by the
+    row's 1 / rms, from every split's squares (kept at `squares_ptr`, a float32 a split and tile)."""
     out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
     if not SPLIT:
+        if NORM:
+            acc *= inverse_rms(squares, width, eps)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         partial_offsets = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
-        tl.debug_barrier()
         splits = tl.num_programs(1)
+        tiles = tl.num_programs(0) * tl.num_programs(2)
+        if NORM:
+            tl.store(squares_ptr + split * tiles + tile, squares)
+        tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == splits - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
+            row_squares = 0.0
             for other in range(splits):
                 total += tl.load(partials_ptr + other * partials_split_stride + partial_offsets, mask=out_mask,
                                  other=0.0, cache_modifier=".cg")
+                if NORM:
+                    row_squares += tl.load(squares_ptr + other * tiles + tile, cache_modifier=".cg")
+            if NORM:
+                total *= inverse_rms(row_squares, width, eps)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -74,13 +88,21 @@ def splits_for(tiles: int, steps: int, programs: int, most_splits: int = MAX_SPL
 
 @triton.jit
 def finish_gemv_row(result, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols, col_mask, N,
-                    out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    squares, squares_ptr, width, eps, NORM: tl.constexpr):
     """`finish_tile` for a GEMV program's [BLOCK_N] outputs `cols` of x's row `row`, its grid (column
     tiles, splits of K, rows)."""
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n
     finish_tile(result[None, :], out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0,
-                col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS)
+                col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS, squares, squares_ptr, width, eps,
+                NORM)
+
+
+@triton.jit
+def inverse_rms(squares, width, eps):
+    """1 / rms of a row of `width` values whose squares sum to `squares`, as the norm's kernel computes it."""
+    return 1.0 / tl.sqrt(squares / width + eps)
 
 
 # Per device, zeroed counters of the split programs that have finished each output tile; the last
@@ -101,6 +123,14 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
         _KEPT.append(counts)
         _ARRIVALS[device] = counts
     return counts
+
+
+def partial_squares(out: torch.Tensor, split_k: int, tiles: int, normalising: bool) -> torch.Tensor:
+    """The float32 [split_k, tiles] buffer a normalising GEMV with K split `split_k` ways keeps each split's
+    sum of squares of x in, per output tile; `out` itself where it keeps none."""
+    if split_k == 1 or not normalising:
+        return out
+    return torch.empty(split_k, tiles, dtype=torch.float32, device=out.device)
 
 
 def partial_sums(out: torch.Tensor, split_k: int) -> torch.Tensor:
