@@ -149,8 +149,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
 def normed_dense_gemv(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor, tiling: GemvTiling,
                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`Ops.rms_norm_linear` as `dense_gemv` computes a product: (rms_norm(s) @ weight.T (+ bias), s) for
-    s = x + norm.residual rounded to x's dtype, or x itself without a residual. Each program normalises the
-    whole row again (it reads it from L2): meant for one row."""
+    s = x + norm.residual rounded to x's dtype, or x itself without a residual. Each row reads the whole
+    weight: meant for one."""
     norm.check(x)
     return _launch(x.contiguous(), weight, tiling, bias, None, norm)
 
