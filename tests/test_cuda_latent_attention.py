@@ -79,9 +79,10 @@ class Case:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decode_batch_splits_its_keys_and_empty_segments_add_nothing(dtype):
-    seq_lens = [1, 17, 70, 200]
+    seq_lens = [1, 17, 70, 700]
     # planned for NOMINAL_MULTIPROCESSORS whatever the device: 4 tiles leave SMs idle, so keys are split
-    # into 16 segments, and the shorter sequences leave most of theirs empty
+    # into 16 segments: the longest sequence fills 3 to 6 of them (16 or 32 keys a step, at least 8 steps
+    # a segment), the others one
     assert decode_segments(len(seq_lens), 1, NOMINAL_MULTIPROCESSORS) == 16
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         Case(1, [1] * len(seq_lens), seq_lens, dtype=dtype).run()
@@ -130,13 +131,13 @@ def test_a_cache_of_another_dtype_than_the_queries_is_read_in_float32(dtype, cac
 
 def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
-        first = Case(8, [1, 1, 1], [3, 40, 100], max_blocks=8)
+        first = Case(8, [1, 1, 1], [3, 40, 400], max_blocks=30)
         first.run()
         workspace = decode_workspace(DEVICE, torch.float32, 3, 4, 32, decode_segments(3, 1, NOMINAL_MULTIPROCESSORS))
         pointers = [t.data_ptr() for t in (workspace.partial_out, workspace.partial_max, workspace.partial_sum)]
 
         # same shapes, other lengths: what a CUDA graph replay of the first step would see
-        second = Case(9, [1, 1, 1], [90, 2, 17], max_blocks=8)
+        second = Case(9, [1, 1, 1], [300, 2, 17], max_blocks=30)
         assert second.step.block_tables.shape == first.step.block_tables.shape
         second.run()
         again = decode_workspace(DEVICE, torch.float32, 3, 4, 32, decode_segments(3, 1, NOMINAL_MULTIPROCESSORS))

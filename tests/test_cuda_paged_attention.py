@@ -6,14 +6,13 @@ soft-capping, odd head sizes, NaN in every slot the step does not cover, and wor
 import numpy as np
 import pytest
 import torch
-import triton
 
 from candelabra.backends.cuda.availability import (
     NOMINAL_MULTIPROCESSORS,
     assume_multiprocessors,
     multiprocessor_count,
 )
-from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace
+from candelabra.backends.cuda.kernels.key_segments import MIN_SEGMENT_STEPS, decode_segments, decode_workspace
 from candelabra.backends.cuda.kernels.paged_attention import choose_tiling, paged_attention
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance.oracle import paged_attention as oracle_attention
@@ -82,13 +81,43 @@ DTYPES = [torch.float32, torch.float16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
-    seq_lens = [1, 17, 70, 200]
+    seq_lens = [1, 17, 600, 1100]
     case = Case(1, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
-    # planned for NOMINAL_MULTIPROCESSORS whatever the device: at 64 keys a step, the longest sequence fills 4
-    # segments, the others fewer
-    assert decode_segments(len(seq_lens), 2, NOMINAL_MULTIPROCESSORS) > triton.cdiv(max(seq_lens), 16)
+    # planned for NOMINAL_MULTIPROCESSORS whatever the device: 16 segments, of which the two long sequences
+    # fill 2 to 5 (at 32 or 64 keys a step, 8 steps a segment) and the short ones one
+    assert decode_segments(len(seq_lens), 2, NOMINAL_MULTIPROCESSORS) == 16
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         case.run(scale=0.125)
+
+
+def poisoned_workspace(num_tokens: int, num_heads: int, head_dim: int, segments: int):
+    workspace = decode_workspace(DEVICE, torch.float32, num_tokens, num_heads, head_dim, segments)
+    for partial in (workspace.partial_out, workspace.partial_max, workspace.partial_sum):
+        partial.fill_(float("nan"))
+    return workspace
+
+
+def test_a_sequence_is_split_only_into_segments_of_at_least_eight_steps():
+    """float32 walks 32 keys a step: 200 keys (7 steps) stay whole, written with no partial results, and
+    1,100 (35 steps) of the 16 segments planned fill 5 of 8 steps, the 11 others writing nothing."""
+    assert MIN_SEGMENT_STEPS == 8 and choose_tiling(1, 2, 64, float32_dot=True).keys == 32
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
+        segments = decode_segments(2, 2, NOMINAL_MULTIPROCESSORS)
+        workspace = poisoned_workspace(2, 4, 64, segments)
+        Case(11, [1, 1], [200, 1100], num_heads=4, num_kv_heads=2).run(scale=0.125)
+    written = ~torch.isnan(workspace.partial_max).cpu().numpy()
+    assert segments == 16 and not written[0].any()
+    assert written[1, :, :5].all() and not written[1, :, 5:].any()
+    assert not workspace.arrivals.any()
+
+
+def test_a_long_sequence_spreads_its_steps_over_every_segment_past_eight_each():
+    """2,100 keys are 66 steps of 32: 8 segments of 9 steps (the last of 3)."""
+    with assume_multiprocessors(4):  # one sequence x 2 KV heads: 8 segments for 4 programs an SM
+        segments = decode_segments(1, 2, 4)
+        workspace = poisoned_workspace(1, 4, 64, segments)
+        Case(12, [1], [2100], num_heads=4, num_kv_heads=2).run(scale=0.125)
+    assert segments == 8 and not torch.isnan(workspace.partial_max).any()
 
 
 def test_a_decode_batch_that_fills_every_sm_is_not_split():
@@ -165,14 +194,14 @@ def test_float32_cache_with_float16_queries(query_lens, seq_lens):
 
 def test_replayed_decode_shapes_reuse_the_workspace_with_new_lengths():
     num_heads, num_kv_heads, head_dim = 4, 2, 64
-    first = Case(9, [1, 1, 1], [3, 40, 100], num_heads, num_kv_heads, head_dim, max_blocks=8)
+    first = Case(9, [1, 1, 1], [3, 40, 600], num_heads, num_kv_heads, head_dim, max_blocks=40)
     first.run(scale=0.125)
     segments = decode_segments(3, num_kv_heads, multiprocessor_count(DEVICE))
     workspace = decode_workspace(DEVICE, torch.float32, 3, num_heads, head_dim, segments)
     pointers = [t.data_ptr() for t in (workspace.partial_out, workspace.partial_max, workspace.partial_sum)]
 
     # same shapes, other lengths: what a CUDA graph replay of the first step would see
-    second = Case(10, [1, 1, 1], [90, 2, 17], num_heads, num_kv_heads, head_dim, max_blocks=8)
+    second = Case(10, [1, 1, 1], [500, 2, 17], num_heads, num_kv_heads, head_dim, max_blocks=40)
     assert second.step.block_tables.shape == first.step.block_tables.shape
     second.run(scale=0.125)
     again = decode_workspace(DEVICE, torch.float32, 3, num_heads, head_dim, segments)

@@ -194,7 +194,7 @@ def table_slots(table: list[int], positions, block_size: int) -> np.ndarray:
 
 STEPS = {  # (query_lens, seq_lens)
     "prefill": ([5, 12], [5, 12]),
-    "decode": ([1, 1], [17, 90]),
+    "decode": ([1, 1], [17, 600]),  # the longer split (key_segments.MIN_SEGMENT_STEPS), the shorter whole
     "mixed": ([1, 4, 1], [20, 4, 3]),
 }
 # Each cache with each dtype and each kind of step, in a few cases: the interpreter takes seconds a case.

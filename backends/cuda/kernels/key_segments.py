@@ -2,7 +2,8 @@
 takes, the workspace where each leaves its partial results, and how a tile's rows are finished. Whole, a
 row is its weighted sum of values over its softmax sum; split, each segment stores its partial results
 and the segment that arrives last at its tile merges them all and writes the rows: one launch a step's
-attention, where a merge kernel after it cost a launch and its gap a layer."""
+attention, where a merge kernel after it cost a launch and its gap a layer. A sequence is split only as far as
+its length warrants (segment_keys): short ones stay whole and write their rows directly."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ import triton.language as tl
 # most MOST_SEGMENTS segments.
 DECODE_PROGRAMS_PER_SM = 4
 MOST_SEGMENTS = tl.constexpr(16)
+# Each segment but a sequence's last walks at least this many steps of keys (a step loads about 32 KB of
+# 16-bit keys and values): a split's stores of partial results, its atomic and the last segment's merge cost
+# more than a few steps. The H200 trace of 27 November (night) had a 70-token context at batch 1, split in two
+# segments of one step, take 13.5 µs a layer past the kernel before, where 16 segments and a merge kernel
+# had taken 6.6 that morning.
+MIN_SEGMENT_STEPS = tl.constexpr(8)
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,27 @@ def decode_segments(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> i
 
 
 @triton.jit
+def segment_keys(key_begin, key_end, segment, num_segments, BLOCK_N: tl.constexpr):
+    """Segment `segment`'s share [begin, end) of a sequence's keys [key_begin, key_end) in steps of BLOCK_N,
+    and how many segments have a share: as many as a split into `num_segments` needs with each at least
+    MIN_SEGMENT_STEPS steps long (the last may be shorter), one where the keys are fewer."""
+    steps = tl.cdiv(key_end - key_begin, BLOCK_N)
+    steps_per_segment = tl.maximum(tl.cdiv(steps, num_segments), MIN_SEGMENT_STEPS)
+    used_segments = tl.maximum(tl.cdiv(steps, steps_per_segment), 1)
+    begin = key_begin + segment * steps_per_segment * BLOCK_N
+    return begin, tl.minimum(key_end, begin + steps_per_segment * BLOCK_N), used_segments
+
+
+@triton.jit
 def finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
                 arrivals_ptr, token, head, columns, row_valid, column_valid, stride_out_token, stride_out_head,
-                num_heads, num_segments, segment, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+                num_heads, num_segments, used_segments, segment, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
     """Write a tile's rows (token, head) of `WIDTH` columns (`columns`, WIDTH_PAD of them) from its softmax
-    state over its keys. With the keys split into `num_segments`, store this segment's partial state in the
-    workspace; the segment that arrives last at the tile (program_id(0), program_id(1)) merges every
-    segment's, in segment order (the same sum whichever finishes first), writes the rows and resets the
-    tile's count."""
-    if num_segments == 1:
+    state over its keys. With the keys split (the launch's `num_segments` segments, of which the first
+    `used_segments` have keys), store this segment's partial state in the workspace; the segment that arrives
+    last at the tile (program_id(0), program_id(1)) merges every used segment's, in segment order (the same
+    sum whichever finishes first), writes the rows and resets the tile's count."""
+    if used_segments == 1:
         result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + columns[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & column_valid[None, :])
@@ -93,9 +112,9 @@ def finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial
         tl.debug_barrier()
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_segments - 1:
+        if arrived == used_segments - 1:
             _merge_segments(out_ptr, partial_outs, partial_maxes, partial_sums, token, head, first, row_valid,
-                            stride_out_token, stride_out_head, num_segments, WIDTH, WIDTH_PAD)
+                            stride_out_token, stride_out_head, used_segments, WIDTH, WIDTH_PAD)
             tl.atomic_xchg(arrivals + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -106,9 +125,9 @@ MERGE_ELEMENTS = tl.constexpr(4096)
 
 @triton.jit
 def _merge_segments(out_ptr, partial_outs, partial_maxes, partial_sums, token, head, first, row_valid,
-                    stride_out_token, stride_out_head, num_segments, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+                    stride_out_token, stride_out_head, used_segments, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
     segments = tl.arange(0, MOST_SEGMENTS)
-    held = row_valid[:, None] & (segments < num_segments)[None, :]
+    held = row_valid[:, None] & (segments < used_segments)[None, :]
     maxes = tl.load(partial_maxes + first[:, None] + segments[None, :], mask=held, other=float("-inf"),
                     cache_modifier=".cg")
     overall = tl.max(maxes, 1)

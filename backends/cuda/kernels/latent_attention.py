@@ -32,7 +32,12 @@ import triton.language as tl
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
 from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
-from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
+from candelabra.backends.cuda.kernels.key_segments import (
+    decode_segments,
+    decode_workspace,
+    finish_rows,
+    segment_keys,
+)
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
     check_same_codes,
@@ -260,12 +265,13 @@ def _latent_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     key_end = tl.minimum(seq_len, tl.max(position, 0) + 1)
     key_begin = 0
+    used_segments = 1
     if num_segments > 1:
-        # the segment's share is computed here from the lengths on the device, so the grid never
-        # depends on them; trailing segments of a short sequence get nothing
-        steps_per_segment = tl.cdiv(tl.cdiv(key_end, BLOCK_N), num_segments)
-        key_begin = segment * steps_per_segment * BLOCK_N
-        key_end = tl.minimum(key_end, key_begin + steps_per_segment * BLOCK_N)
+        # the segment's share is computed here from the lengths on the device, so the grid never depends
+        # on them; segments a sequence's keys leave nothing to write nothing, not even partial results
+        key_begin, key_end, used_segments = segment_keys(0, key_end, segment, num_segments, BLOCK_N)
+        if segment >= used_segments:
+            return
 
     q_latent = tl.load(q_latent_ptr + token[:, None] * stride_ql_token + head[:, None] * stride_ql_head
                        + ranks[None, :], mask=row_valid[:, None] & rank_valid[None, :], other=0.0).to(DOT_DTYPE)
@@ -319,4 +325,4 @@ def _latent_attention_kernel(
 
     finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
                 token, head, ranks, row_valid, rank_valid, stride_out_token, stride_out_head, num_heads, num_segments,
-                segment, RANK, RANK_PAD)
+                used_segments, segment, RANK, RANK_PAD)

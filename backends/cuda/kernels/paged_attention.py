@@ -29,7 +29,12 @@ import triton.language as tl
 from candelabra.backends.cuda.availability import multiprocessor_count
 from candelabra.backends.cuda.kernels import kv_codes
 from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options
-from candelabra.backends.cuda.kernels.key_segments import decode_segments, decode_workspace, finish_rows
+from candelabra.backends.cuda.kernels.key_segments import (
+    decode_segments,
+    decode_workspace,
+    finish_rows,
+    segment_keys,
+)
 from candelabra.backends.cuda.kernels.kv_codes import (
     FLOAT_CACHE,
     check_same_codes,
@@ -277,12 +282,13 @@ def _attention_tile_kernel(
     if USE_WINDOW:
         earliest = tl.min(tl.where(row_valid, position, seq_len), 0)
         key_begin = tl.maximum(earliest - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    used_segments = 1
     if NUM_SEGMENTS > 1:
-        # the segment's share is computed here from the lengths on the device, so the grid
-        # never depends on them; trailing segments of a short sequence get nothing
-        steps_per_segment = tl.cdiv(tl.cdiv(key_end - key_begin, BLOCK_N), NUM_SEGMENTS)
-        key_begin = key_begin + segment * steps_per_segment * BLOCK_N
-        key_end = tl.minimum(key_end, key_begin + steps_per_segment * BLOCK_N)
+        # the segment's share is computed here from the lengths on the device, so the grid never depends
+        # on them; segments a sequence's keys leave nothing to write nothing, not even partial results
+        key_begin, key_end, used_segments = segment_keys(key_begin, key_end, segment, NUM_SEGMENTS, BLOCK_N)
+        if segment >= used_segments:
+            return
 
     q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0).to(DOT_DTYPE)
@@ -344,4 +350,4 @@ def _attention_tile_kernel(
 
     finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
                 token, head, dims, row_valid, dim_valid, stride_out_token, stride_out_head, NUM_HEADS, NUM_SEGMENTS,
-                segment, HEAD_DIM, HEAD_DIM_PAD)
+                used_segments, segment, HEAD_DIM, HEAD_DIM_PAD)
