@@ -147,6 +147,29 @@ def test_greedy_tokens_part_on_a_tie_only_where_the_lone_runs_best_led_by_at_mos
     assert parting_tie(h, prompt, params, parted, parted[:step] + [best, best, best], 100.0, {}) is None
 
 
+def test_a_pick_may_part_where_reading_the_tokens_so_far_as_a_prompt_gives_it_but_not_under_penalties(tmp_path):
+    from candelabra.conformance.engine_cases import _Harness, prefix_read_agrees, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path, seed=19)
+    h = _Harness(backend_class("cpu")(), tmp_path, "float32")
+    params, prompt, step = greedy(max_tokens=8, ignore_eos=True), PROMPT + [40, 41], 5
+    lone = h.alone([prompt], greedy(max_tokens=8, ignore_eos=True, logprobs=2))[0].outputs[0]
+    # read as one prompt, the first 5 tokens give the 6th its logprobs again, to float32's rounding
+    read = h.alone([prompt + lone.token_ids[:step]], greedy(max_tokens=1, logprobs=2))[0].outputs[0]
+    (best, best_logprob), (second, second_logprob) = read.logprobs[0].top[:2]
+    assert best == lone.token_ids[step]
+    assert abs(best_logprob - dict(lone.logprobs[step].top)[best]) < 1e-4
+
+    lead = best_logprob - second_logprob
+    parted = lone.token_ids[:step] + [second]
+    assert prefix_read_agrees(h, prompt, params, lone.token_ids, step, 0.0, {})
+    assert prefix_read_agrees(h, prompt, params, parted, step, lead * 1.01, {})
+    assert not prefix_read_agrees(h, prompt, params, parted, step, lead * 0.99, {})
+    # a penalty weighs generated tokens and not the prompt's: read as a prompt they are no reference
+    penalised = greedy(max_tokens=8, ignore_eos=True, frequency_penalty=0.5)
+    assert not prefix_read_agrees(h, prompt, penalised, lone.token_ids, step, 100.0, {})
+
+
 def test_one_device_to_host_transfer_per_step(llm, monkeypatch):
     """Everything a step returns reaches the host through one `fetch`; nothing else reads the
     device during the step."""
