@@ -38,6 +38,8 @@
 #   profile             bench/cuda_profile.py: a trace of graph replays, the host's share of a step,
 #                       top-p sampling against greedy at 152k and 128k vocabularies
 #                       and bench/cuda_mixed_attention.py: a mixed step's decodes tiled apart against in one launch
+#   profile-no-pdl      bench/cuda_profile.py at batch 1 with CANDELABRA_PDL=0: each kernel's exposed time without
+#                       dependent launches, beside profile's with them
 #   profile-int4        bench/cuda_profile.py at batch 1 with Q4_K (int4) weights: where an int4 step's time goes
 #   int4-tiles          bench/cuda_int4_tiles.py: the int4 kernels' tilings at one row, per Llama-3-8B linear shape
 #   host                bench/host_step_time.py: the engine's host phases of a decode step at batch 1, 16, 64
@@ -53,16 +55,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl retuned bench-int4 bench-cublas
-       int4-tuned bench-in-turn bench-transformers profile profile-int4 int4-tiles host)
-# The kernels' correctness with dependent launches (new since the last run), the open goal, batch 1 of the
-# roofline (bench-bf16), beside the same without dependent launches, the models and engine levels with
-# them, a step's profile and transformers (about 410 s by the step times of the H200 runs of 27 November).
-# Then each 16-bit shape's GEMV and cuBLAS times with dependent launches (retuned, about 45 s), Qwen2.5-7B's
-# shapes measured again now that K may split unevenly, and its int4 ratio (int4-tuned, 95 s), int4 batch 1
-# against bfloat16 at Llama-3-8B's (bench-int4, 200 s, met at 1.66x before), cuBLAS alone and in-turn
-# scheduling, as the budget allows.
-FIRST=(env ops bench-bf16 bench-no-pdl models-bf16 engine profile bench-transformers)
-SECOND=(retuned int4-tuned bench-int4 bench-cublas bench-in-turn)
+       int4-tuned bench-in-turn bench-transformers profile profile-no-pdl profile-int4 int4-tiles host)
+# Batch 1 with short contexts whole in one attention program (kernels/key_segments.py), with and without
+# dependent launches (without was 2% ahead on 27 November, night, within about the spread of two runs), and
+# both profiles, whose attention and GEMV exposed times say which to keep; then correctness (about 430 s by
+# the step times of the H200 runs of 27 November). Then int4 batch 1 at Llama-3-8B's shapes (about 190 s;
+# 1.66x bfloat16 in the afternoon), cuBLAS alone, transformers and in-turn scheduling, as the budget allows.
+FIRST=(env bench-bf16 bench-no-pdl profile profile-no-pdl ops models-bf16 engine)
+SECOND=(bench-int4 bench-cublas bench-transformers bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
@@ -130,8 +130,12 @@ run_step() {
         models-bf16)
             OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level models --dtype bfloat16 --json "$results/models-bf16.json" "${parallel[@]}" ;;
         engine)
-            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" "${parallel[@]}" &&
-            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" "${parallel[@]}" ;;
+            # both dtypes, whichever fails
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype float16 --json "$results/engine-fp16.json" "${parallel[@]}"
+            local half=$?
+            OMP_NUM_THREADS=$threads candelabra conformance --backend cuda --level engine --dtype bfloat16 --json "$results/engine-bf16.json" "${parallel[@]}"
+            local brain=$?
+            return $((half ? half : brain)) ;;
         tests)
             OMP_NUM_THREADS=$threads python3 -m pytest -q -p no:cacheprovider "${spread[@]}" tests/test_cuda_*.py ;;
         bench-bf16)
@@ -163,6 +167,8 @@ run_step() {
         profile)
             python3 bench/cuda_profile.py --out "$results/profile" &&
             python3 bench/cuda_mixed_attention.py ;;
+        profile-no-pdl)
+            CANDELABRA_PDL=0 python3 bench/cuda_profile.py --no-sampling --batches 1 --out "$results/profile-no-pdl" ;;
         profile-int4)
             python3 bench/cuda_profile.py --quantization Q4_K --no-sampling --batches 1 --out "$results/profile-int4" ;;
         int4-tiles)
