@@ -12,7 +12,13 @@ from candelabra.backends.cuda.availability import (
     assume_multiprocessors,
     multiprocessor_count,
 )
-from candelabra.backends.cuda.kernels.key_segments import MIN_SEGMENT_STEPS, decode_segments, decode_workspace
+from candelabra.backends.cuda.kernels.key_segments import (
+    MIN_SEGMENT_STEPS,
+    decode_segments,
+    decode_workspace,
+    min_segment_steps,
+    segments_of_at_least,
+)
 from candelabra.backends.cuda.kernels.paged_attention import choose_tiling, paged_attention
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance.oracle import paged_attention as oracle_attention
@@ -109,6 +115,23 @@ def test_a_sequence_is_split_only_into_segments_of_at_least_eight_steps():
     assert segments == 16 and not written[0].any()
     assert written[1, :, :5].all() and not written[1, :, 5:].any()
     assert not workspace.arrivals.any()
+
+
+def test_segments_may_be_held_to_fewer_steps_and_no_fewer_than_one():
+    """With segments of at least one step, 200 keys (7 steps of 32) fill 7 of the 16 segments."""
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS), segments_of_at_least(1):
+        workspace = poisoned_workspace(1, 4, 64, decode_segments(1, 2, NOMINAL_MULTIPROCESSORS))
+        Case(13, [1], [200], num_heads=4, num_kv_heads=2).run(scale=0.125)
+    written = ~torch.isnan(workspace.partial_max).cpu().numpy()
+    assert written[0, :, :7].all() and not written[0, :, 7:].any()
+    assert min_segment_steps() == MIN_SEGMENT_STEPS
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS), segments_of_at_least(2**31 - 1):  # never split
+        workspace = poisoned_workspace(1, 4, 64, decode_segments(1, 2, NOMINAL_MULTIPROCESSORS))
+        Case(14, [1], [1100], num_heads=4, num_kv_heads=2).run(scale=0.125)
+    assert torch.isnan(workspace.partial_max).all()
+    for wrong in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="at least one step"), segments_of_at_least(wrong):
+            pass
 
 
 def test_a_long_sequence_spreads_its_steps_over_every_segment_past_eight_each():

@@ -7,6 +7,8 @@ its length warrants (segment_keys): short ones stay whole and write their rows d
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +23,27 @@ MOST_SEGMENTS = tl.constexpr(16)
 # 16-bit keys and values): a split's stores of partial results, its atomic and the last segment's merge cost
 # more than a few steps. The H200 trace of 27 November (night) had a 70-token context at batch 1, split in two
 # segments of one step, take 13.5 µs a layer past the kernel before, where 16 segments and a merge kernel
-# had taken 6.6 that morning.
-MIN_SEGMENT_STEPS = tl.constexpr(8)
+# had taken 6.6 that morning. A guess between those, until bench/cuda_attention_split.py measures it.
+MIN_SEGMENT_STEPS = 8
+_segment_steps = [MIN_SEGMENT_STEPS]
+
+
+def min_segment_steps() -> int:
+    """The fewest steps of keys a segment of a split decode walks (MIN_SEGMENT_STEPS, or the innermost
+    `segments_of_at_least`): a run-time argument of the kernels, so another value compiles nothing new."""
+    return _segment_steps[-1]
+
+
+@contextlib.contextmanager
+def segments_of_at_least(steps: int) -> Iterator[None]:
+    """Decode launches inside split a sequence's keys into segments of at least `steps` steps."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"a segment walks at least one step of keys, not {steps!r}")
+    _segment_steps.append(steps)
+    try:
+        yield
+    finally:
+        _segment_steps.pop()
 
 
 @dataclass(frozen=True)
@@ -74,12 +95,13 @@ def decode_segments(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> i
 
 
 @triton.jit
-def segment_keys(key_begin, key_end, segment, num_segments, BLOCK_N: tl.constexpr):
+def segment_keys(key_begin, key_end, segment, num_segments, min_steps, BLOCK_N: tl.constexpr):
     """Segment `segment`'s share [begin, end) of a sequence's keys [key_begin, key_end) in steps of BLOCK_N,
     and how many segments have a share: as many as a split into `num_segments` needs with each at least
-    MIN_SEGMENT_STEPS steps long (the last may be shorter), one where the keys are fewer."""
+    `min_steps` steps long (the last may be shorter), one where the keys are fewer."""
     steps = tl.cdiv(key_end - key_begin, BLOCK_N)
-    steps_per_segment = tl.maximum(tl.cdiv(steps, num_segments), MIN_SEGMENT_STEPS)
+    # no longer than the keys, so that a segment's end stays inside int32 whatever `min_steps` is
+    steps_per_segment = tl.maximum(tl.cdiv(steps, num_segments), tl.minimum(min_steps, steps))
     used_segments = tl.maximum(tl.cdiv(steps, steps_per_segment), 1)
     begin = key_begin + segment * steps_per_segment * BLOCK_N
     return begin, tl.minimum(key_end, begin + steps_per_segment * BLOCK_N), used_segments
@@ -88,12 +110,16 @@ def segment_keys(key_begin, key_end, segment, num_segments, BLOCK_N: tl.constexp
 @triton.jit
 def finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
                 arrivals_ptr, token, head, columns, row_valid, column_valid, stride_out_token, stride_out_head,
-                num_heads, num_segments, used_segments, segment, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+                num_heads, num_segments, used_segments, segment, merge_token, merge_head, merge_valid,
+                WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
     """Write a tile's rows (token, head) of `WIDTH` columns (`columns`, WIDTH_PAD of them) from its softmax
     state over its keys. With the keys split (the launch's `num_segments` segments, of which the first
     `used_segments` have keys), store this segment's partial state in the workspace; the segment that arrives
     last at the tile (program_id(0), program_id(1)) merges every used segment's, in segment order (the same
-    sum whichever finishes first), writes the rows and resets the tile's count."""
+    sum whichever finishes first), writes the rows and resets the tile's count. The merge covers the rows
+    (merge_token, merge_head) where merge_valid: every valid row of the tile, in as few rows as the caller
+    can say (a decode tile's valid rows are its first), since the fewer they are, the wider the columns of
+    each of its loads and the fewer its loads one after another."""
     if used_segments == 1:
         result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + columns[None, :],
@@ -113,7 +139,8 @@ def finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == used_segments - 1:
-            _merge_segments(out_ptr, partial_outs, partial_maxes, partial_sums, token, head, first, row_valid,
+            _merge_segments(out_ptr, partial_outs, partial_maxes, partial_sums, merge_token, merge_head,
+                            (merge_token * num_heads + merge_head) * num_segments, merge_valid,
                             stride_out_token, stride_out_head, used_segments, WIDTH, WIDTH_PAD)
             tl.atomic_xchg(arrivals + tile, 0, sem="relaxed", scope="gpu")
 

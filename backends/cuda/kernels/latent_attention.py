@@ -36,6 +36,7 @@ from candelabra.backends.cuda.kernels.key_segments import (
     decode_segments,
     decode_workspace,
     finish_rows,
+    min_segment_steps,
     segment_keys,
 )
 from candelabra.backends.cuda.kernels.kv_codes import (
@@ -188,7 +189,7 @@ class _LatentLaunch:
             step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
             tokens if tokens is not None else step.token_seq,
             num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
-            num_heads, grid[2], int(tokens is not None), int(skip_decodes), self.scale * LOG2_E,
+            num_heads, grid[2], min_segment_steps(), int(tokens is not None), int(skip_decodes), self.scale * LOG2_E,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             out.stride(0), out.stride(1),
             *row_strides(rope_cache, alignment)[:2], *row_strides(latent_cache, alignment)[:2],
@@ -205,13 +206,13 @@ class _LatentLaunch:
 # Only the tile's shape and the dtypes are compiled in: the head count, the segments, and which launch of
 # a step this is are plain run-time values, and so are the batch's size and the heads (Triton would
 # specialize on a 1 and on multiples of 16), so that serving a model compiles a few variants, not dozens.
-@triton.jit(do_not_specialize=["num_seqs", "search_steps", "num_heads", "num_segments", "token_list",
-                               "skip_decodes", "stride_block_tables"])
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "num_heads", "num_segments", "min_segment_steps",
+                               "token_list", "skip_decodes", "stride_block_tables"])
 def _latent_attention_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
     q_latent_ptr, q_rope_ptr, rope_cache_ptr, latent_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
-    num_seqs, search_steps, num_heads, num_segments, token_list, skip_decodes, score_scale,
+    num_seqs, search_steps, num_heads, num_segments, min_segment_steps, token_list, skip_decodes, score_scale,
     stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head, stride_out_token, stride_out_head,
     stride_rope_block, stride_rope_slot, stride_latent_block, stride_latent_slot,
     stride_block_tables,
@@ -269,7 +270,8 @@ def _latent_attention_kernel(
     if num_segments > 1:
         # the segment's share is computed here from the lengths on the device, so the grid never depends
         # on them; segments a sequence's keys leave nothing to write nothing, not even partial results
-        key_begin, key_end, used_segments = segment_keys(0, key_end, segment, num_segments, BLOCK_N)
+        key_begin, key_end, used_segments = segment_keys(0, key_end, segment, num_segments, min_segment_steps,
+                                                          BLOCK_N)
         if segment >= used_segments:
             return
 
@@ -325,4 +327,4 @@ def _latent_attention_kernel(
 
     finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
                 token, head, ranks, row_valid, rank_valid, stride_out_token, stride_out_head, num_heads, num_segments,
-                used_segments, segment, RANK, RANK_PAD)
+                used_segments, segment, token, head, row_valid, RANK, RANK_PAD)

@@ -33,6 +33,7 @@ from candelabra.backends.cuda.kernels.key_segments import (
     decode_segments,
     decode_workspace,
     finish_rows,
+    min_segment_steps,
     segment_keys,
 )
 from candelabra.backends.cuda.kernels.kv_codes import (
@@ -181,7 +182,7 @@ class _AttentionLaunch:
             step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
             tokens if tokens is not None else step.token_seq,
             num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
-            score_scale, capped_scale, self.sliding_window or 0,
+            score_scale, capped_scale, self.sliding_window or 0, min_segment_steps(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *row_strides(key_cache, alignment), *row_strides(value_cache, alignment),
             step.block_tables.stride(0),
@@ -218,13 +219,14 @@ def sequence_of_tile(query_start_loc_ptr, tile, num_seqs, search_steps, QUERIES_
 
 # The batch's size and window are plain run-time values: specializing on them (Triton does for a 1 and
 # for multiples of 16) would compile another kernel for batch 1 and for some windows, for nothing.
-@triton.jit(do_not_specialize=["num_seqs", "search_steps", "sliding_window", "stride_block_tables"])
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "sliding_window", "min_segment_steps",
+                               "stride_block_tables"])
 def _attention_tile_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
     num_seqs, search_steps,
-    score_scale, capped_scale, sliding_window,
+    score_scale, capped_scale, sliding_window, min_segment_steps,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
@@ -286,7 +288,8 @@ def _attention_tile_kernel(
     if NUM_SEGMENTS > 1:
         # the segment's share is computed here from the lengths on the device, so the grid never depends
         # on them; segments a sequence's keys leave nothing to write nothing, not even partial results
-        key_begin, key_end, used_segments = segment_keys(key_begin, key_end, segment, NUM_SEGMENTS, BLOCK_N)
+        key_begin, key_end, used_segments = segment_keys(key_begin, key_end, segment, NUM_SEGMENTS,
+                                                          min_segment_steps, BLOCK_N)
         if segment >= used_segments:
             return
 
@@ -348,6 +351,20 @@ def _attention_tile_kernel(
         acc = acc * decay[:, None] + tl.dot(weights.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision="ieee")
         running_max = new_max
 
+    merge_token, merge_head, merge_valid = _merged_rows(token, head, row_valid, first_token, kv_head, GROUP,
+                                                        GROUP_PAD, TOKEN_TILES)
     finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
                 token, head, dims, row_valid, dim_valid, stride_out_token, stride_out_head, NUM_HEADS, NUM_SEGMENTS,
-                used_segments, segment, HEAD_DIM, HEAD_DIM_PAD)
+                used_segments, segment, merge_token, merge_head, merge_valid, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _merged_rows(token, head, row_valid, first_token, kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 TOKEN_TILES: tl.constexpr):
+    """The rows a split tile's merge covers: a decode tile's first GROUP_PAD (its one token's heads; the
+    rest are padding), or all of them."""
+    if TOKEN_TILES:
+        in_group = tl.arange(0, GROUP_PAD)
+        return first_token + in_group * 0, kv_head * GROUP + in_group, in_group < GROUP
+    else:
+        return token, head, row_valid
