@@ -117,6 +117,18 @@ def test_a_sequence_is_split_only_into_segments_of_at_least_eight_steps():
     assert not workspace.arrivals.any()
 
 
+@pytest.mark.parametrize("group", [1, 3, 7])
+def test_split_decodes_merge_every_head_of_a_group_of_any_size(group):
+    """A split tile's merge covers its token's group of heads, padded to a power of two, not the tile."""
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
+        Case(15, [1, 1], [40, 1100], num_heads=2 * group, num_kv_heads=2).run(scale=0.125)
+
+
+def test_the_listed_decodes_of_a_mixed_step_split_and_merge_too():
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
+        Case(16, [1, 6, 1], [1100, 6, 700], num_heads=8, num_kv_heads=2).run(scale=0.125)
+
+
 def test_segments_may_be_held_to_fewer_steps_and_no_fewer_than_one():
     """With segments of at least one step, 200 keys (7 steps of 32) fill 7 of the 16 segments."""
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS), segments_of_at_least(1):
