@@ -81,8 +81,8 @@ class Case:
 def test_a_decode_batch_splits_its_keys_and_empty_segments_add_nothing(dtype):
     seq_lens = [1, 17, 70, 700]
     # planned for NOMINAL_MULTIPROCESSORS whatever the device: 4 tiles leave SMs idle, so keys are split
-    # into 16 segments: the longest sequence fills 3 to 6 of them (16 or 32 keys a step, at least 8 steps
-    # a segment), the others one
+    # into 16 segments: the longest sequence fills 6 to 11 of them (16 or 32 keys a step, at least 4 steps
+    # a segment), the others one to 2
     assert decode_segments(len(seq_lens), 1, NOMINAL_MULTIPROCESSORS) == 16
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         Case(1, [1] * len(seq_lens), seq_lens, dtype=dtype).run()

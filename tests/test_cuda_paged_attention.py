@@ -90,7 +90,7 @@ def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
     seq_lens = [1, 17, 600, 1100]
     case = Case(1, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
     # planned for NOMINAL_MULTIPROCESSORS whatever the device: 16 segments, of which the two long sequences
-    # fill 2 to 5 (at 32 or 64 keys a step, 8 steps a segment) and the short ones one
+    # fill 3 to 9 (at 32 or 64 keys a step, at least 4 steps a segment) and the short ones one
     assert decode_segments(len(seq_lens), 2, NOMINAL_MULTIPROCESSORS) == 16
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         case.run(scale=0.125)
@@ -103,17 +103,18 @@ def poisoned_workspace(num_tokens: int, num_heads: int, head_dim: int, segments:
     return workspace
 
 
-def test_a_sequence_is_split_only_into_segments_of_at_least_eight_steps():
-    """float32 walks 32 keys a step: 200 keys (7 steps) stay whole, written with no partial results, and
-    1,100 (35 steps) of the 16 segments planned fill 5 of 8 steps, the 11 others writing nothing."""
-    assert MIN_SEGMENT_STEPS == 8 and choose_tiling(1, 2, 64, float32_dot=True).keys == 32
+def test_a_sequence_is_split_only_into_segments_of_at_least_four_steps():
+    """float32 walks 32 keys a step: 120 keys (4 steps) stay whole, written with no partial results, and
+    1,100 (35 steps) of the 16 segments planned fill 9 of 4 steps (the last of 3), the 7 others writing
+    nothing."""
+    assert MIN_SEGMENT_STEPS == 4 and choose_tiling(1, 2, 64, float32_dot=True).keys == 32
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         segments = decode_segments(2, 2, NOMINAL_MULTIPROCESSORS)
         workspace = poisoned_workspace(2, 4, 64, segments)
-        Case(11, [1, 1], [200, 1100], num_heads=4, num_kv_heads=2).run(scale=0.125)
+        Case(11, [1, 1], [120, 1100], num_heads=4, num_kv_heads=2).run(scale=0.125)
     written = ~torch.isnan(workspace.partial_max).cpu().numpy()
     assert segments == 16 and not written[0].any()
-    assert written[1, :, :5].all() and not written[1, :, 5:].any()
+    assert written[1, :, :9].all() and not written[1, :, 9:].any()
     assert not workspace.arrivals.any()
 
 
@@ -146,7 +147,7 @@ def test_segments_may_be_held_to_fewer_steps_and_no_fewer_than_one():
             pass
 
 
-def test_a_long_sequence_spreads_its_steps_over_every_segment_past_eight_each():
+def test_a_long_sequence_spreads_its_steps_over_every_segment_past_four_each():
     """2,100 keys are 66 steps of 32: 8 segments of 9 steps (the last of 3)."""
     with assume_multiprocessors(4):  # one sequence x 2 KV heads: 8 segments for 4 programs an SM
         segments = decode_segments(1, 2, 4)

@@ -23,8 +23,9 @@ MOST_SEGMENTS = tl.constexpr(16)
 # 16-bit keys and values): a split's stores of partial results, its atomic and the last segment's merge cost
 # more than a few steps. The H200 trace of 27 November (night) had a 70-token context at batch 1, split in two
 # segments of one step, take 13.5 µs a layer past the kernel before, where 16 segments and a merge kernel
-# had taken 6.6 that morning. A guess between those, until bench/cuda_attention_split.py measures it.
-MIN_SEGMENT_STEPS = 8
+# had taken 6.6 that morning. A guess, until bench/cuda_attention_split.py measures it: 4 keeps the contexts of
+# 256 keys or fewer at heads of 128 whole, and splits a 4,096-token context 16 ways, as before.
+MIN_SEGMENT_STEPS = 4
 _segment_steps = [MIN_SEGMENT_STEPS]
 
 
