@@ -18,7 +18,8 @@ import itertools
 from functools import partial
 
 import torch
-from cuda_profile import median_ms  # bench/, beside this script
+from attention_shapes import add_attention_shape, parse_on_gpu  # bench/, beside this script
+from cuda_profile import median_ms
 
 from candelabra.backends.cuda.kernels.key_segments import segments_of_at_least
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
@@ -47,12 +48,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--min-steps", type=int, nargs="+", default=[1, 2, 4, 8, 16, 0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("QUERY", "KV"))
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this measures a GPU: torch sees none")
+    add_attention_shape(parser)
+    args = parse_on_gpu(parser)
     if any(steps < 0 for steps in args.min_steps):
         parser.error("--min-steps are whole numbers of steps, 0 for no split")
     dtype, (heads, kv_heads), generator = getattr(torch, args.dtype), args.heads, torch.Generator("cuda")

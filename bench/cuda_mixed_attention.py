@@ -17,7 +17,8 @@ import dataclasses
 from functools import partial
 
 import torch
-from cuda_profile import median_ms  # bench/, beside this script
+from attention_shapes import add_attention_shape, parse_on_gpu  # bench/, beside this script
+from cuda_profile import median_ms
 
 from candelabra.backends.cuda.kernels.paged_attention import paged_attention
 from candelabra.backends.cuda.step import CudaStep
@@ -39,12 +40,8 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, nargs="+", default=[1, 15, 63])
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("QUERY", "KV"))
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this measures a GPU: torch sees none")
+    add_attention_shape(parser)
+    args = parse_on_gpu(parser)
     dtype = getattr(torch, args.dtype)
     heads, kv_heads = args.heads
     generator = torch.Generator("cuda").manual_seed(0)
