@@ -3,7 +3,7 @@
     python bench/cuda_decode.py [--config bench/configs/llama-3-8b] [--batches 1 16 64]
                                 [--output-tokens 128] [--prompt-tokens 128] [--ttft-prompt 2048]
                                 [--parts bfloat16 int4 transformers] [--int4-formats Q4_K INT4_G128]
-                                [--no-async-scheduling] [--json FILE]
+                                [--no-async-scheduling] [--repeats 3] [--json FILE]
 
 One run, one GPU, everything measured in it (--parts picks some of it, for runs of a few minutes each:
 bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 to compare with):
@@ -12,7 +12,8 @@ bench/gpu_check.sh's bench steps; int4 alone still measures bfloat16 at batch 1 
   bandwidth, so batch B decodes at most B * bandwidth / bytes tokens a second;
 - candelabra, `--load-format dummy` weights in bfloat16 in the config's shapes: decode tokens/s at
   each batch (requests of --prompt-tokens random ids, --output-tokens each, timed from the step
-  after every prefill to the end), and the time to first token of one --ttft-prompt-token prompt;
+  after every prefill to the end; the median of --repeats runs, beside their spread), and the time to
+  first token of one --ttft-prompt-token prompt;
 - the same with the linear weights as random Q4_K blocks (int4 on the GPU) at batch 1, and with
   --int4-formats INT4_G128 as GPTQ's and AWQ's usual groups of 128 load (one scale a group);
 - transformers' `generate` on the same GPU and batches, random weights from the same config in
@@ -27,6 +28,7 @@ import argparse
 import gc
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -103,6 +105,11 @@ def decode_speed(llm: LLM, batch: int, prompt_tokens: int, output_tokens: int, r
     return batch * (output_tokens - 1) / (time.perf_counter() - start)
 
 
+def spread(runs: list[float]) -> str:
+    """How far apart `runs` are: (slowest to fastest) over their median."""
+    return f"{(max(runs) - min(runs)) / statistics.median(runs):.1%}"
+
+
 def time_to_first_token(llm: LLM, prompt_tokens: int, rng) -> float:
     engine, vocab = llm.engine, llm.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -127,8 +134,9 @@ def candelabra_run(args, quantization: str | None, batches: list[int], rng, ttft
     result = {"weight_bytes": weight_bytes_read_per_step(llm.model),
               "async_scheduling": llm.engine.core.config.async_scheduling}
     decode_speed(llm, 1, 16, 8, rng)  # warm-up: kernel compilation, the batch-1 graph
-    result["decode"] = {batch: decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
-                        for batch in batches}
+    result["decode_runs"] = {batch: [decode_speed(llm, batch, args.prompt_tokens, args.output_tokens, rng)
+                                     for _ in range(args.repeats)] for batch in batches}
+    result["decode"] = {batch: statistics.median(runs) for batch, runs in result["decode_runs"].items()}
     if ttft:
         result["ttft"] = time_to_first_token(llm, args.ttft_prompt, rng)
     del llm
@@ -184,8 +192,13 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="candelabra schedules each step before the one running has returned its tokens "
                              "(default: the engine's, on for cuda)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="decode runs a batch size, of which the median is reported beside their spread "
+                             "(two settings a couple of percent apart are told apart only beyond it)")
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats takes 1 or more, not {args.repeats}")
     # the engine's start-up lines (the graphs' capture, the GEMV's tilings measured), as a server logs them
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -218,19 +231,20 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         ours = bf16["decode"].get(batch) if bf16 else None
+        runs = bf16["decode_runs"].get(batch) if bf16 else None
         roofline = batch * bandwidth / bf16["weight_bytes"] if bf16 else None
         theirs = reference.get(batch)
-        rows.append((batch, f"{ours:.1f}" if ours else "-", f"{roofline:.1f}" if roofline else "-",
-                     f"{ours / roofline:.0%}" if ours else "-", f"{theirs:.1f}" if theirs else "-",
-                     f"{ours / theirs:.1f}x" if ours and theirs else "-"))
-    print(format_table(("batch", "candelabra tok/s", "roofline tok/s", "of roofline", "transformers tok/s",
+        rows.append((batch, f"{ours:.1f}" if ours else "-", spread(runs) if runs else "-",
+                     f"{roofline:.1f}" if roofline else "-", f"{ours / roofline:.0%}" if ours else "-",
+                     f"{theirs:.1f}" if theirs else "-", f"{ours / theirs:.1f}x" if ours and theirs else "-"))
+    print(format_table(("batch", "candelabra tok/s", "spread", "roofline tok/s", "of roofline", "transformers tok/s",
                         "candelabra/transformers"), rows))
     if bf16 and "ttft" in bf16:
         print(f"time to first token, {args.ttft_prompt}-token prompt: {bf16['ttft'] * 1e3:.0f} ms")
     for fmt, int4 in int4s.items():
         ratio = int4["decode"][1] / bf16["decode"][1]
-        print(f"int4 ({fmt}) batch 1: {int4['decode'][1]:.1f} tok/s, {int4['weight_bytes'] / 1e9:.2f} GB a step; "
-              f"{ratio:.2f}x bfloat16 (goal 1.6x)")
+        print(f"int4 ({fmt}) batch 1: {int4['decode'][1]:.1f} tok/s (spread {spread(int4['decode_runs'][1])}), "
+              f"{int4['weight_bytes'] / 1e9:.2f} GB a step; {ratio:.2f}x bfloat16 (goal 1.6x)")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
                                          "config": args.config.name, "bfloat16": bf16,
