@@ -39,7 +39,8 @@
 #                       top-p sampling against greedy at 152k and 128k vocabularies
 #                       and bench/cuda_mixed_attention.py: a mixed step's decodes tiled apart against in one launch
 #   attention-split     bench/cuda_attention_split.py: decode attention at batch 1 and 4, contexts of 128 to 16,384,
-#                       with keys split into segments of at least 1, 2, 4, 8, 16 steps or not at all
+#                       with keys split into segments of at least 1, 2, 4, 8, 16 steps or not at all; then at
+#                       batch 1, 16 and 64 with the decode tile stepping through 64 or 32 keys in 3 or 2 stages
 #   profile-no-pdl      bench/cuda_profile.py at batch 1 with CANDELABRA_PDL=0: each kernel's exposed time without
 #                       dependent launches, beside profile's with them
 #   profile-int4        bench/cuda_profile.py at batch 1 with Q4_K (int4) weights: where an int4 step's time goes
@@ -61,9 +62,10 @@ STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-
 # Batch 1 with short contexts whole in one attention program (kernels/key_segments.py), with and without
 # dependent launches (without was 2% ahead on 27 November, night, within about the spread of two runs), and
 # both profiles, whose attention and GEMV exposed times say which to keep; then correctness (about 430 s by
-# the step times of the H200 runs of 27 November). Then where splitting a decode's keys starts to pay
-# (attention-split, about 30 s), int4 batch 1 at Llama-3-8B's shapes (about 190 s; 1.66x bfloat16 in the
-# afternoon), cuBLAS alone, transformers and in-turn scheduling, as the budget allows.
+# the step times of the H200 runs of 27 November). Then where splitting a decode's keys starts to pay and
+# which decode tiling is fastest (attention-split, about 60 s), int4 batch 1 at Llama-3-8B's shapes (about
+# 190 s; 1.66x bfloat16 in the afternoon), cuBLAS alone, transformers and in-turn scheduling, as the budget
+# allows.
 FIRST=(env bench-bf16 bench-no-pdl profile profile-no-pdl ops models-bf16 engine)
 SECOND=(attention-split bench-int4 bench-cublas bench-transformers bench-in-turn)
 

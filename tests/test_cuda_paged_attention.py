@@ -19,7 +19,7 @@ from candelabra.backends.cuda.kernels.key_segments import (
     min_segment_steps,
     segments_of_at_least,
 )
-from candelabra.backends.cuda.kernels.paged_attention import choose_tiling, paged_attention
+from candelabra.backends.cuda.kernels.paged_attention import choose_tiling, decode_tiles, paged_attention
 from candelabra.backends.cuda.step import CudaStep
 from candelabra.conformance.oracle import paged_attention as oracle_attention
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -96,8 +96,8 @@ def test_decode_only_batch_takes_split_k_and_empty_segments_add_nothing(dtype):
         case.run(scale=0.125)
 
 
-def poisoned_workspace(num_tokens: int, num_heads: int, head_dim: int, segments: int):
-    workspace = decode_workspace(DEVICE, torch.float32, num_tokens, num_heads, head_dim, segments)
+def poisoned_workspace(num_tokens: int, num_heads: int, head_dim: int, segments: int, dtype=torch.float32):
+    workspace = decode_workspace(DEVICE, dtype, num_tokens, num_heads, head_dim, segments)
     for partial in (workspace.partial_out, workspace.partial_max, workspace.partial_sum):
         partial.fill_(float("nan"))
     return workspace
@@ -128,6 +128,20 @@ def test_split_decodes_merge_every_head_of_a_group_of_any_size(group):
 def test_the_listed_decodes_of_a_mixed_step_split_and_merge_too():
     with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
         Case(16, [1, 6, 1], [1100, 6, 700], num_heads=8, num_kv_heads=2).run(scale=0.125)
+
+
+@pytest.mark.parametrize("keys, stages, used", [(16, 1, 11), (32, 2, 6)])
+def test_a_decode_tile_may_be_told_its_keys_a_step_and_stages_and_is_refused_what_no_dot_takes(keys, stages, used):
+    """700 keys are 44 steps of 16 or 22 of 32 (11 of the 64 float16 takes by itself): segments of at least 4
+    steps fill 11 or 6 of the 16 planned."""
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS), decode_tiles(keys, stages):
+        workspace = poisoned_workspace(2, 8, 64, decode_segments(2, 2, NOMINAL_MULTIPROCESSORS), torch.float16)
+        Case(17, [1, 1], [33, 700], num_heads=8, num_kv_heads=2, dtype=torch.float16).run(scale=0.125)
+    written = ~torch.isnan(workspace.partial_max).cpu().numpy()
+    assert written[1, :, :used].all() and not written[1, :, used:].any() and not written[0].any()
+    for wrong in ((8, 2), (48, 2), (64, 0)):
+        with pytest.raises(ValueError, match="power of two of keys"), decode_tiles(*wrong):
+            pass
 
 
 def test_segments_may_be_held_to_fewer_steps_and_no_fewer_than_one():

@@ -19,8 +19,10 @@ out in float32 on the way to the dots, which take 16-bit operands where the quer
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -82,6 +84,23 @@ def choose_tiling(max_query_len: int, group: int, head_dim_pad: int, float32_dot
     else:
         warps = 8 if rows >= 128 or (rows >= 64 and head_dim_pad > 128) else 4
     return Tiling(queries, rows, keys, warps, stages)
+
+
+_decode_tilings: list[tuple[int, int] | None] = [None]
+
+
+@contextlib.contextmanager
+def decode_tiles(keys: int, stages: int) -> Iterator[None]:
+    """Decode launches inside step through `keys` keys at a time with `stages` of them loaded ahead, whatever
+    choose_tiling says: for bench/cuda_attention_split.py to measure other tilings of a decode tile."""
+    if keys < MIN_DOT_SIZE or keys & (keys - 1) or stages < 1:
+        raise ValueError(f"a decode tile steps through a power of two of keys, at least {MIN_DOT_SIZE}, with at "
+                         f"least one stage; not {keys} keys in {stages} stages")
+    _decode_tilings.append((keys, stages))
+    try:
+        yield
+    finally:
+        _decode_tilings.pop()
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: CudaStep,
@@ -150,6 +169,9 @@ class _AttentionLaunch:
         split into segments when the tiles alone leave SMs idle, merged by each tile's last segment."""
         q, num_kv_heads = self.q, self.key_cache.shape[2]
         tiling = choose_tiling(1, self.group, self.head_dim_pad, self.dot_dtype == torch.float32)
+        if _decode_tilings[-1] is not None:
+            keys, stages = _decode_tilings[-1]
+            tiling = replace(tiling, keys=keys, stages=stages)
         segments = decode_segments(count, num_kv_heads, multiprocessor_count(q.device))
         num_tokens, num_heads, head_dim = q.shape
         if segments > 1:
