@@ -336,10 +336,17 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     # down projection of a gated MLP also with its activation computed as it loads x (Ops.gated_linear), and
     # the projections of a norm's output with the norm (Ops.rms_norm_linear)
     sm_count = multiprocessor_count(torch.device("cuda"))
+    normed = w.normed_shapes() if compute in dense_gemv.DTYPES else {}
+
+    def normed_row(width: int, residual: bool):
+        """An x [1, width] and the RMS norm a GEMV applies to it, after a residual add where `residual`."""
+        row = torch.empty(1, width, dtype=compute)
+        return row, norms.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
+                                  torch.empty_like(row) if residual else None)
+
     if compute in dense_gemv.DTYPES:
         down = (w.hidden, w.intermediate)
         gated = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh" if w.gelu_approximation == "tanh" else "gelu"}
-        normed = w.normed_shapes()
         for columns, width in w.linear_shapes():
             tilings = set(dense_candidates(columns, width, sm_count))
             tilings |= {measured_tilings(gpu, "dense").get((columns, width)) for gpu in gpus} - {None}
@@ -350,14 +357,10 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                     dense_gemv.dense_gemv(torch.empty(1, 2 * width, dtype=compute), weight, tiling,
                                           gated=gated[w.mlp])
                 for residual in normed.get((columns, width), ()):
-                    row = torch.empty(1, width, dtype=compute)
-                    norm = norms.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
-                                              torch.empty_like(row) if residual else None)
-                    dense_gemv.normed_dense_gemv(row, norm, weight, tiling)
+                    dense_gemv.normed_dense_gemv(*normed_row(width, residual), weight, tiling)
 
     # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each; a norm's
     # projections' GEMVs also normalising x as they load it (Ops.rms_norm_linear), at GGUF's groups
-    normed = w.normed_shapes() if compute in dense_gemv.DTYPES else {}
     for group, batches in ((GROUP_SIZE, INT4_ROWS), (GPTQ_GROUP, GPTQ_INT4_ROWS)):
         for columns, width in w.linear_shapes():
             if width % group:
@@ -374,10 +377,7 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                     int4_matmul(torch.empty(1, width, dtype=compute), packed, scales, torch.empty_like(scales))
             residuals = normed.get((columns, width), ()) if group == GROUP_SIZE else ()
             for residual, config in itertools.product(residuals, one_row):
-                row = torch.empty(1, width, dtype=compute)
-                norm = norms.RowNorm(torch.empty(width, dtype=compute), 1e-6, 0.0,
-                                     torch.empty_like(row) if residual else None)
-                normed_int4_gemv(row, norm, packed, scales, torch.empty_like(scales), config)
+                normed_int4_gemv(*normed_row(width, residual), packed, scales, torch.empty_like(scales), config)
 
 
 def launch_experts(workload: Workload, compute) -> None:
