@@ -200,6 +200,41 @@ def check_rms_norm_linear(h: Harness, tokens: int, hidden: int, out_features: in
     h.close("residual", joined, ref_joined)
 
 
+def check_rms_norm_gated_mlp(h: Harness, tokens: int, hidden: int, intermediate: int, residual: bool,
+                             activation: str, bias: bool, format: str | None = None) -> None:
+    """The oracle rounds none of the normalised values, the gate and up products or the gated values: a backend
+    may round any of them."""
+    if format is not None and format not in h.backend.quantized_formats:
+        raise OpNotSupported(h.backend.name, "rms_norm_gated_mlp", f"it keeps no {format} weights (quantized_formats)")
+    x, added = h.rand(tokens, hidden), h.rand(tokens, hidden, scale=4.0) if residual else None
+    norm_weight = h.rand(hidden, scale=0.2, offset=1.0)
+    out_features = hidden
+    if format is None:
+        gate_up = h.rand(2 * intermediate, hidden, scale=hidden**-0.5)
+        down = h.rand(out_features, intermediate, scale=intermediate**-0.5)
+    else:
+        gate_up = random_quantized(h.rng, format, 2 * intermediate, hidden)
+        down = random_quantized(h.rng, format, out_features, intermediate)
+    gate_up_bias, down_bias = (h.rand(2 * intermediate), h.rand(out_features)) if bias else (None, None)
+    out, joined = h.call(
+        h.backend.ops.rms_norm_gated_mlp, h.upload(x), None if added is None else h.upload(added),
+        h.upload(norm_weight), 1e-5, h.upload_weight("gate_up.weight", WeightRole.LINEAR, gate_up),
+        h.upload_weight("down.weight", WeightRole.LINEAR, down),
+        None if gate_up_bias is None else h.upload_weight("gate_up.bias", WeightRole.BIAS, gate_up_bias),
+        None if down_bias is None else h.upload_weight("down.bias", WeightRole.BIAS, down_bias), 0.0, activation)
+    if added is None:
+        normed, ref_joined = oracle.rms_norm(x, norm_weight, 1e-5), x
+    else:
+        normed, ref_joined = oracle.add_rms_norm(x, added, norm_weight, 1e-5, round_sum=lambda a: round_to(a, h.dtype))
+    dense_gate_up, dense_down = (w if format is None else w.dequantize() for w in (gate_up, down))
+    projected = oracle.linear(normed, dense_gate_up, gate_up_bias)
+    gated = (oracle.silu_and_mul(projected) if activation == "silu"
+             else oracle.gelu_and_mul(projected, "tanh" if activation == "gelu_tanh" else "none"))
+    h.close("out", out, oracle.linear(gated, dense_down, down_bias),
+            threshold=None if format is None else max(h.threshold, QUANTIZED_NMSE_THRESHOLDS[format]))
+    h.close("residual", joined, ref_joined)
+
+
 def check_gelu(h: Harness, shape: tuple, approximate: str) -> None:
     x = h.rand(*shape, scale=3.0)
     h.close("out", h.call(h.backend.ops.gelu, h.upload(x), approximate), oracle.gelu(x, approximate))
@@ -865,6 +900,14 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
                residual=[True], weight_offset=[1.0], bias=[True]),
         *_quantized_grid("rms_norm_linear", check_rms_norm_linear, dtypes, ["Q4_K"], tokens=[1, 5], hidden=[1024],
                          out_features=[384], residual=[True], weight_offset=[0.0], bias=[False]),
+        # one row, a decode's (which a backend may fuse into two GEMVs), and a few; the first layer's without a
+        # residual
+        *_grid("rms_norm_gated_mlp", check_rms_norm_gated_mlp, dtypes, tokens=[1, 3], hidden=[1024],
+               intermediate=[1408], residual=[True], activation=["silu", "gelu_tanh"], bias=[False]),
+        *_grid("rms_norm_gated_mlp", check_rms_norm_gated_mlp, dtypes, tokens=[1], hidden=[768], intermediate=[2048],
+               residual=[False], activation=["gelu"], bias=[True]),
+        *_quantized_grid("rms_norm_gated_mlp", check_rms_norm_gated_mlp, dtypes, ["Q4_K"], tokens=[1, 5],
+                         hidden=[512], intermediate=[768], residual=[True], activation=["silu"], bias=[False]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16, 32], kv_heads=[2, 8], head_dim=[128],
                tokens=[1, 70], padding=["none", "some"]),
         *_grid("write_kv", check_write_kv, dtypes, block_size=[16], kv_heads=[2], head_dim=[64], tokens=[5],

@@ -127,11 +127,13 @@ def test_the_projections_of_an_rms_norms_output_are_built_with_the_norm():
 
     configs = {w.label: w for w in workloads_from([DEFAULT_CONFIGS])}
     llama = configs["llama-3-8b"]
-    assert llama.normed_shapes() == {(6144, 4096): (True, False), (28672, 4096): (True,), (128256, 4096): (False,)}
+    assert llama.normed_shapes() == {(6144, 4096): (True, False), (128256, 4096): (False,)}
+    assert llama.gated_mlp_in() == ((28672, 4096), "silu")  # gate and up writing the gated values
     deepseek = configs["deepseek-v2-lite"]  # no compressed queries; its first layer's MLP is dense
-    assert deepseek.normed_shapes() == {(3072 + 512 + 64, 2048): (True, False), (2 * 10944, 2048): (True,),
-                                        (102400, 2048): (False,)}
-    assert configs["phi-2"].normed_shapes() == {}  # layer norms
+    assert deepseek.normed_shapes() == {(3072 + 512 + 64, 2048): (True, False), (102400, 2048): (False,)}
+    assert deepseek.gated_mlp_in() == ((2 * 10944, 2048), "silu")
+    assert configs["gemma-2-2b"].gated_mlp_in()[1] == "gelu_tanh"
+    assert configs["phi-2"].normed_shapes() == {} and configs["phi-2"].gated_mlp_in() is None  # layer norms
 
 
 def test_the_recorder_refuses_to_run_under_the_interpreter():
@@ -259,4 +261,7 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     # and a pre-norm's projection normalising x as it loads it, after a residual add and without
     normed = [entry["variant"].split() for entry in dense if "NORM=True" in entry["variant"].split()]
     assert {"RESIDUAL=True", "RESIDUAL=False"} <= {word for words in normed for word in words}
+    # and a gated MLP's gate and up writing the gated values, SiLU's and GELU tanh's, of 16-bit and int4 weights
+    assert {"GATE_OUT=0", "GATE_OUT=2"} <= {word for words in normed for word in words}
+    assert any("GATE_OUT=0" in entry["variant"].split() for entry in counted)
     assert all(entry["per_unit"] is not None for entry in dense)

@@ -278,6 +278,50 @@ def test_the_backends_rms_norm_linear_is_one_gemv_where_the_table_says_and_two_o
     assert torch.equal(out, expected) and torch.equal(joined, two_rows[0] + two_rows[1])
 
 
+@skip_where_the_kernels_cannot_run()
+def test_the_backends_gated_mlp_is_two_gemvs_where_the_table_serves_gate_and_up_and_its_parts_elsewhere(
+        user_tables, monkeypatch):
+    from candelabra.backends.cuda.kernels import activations
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(14)
+    x, gate_up, _ = case(rng, 1, 2 * 96, 512)
+    _, down, _ = case(rng, 1, 64, 96)
+    residual = torch.from_numpy(round_to(3 * rng.standard_normal((1, 512)), "float16")).to(DEVICE, torch.float16)
+    norm_weight = torch.from_numpy(round_to(rng.standard_normal(512), "float16")).to(DEVICE, torch.float16)
+    layouts = {(192, 512): tiling(block_k=256), (64, 96): tiling(block_n=8, block_k=32, split_k=3)}
+    launched, activated = [], []
+    real_plain, real_normed, real_gated = kernel.dense_gemv, kernel.normed_dense_gemv, activations._gated
+    monkeypatch.setattr(kernel, "dense_gemv", lambda *args, **kwargs: (
+        launched.append(("plain", args[2], kwargs.get("gated"))) or real_plain(*args, **kwargs)))
+    monkeypatch.setattr(kernel, "normed_dense_gemv", lambda *args: (
+        launched.append(("normed", *args[3:4], *args[5:])) or real_normed(*args)))
+    monkeypatch.setattr(activations, "_gated", lambda *args: activated.append(args[1]) or real_gated(*args))
+    ops = CudaOps(DEVICE)
+    projected = ops.linear(norms.add_rms_norm(x, residual, norm_weight, 1e-6)[0], gate_up).double()
+    expected = ops.linear(torch.nn.functional.silu(projected[:, :96]) * projected[:, 96:], down.double())
+    launched.clear(), activated.clear()
+    with assume_gpu(GPU):
+        write_table(table_file(user_tables, GPU, "dense"), GPU, layouts, "", "dense")
+        out, joined = ops.rms_norm_gated_mlp(x.reshape(1, 1, 512), residual.reshape(1, 1, 512), norm_weight, 1e-6,
+                                             gate_up, down)
+        assert out.shape == (1, 1, 64) and torch.equal(joined.reshape(1, 512), x + residual)
+        assert launched == [("normed", tiling(block_k=256), "silu"), ("plain", layouts[64, 96], None)]
+        assert activated == []  # the gated values came out of the first GEMV
+        assert nmse(float64_values(out).reshape(1, 64), float64_values(expected)) <= THRESHOLD[torch.float16]
+        # gate and up on cuBLAS: the norm's kernel, cuBLAS, then down's GEMV computing the activation
+        write_table(table_file(user_tables, GPU, "dense"), GPU, {**layouts, (192, 512): None}, "", "dense")
+        launched.clear()
+        by_parts, _ = ops.rms_norm_gated_mlp(x, residual, norm_weight, 1e-6, gate_up, down)
+        assert launched == [("plain", layouts[64, 96], "silu")] and activated == []
+        assert nmse(float64_values(by_parts), float64_values(expected)) <= THRESHOLD[torch.float16]
+        two_rows, _ = ops.rms_norm_gated_mlp(torch.cat([x, x]), torch.cat([residual, residual]), norm_weight, 1e-6,
+                                             gate_up, down, activation="gelu")
+        assert len(launched) == 1 and activated == [activations.GELU_ERF.value]
+        with pytest.raises(ValueError, match="unknown gated activation 'relu'"):
+            ops.rms_norm_gated_mlp(x, residual, norm_weight, 1e-6, gate_up, down, activation="relu")
+    assert two_rows.shape == (2, 64)
+
 def test_a_tile_is_made_shallower_and_wider_until_its_depth_divides_k():
     assert kernel.fitted_tile(8, 1024, 4096) == (8, 1024)
     assert kernel.fitted_tile(8, 1024, 3584) == (16, 512)  # Qwen2.5-7B's hidden size, 7 x 512
@@ -309,8 +353,9 @@ def test_every_package_dense_table_reads_is_built_by_a_compile_target_and_its_ti
 def test_a_decode_through_the_gemvs_the_table_chose_for_every_shape_generates_what_cublas_does(
         tiny_llm, user_tables, monkeypatch):
     """The tiny Qwen2 model's one-row steps with every projection on the GEMV: the first layer's qkv normalised
-    without a residual, the others' after one, gate/up normalised, the attention output plain, down gated, the
-    LM head after the final norm; the tokens cuBLAS gives, and logprobs as near float32's as its."""
+    without a residual, the others' after one, the attention output plain, gate/up normalised and writing the
+    gated values, down plain, the LM head after the final norm; the tokens cuBLAS gives, and logprobs as near
+    float32's as its."""
     from candelabra.backends.cuda.backend import CudaBackend
     from candelabra.core.requests.sampling_params import SamplingParams
 
@@ -327,19 +372,21 @@ def test_a_decode_through_the_gemvs_the_table_chose_for_every_shape_generates_wh
     plain, normed = kernel.dense_gemv, kernel.normed_dense_gemv
     monkeypatch.setattr(kernel, "dense_gemv", lambda x, w, *args, gated=None: (
         launched.append(("gated" if gated else "plain", tuple(w.shape))) or plain(x, w, *args, gated=gated)))
-    monkeypatch.setattr(kernel, "normed_dense_gemv", lambda x, norm, w, *args: (
-        launched.append(("normed" if norm.residual is None else "added", tuple(w.shape))) or normed(x, norm, w, *args)))
+    monkeypatch.setattr(kernel, "normed_dense_gemv", lambda x, norm, w, tiling, bias, gate_output=None: (
+        launched.append(("normed" if norm.residual is None else "added", tuple(w.shape), gate_output))
+        or normed(x, norm, w, tiling, bias, gate_output)))
     with assume_gpu(GPU):
         ours = llm.generate(prompt, params, progress=False)
 
     layer = model.layers[0]
-    decode = ([("normed", tuple(layer.qkv.shape)), ("plain", tuple(layer.out.shape)),
-               ("added", tuple(layer.mlp_in.shape)), ("gated", tuple(layer.mlp_out.shape))]
-              + [("added", tuple(layer.qkv.shape)), ("plain", tuple(layer.out.shape)),
-                 ("added", tuple(layer.mlp_in.shape)), ("gated", tuple(layer.mlp_out.shape))] * (len(model.layers) - 1)
-              + [("normed", tuple(model.lm_head.shape))])
+    def layer_launches(qkv_norm):
+        return [(qkv_norm, tuple(layer.qkv.shape), None), ("plain", tuple(layer.out.shape)),
+                ("added", tuple(layer.mlp_in.shape), "silu"), ("plain", tuple(layer.mlp_out.shape))]
+
+    decode = (layer_launches("normed") + layer_launches("added") * (len(model.layers) - 1)
+              + [("normed", tuple(model.lm_head.shape), None)])
     # the prefill's rows go to cuBLAS but for the one its logits are taken from
-    assert launched == [("normed", tuple(model.lm_head.shape))] + decode * (params.max_tokens - 1)
+    assert launched == [("normed", tuple(model.lm_head.shape), None)] + decode * (params.max_tokens - 1)
     assert ours[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
     # float16's own noise: both within 0.015 of float32's logprobs (cuBLAS's 0.0095 off at the last token, the
     # GEMVs' 0.002, the normalised values not rounded before their products)
@@ -347,3 +394,30 @@ def test_a_decode_through_the_gemvs_the_table_chose_for_every_shape_generates_wh
     for outputs in (ours, reference):
         np.testing.assert_allclose([e.logprob for e in outputs[0].outputs[0].logprobs],
                                    [e.logprob for e in exact[0].outputs[0].logprobs], atol=0.015)
+
+
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize(("activation", "split_k", "residual"),
+                         [("silu", 1, True), ("silu", 3, False), ("gelu", 2, True), ("gelu_tanh", 1, False)])
+def test_a_gated_output_is_each_gate_and_up_pairs_activated_product_from_the_float32_sums(activation, split_k,
+                                                                                         residual):
+    rng = np.random.default_rng([13, split_k, len(activation), residual])
+    width, inner = 768, 44  # ragged: 44 pairs in tiles of 8
+    x = round_to(rng.standard_normal((1, width)), "float16")
+    added = round_to(4 * rng.standard_normal((1, width)), "float16")
+    norm_weight = round_to(0.2 * rng.standard_normal(width) + 1.0, "float16")
+    _, weight, _ = case(rng, 1, 2 * inner, width)
+    bias = round_to(rng.standard_normal(2 * inner), "float16")
+    joined = round_to(x.astype(np.float64) + added, "float16").astype(np.float64) if residual else x.astype(np.float64)
+    normed = joined / np.sqrt(np.mean(joined**2) + 1e-5) * norm_weight.astype(np.float64)
+    projected = normed @ float64_values(weight).T + bias
+    expected = GATED[activation](projected[:, :inner]) * projected[:, inner:]
+    on_device = [torch.from_numpy(a).to(DEVICE, torch.float16) for a in (x, added, norm_weight, bias)]
+    norm = norms.RowNorm(on_device[2], 1e-5, 0.0, on_device[1] if residual else None)
+    layout = tiling(block_n=16, block_k=128, split_k=split_k)
+    out, row = kernel.normed_dense_gemv(on_device[0], norm, weight, layout, on_device[3], gate_output=activation)
+    assert out.shape == (1, inner) and nmse(float64_values(out), expected) <= THRESHOLD[torch.float16]
+    assert np.array_equal(float64_values(row), joined)
+    assert not arrival_counts(DEVICE, 1).any()
+    ungated, _ = kernel.normed_dense_gemv(on_device[0], norm, weight, layout, on_device[3])
+    assert nmse(float64_values(ungated), projected) <= THRESHOLD[torch.float16]

@@ -9,6 +9,7 @@ import logging
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from candelabra.backends.cuda import gemv_tuning
@@ -293,6 +294,62 @@ def test_a_normed_projection_is_timed_as_rms_norm_linear_runs_it_on_each_side(mo
     got, _ = real_gemv(x, norms.RowNorm(norm_weight, 1e-6, 0.0, residual), weights[0], chosen[40, 512])
     assert float(((float64_values(got) - expected) ** 2).mean() / (expected ** 2).mean()) < 1e-5
 
+
+
+def test_a_gated_mlps_gate_and_up_weights_are_found_with_their_down_projection_and_activation():
+    rng = np.random.default_rng(14)
+    layers = [Layer(qkv=dense(rng, 48, 512), qkv_bias=None, out=dense(rng, 40, 512), out_bias=None,
+                    mlp_in=dense(rng, 64, 512), mlp_out=dense(rng, 512, 32)) for _ in range(3)]
+    layers[1].mlp_in = int4(rng, 72, 1024)  # an int4 gate and up weight is not the 16-bit GEMV's
+    layers[2].experts = object()  # a layer of experts has no dense MLP
+    llama = SimpleNamespace(config=SimpleNamespace(hidden_act="silu"), gated_mlp=True, norm_kind="rms", layers=layers)
+    assert gemv_tuning.gated_mlps(llama) == {(64, 512): ((512, 32), "silu")}
+    gemma = SimpleNamespace(**{**vars(llama), "config": SimpleNamespace(hidden_act="gelu_pytorch_tanh")})
+    assert gemv_tuning.gated_mlps(gemma) == {(64, 512): ((512, 32), "gelu_tanh")}
+    for other in ({"norm_kind": "layer"}, {"gated_mlp": False}):
+        assert gemv_tuning.gated_mlps(SimpleNamespace(**{**vars(llama), **other})) == {}
+
+
+@skip_where_the_kernels_cannot_run()
+@pytest.mark.parametrize("gate_up_by", ["gemv", "cublas", "table"])
+def test_gate_and_up_are_timed_writing_the_gated_values_and_down_as_served_after_them(gate_up_by, monkeypatch,
+                                                                                     caplog):
+    from candelabra.backends.cuda.kernels import activations
+
+    rng = np.random.default_rng(15)
+    by_shape = {(64, 512): [dense(rng, 64, 512)], (40, 32): [dense(rng, 40, 32), dense(rng, 40, 32)]}
+    gemvs, activated = [], []
+    real_normed, real_plain, real_gated = dense_gemv.normed_dense_gemv, dense_gemv.dense_gemv, activations.gated
+    monkeypatch.setattr(dense_gemv, "normed_dense_gemv", lambda *args, gate_output=None: (
+        gemvs.append(("normed", gate_output)) or real_normed(*args, gate_output=gate_output)))
+    monkeypatch.setattr(dense_gemv, "dense_gemv", lambda *args, gated=None: (
+        gemvs.append(("plain", gated)) or real_plain(*args, gated=gated)))
+    monkeypatch.setattr(activations, "gated", lambda x, a: activated.append((x.shape, a)) or real_gated(x, a))
+    timed = []
+
+    def stopwatch(calls):  # cuBLAS first at each shape; gate and up's GEMVs faster or slower than it
+        for call in calls:
+            call()
+        timed.append(len(calls))
+        first = len(timed) == 1 or len(calls) == 2 and timed.count(2) == 1
+        if len(calls) == 1:
+            return 9.0 if first else (8.0 if gate_up_by == "gemv" else 10.0)
+        return 9.0 if first else 8.0
+
+    measured = by_shape if gate_up_by != "table" else {(40, 32): by_shape[40, 32]}
+    known = {(64, 512): gemv_tilings.GemvTiling(8, 256, 1, 2, 1)} if gate_up_by == "table" else {}
+    with assume_multiprocessors(1), caplog.at_level(logging.INFO, logger="candelabra"):
+        chosen = gemv_tuning.fastest_dense(measured, kernel_device(), stopwatch, {(40, 32): "silu"},
+                                           mlps={(64, 512): ((40, 32), "silu")}, known=known)
+    down_gated = gate_up_by == "cublas"
+    if gate_up_by != "table":
+        assert "[64, 512] x 1 weights, one row, x normalised after a residual add, silu-gated output" in caplog.text
+        assert (chosen[64, 512] is None) == down_gated
+        assert ((1, 64), "silu") in activated  # cuBLAS's side: the norm, cuBLAS, then the activation's kernel
+        assert gemvs[0] == ("normed", "silu")
+    assert ("[40, 32] x 2 weights, one row, silu-gated x" in caplog.text) == down_gated
+    assert {kind for kind in gemvs if kind[0] == "plain"} == {("plain", "silu" if down_gated else None)}
+    assert chosen[40, 32] is not None
 
 @skip_where_the_kernels_cannot_run()
 def test_start_up_measures_both_kinds_saves_them_and_the_backends_linear_follows(user_tables, monkeypatch):

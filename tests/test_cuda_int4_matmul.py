@@ -131,6 +131,37 @@ def test_the_gemv_normalises_x_as_it_loads_it_and_stores_the_row_the_next_layer_
                                 kept.zeros)
 
 
+
+@pytest.mark.parametrize(("activation", "split_k"), [("silu", 1), ("silu", 3), ("gelu_tanh", 2)])
+def test_the_gemv_gives_a_gated_mlps_gated_values_from_its_gate_and_up_rows(activation, split_k):
+    import math
+
+    rng = np.random.default_rng([17, split_k, len(activation)])
+    weight, x, _ = _case(rng, "Q4_K", "float16", 1, 2 * 40, 768)  # 40 pairs: ragged in tiles of 16
+    kept = Int4CudaWeight.from_quantized(weight, torch.float16, DEVICE)
+    added = round_to(4 * rng.standard_normal((1, 768)), "float16")
+    norm_weight = round_to(0.2 * rng.standard_normal(768) + 1.0, "float16")
+    joined = round_to(float64_values(x) + added, "float16").astype(np.float64)
+    normed = joined / np.sqrt(np.mean(joined**2) + 1e-5) * norm_weight.astype(np.float64)
+    projected = normed @ weight.dequantize().astype(np.float64).T
+    gate, up = projected[:, :40], projected[:, 40:]
+    if activation == "silu":
+        expected = gate / (1 + np.exp(-gate)) * up
+    else:
+        expected = 0.5 * gate * (1 + np.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))) * up
+    norm = RowNorm(torch.from_numpy(norm_weight).to(DEVICE, torch.float16), 1e-5, 0.0,
+                   torch.from_numpy(added).to(DEVICE, torch.float16))
+    config = TileConfig(block_m=1, block_n=32, block_k=128, split_k=split_k)
+    out, row = kernel.normed_int4_gemv(x, norm, kept.packed, kept.scales, kept.zeros, config, gate_output=activation)
+    assert out.shape == (1, 40) and nmse(float64_values(out), expected) <= THRESHOLDS["float16"]
+    assert np.array_equal(float64_values(row), joined)
+    assert not arrival_counts(DEVICE, 1).any()
+    by_weight, _ = kept.normed_matmul(x, norm, gate_output=activation)
+    assert by_weight.shape == (1, 40) and nmse(float64_values(by_weight), expected) <= THRESHOLDS["float16"]
+    with pytest.raises(ValueError, match="gated output .* even number of rows"):
+        kernel.normed_int4_gemv(x, norm, kept.packed[:79], kept.scales[:79], kept.zeros[:79], config,
+                                gate_output=activation)
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("format", FORMATS)
 def test_larger_tiles_dequantize_before_the_dot_and_match_the_dequantized_product(format, dtype):
@@ -337,3 +368,33 @@ def test_the_backends_rms_norm_linear_takes_the_normalising_gemv_for_one_row_and
     assert nmse(float64_values(out), float64_values(two_ops[:1])) <= THRESHOLDS["float16"]
     both, _ = ops.rms_norm_linear(x, residual, norm_weight, 1e-6, kept)
     assert launched == [(1, 512)] and torch.equal(both, two_ops)
+
+
+def test_the_backends_gated_mlp_of_int4_weights_writes_the_gated_values_from_the_first_gemv(monkeypatch):
+    from candelabra.backends.cuda import quantized
+    from candelabra.backends.cuda.kernels import activations, norms
+    from candelabra.backends.cuda.ops import CudaOps
+
+    rng = np.random.default_rng(15)
+    gate_up, x, _ = _case(rng, "Q4_K", "float16", 2, 2 * 64, 512)
+    down, _, _ = _case(rng, "Q4_0", "float16", 1, 48, 64)
+    kept_gate_up, kept_down = (Int4CudaWeight.from_quantized(w, torch.float16, DEVICE) for w in (gate_up, down))
+    residual = torch.from_numpy(round_to(3 * rng.standard_normal((2, 512)), "float16")).to(DEVICE, torch.float16)
+    norm_weight = torch.from_numpy(round_to(rng.standard_normal(512), "float16")).to(DEVICE, torch.float16)
+    launched, activated = [], []
+    real_normed, real_gated = quantized.normed_int4_gemv, activations._gated
+    monkeypatch.setattr(quantized, "normed_int4_gemv", lambda *args, **kwargs: (
+        launched.append(kwargs["gate_output"]) or real_normed(*args, **kwargs)))
+    monkeypatch.setattr(activations, "_gated", lambda *args: activated.append(args[1]) or real_gated(*args))
+    ops = CudaOps(DEVICE)
+    joined = float64_values(norms.add_rms_norm(x, residual, norm_weight, 1e-6)[1])
+    normed = joined / np.sqrt(np.mean(joined**2, axis=1, keepdims=True) + 1e-6) * float64_values(norm_weight)
+    projected = normed @ gate_up.dequantize().astype(np.float64).T
+    gated = projected[:, :64] / (1 + np.exp(-projected[:, :64])) * projected[:, 64:]
+    expected = gated @ down.dequantize().astype(np.float64).T
+    out, joined = ops.rms_norm_gated_mlp(x[:1], residual[:1], norm_weight, 1e-6, kept_gate_up, kept_down)
+    assert launched == ["silu"] and activated == [] and torch.equal(joined, x[:1] + residual[:1])
+    assert out.shape == (1, 48) and nmse(float64_values(out), expected[:1]) <= THRESHOLDS["float16"]
+    both, _ = ops.rms_norm_gated_mlp(x, residual, norm_weight, 1e-6, kept_gate_up, kept_down)
+    assert launched == ["silu"] and activated == [activations.SILU.value]  # two rows: the ops in turn
+    assert nmse(float64_values(both), expected) <= THRESHOLDS["float16"]

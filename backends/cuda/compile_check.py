@@ -258,18 +258,28 @@ class Workload:
     def normed_shapes(self) -> dict[tuple[int, int], tuple[bool, ...]]:
         """(N, K) of each linear layer that reads an RMS norm's output (`Ops.rms_norm_linear`), with whether
         the norm adds a residual first: a layer's qkv (latent attention's input projection) with one, and
-        the first layer's without; a dense MLP's gate/up (or up) with one (a mixture of experts may have dense
-        layers too: DeepSeek's first); the LM head and the query's up-projection without. None for a model of
-        layer norms."""
+        the first layer's without; a plain dense MLP's up projection with one; the LM head and the query's
+        up-projection without. None for a model of layer norms. (A gated MLP's gate and up: `gated_mlp_in`.)"""
         if self.norm != "rms":
             return {}
         shapes = self.linear_shapes()
         normed = {shapes[0]: (True, False), (self.vocab, self.hidden): (False,)}
         if self.mla is not None and self.mla.q_lora_rank:
             normed[shapes[1]] = (False,)
-        mlp_in = (2 * self.intermediate if self.mlp != "gelu" else self.intermediate, self.hidden)
-        normed[mlp_in] = tuple(sorted({*normed.get(mlp_in, ()), True}))
+        if self.mlp == "gelu":
+            mlp_in = (self.intermediate, self.hidden)
+            normed[mlp_in] = tuple(sorted({*normed.get(mlp_in, ()), True}))
         return normed
+
+    def gated_mlp_in(self) -> tuple[tuple[int, int], str] | None:
+        """(N, K) of a dense gated MLP's gate and up weight after an RMS norm, which `Ops.rms_norm_gated_mlp`
+        multiplies normalising x (after a residual add) and writing the gated values, with its activation (a
+        mixture of experts may have dense layers too: DeepSeek's first); None for other models."""
+        if self.norm != "rms" or self.mlp == "gelu":
+            return None
+        activation = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh" if self.gelu_approximation == "tanh"
+                      else "gelu"}[self.mlp]
+        return (2 * self.intermediate, self.hidden), activation
 
 
 def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
@@ -333,10 +343,12 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             sampling.sample(logits, _sampling(sampling_rows, w.vocab, temperature, top_k, top_p))
 
     # the 16-bit GEMV at every tiling start-up measurement tries, and those the GPUs' dense tables chose; the
-    # down projection of a gated MLP also with its activation computed as it loads x (Ops.gated_linear), and
-    # the projections of a norm's output with the norm (Ops.rms_norm_linear)
+    # down projection of a gated MLP also with its activation computed as it loads x (Ops.gated_linear), the
+    # projections of a norm's output with the norm (Ops.rms_norm_linear), and a gated MLP's gate and up with the
+    # norm, writing the gated values (Ops.rms_norm_gated_mlp)
     sm_count = multiprocessor_count(torch.device("cuda"))
     normed = w.normed_shapes() if compute in dense_gemv.DTYPES else {}
+    gate_up, gate_output = w.gated_mlp_in() or (None, None)
 
     def normed_row(width: int, residual: bool):
         """An x [1, width] and the RMS norm a GEMV applies to it, after a residual add where `residual`."""
@@ -358,6 +370,8 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
                                           gated=gated[w.mlp])
                 for residual in normed.get((columns, width), ()):
                     dense_gemv.normed_dense_gemv(*normed_row(width, residual), weight, tiling)
+                if (columns, width) == gate_up:
+                    dense_gemv.normed_dense_gemv(*normed_row(width, True), weight, tiling, gate_output=gate_output)
 
     # GGUF's groups of 32 at every batch, GPTQ's and AWQ's usual 128 at a kernel form each; a norm's
     # projections' GEMVs also normalising x as they load it (Ops.rms_norm_linear), at GGUF's groups
@@ -378,6 +392,9 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             residuals = normed.get((columns, width), ()) if group == GROUP_SIZE else ()
             for residual, config in itertools.product(residuals, one_row):
                 normed_int4_gemv(*normed_row(width, residual), packed, scales, torch.empty_like(scales), config)
+            for config in one_row if group == GROUP_SIZE and (columns, width) == gate_up else ():
+                normed_int4_gemv(*normed_row(width, True), packed, scales, torch.empty_like(scales), config,
+                                 gate_output=gate_output)
 
 
 def launch_experts(workload: Workload, compute) -> None:

@@ -3,10 +3,13 @@ the GPU model's tables (kernels/gemv_tilings) lack: the int4 GEMV's, and for 16-
 GEMV (kernels/dense_gemv) or cuBLAS serves a one-row product. Each candidate times one product with each
 of the model's weights of that shape in turn (the layers' own weights, read one after another as a step
 reads them), replayed from a CUDA graph; the fastest whose product matches the reference's is kept, and
-saved in the user's table, where the next start finds it. A gated MLP's down projection is timed as
-`Ops.gated_linear` runs it: the GEMV computing the activation as it loads x, against the activation's
-kernel and cuBLAS; a projection of an RMS norm's output as `Ops.rms_norm_linear` does: the GEMV normalising
-x as it loads it, against the norm's kernel and cuBLAS. CANDELABRA_GEMV_TUNING=0 leaves the int4 fallback
+saved in the user's table, where the next start finds it. Each shape is timed as serving makes it: a
+projection of an RMS norm's output as `Ops.rms_norm_linear` does (the GEMV normalising x as it loads it,
+against the norm's kernel and cuBLAS); a gated MLP's gate and up weight after its norm as
+`Ops.rms_norm_gated_mlp` does (the GEMV normalising x and writing the gated values, against the norm's
+kernel, cuBLAS and the activation's kernel); its down projection plain where that GEMV serves gate and up,
+else as `Ops.gated_linear` runs it (the GEMV computing the activation as it loads x, against the activation's
+kernel and cuBLAS). CANDELABRA_GEMV_TUNING=0 leaves the int4 fallback
 tiling and cuBLAS in place; CANDELABRA_GEMV_TUNING=all measures every shape again, those the tables hold too
 (after a driver, Triton or kernel change), and the user's table then holds them all."""
 
@@ -62,9 +65,11 @@ def tune_missing_shapes(model, device: torch.device) -> dict[str, Measured]:
         return {}
     name = gpu_name(device)
     measured_by_kind = {}
-    dense = partial(fastest_dense, gated=gated_downs(model), normed=normed_projections(model))
-    for kind, measure in (("int4", fastest_tilings), ("dense", dense)):
+    for kind in ("int4", "dense"):
         known = {} if switch == EVERY_SHAPE else gemv_tilings.measured_tilings(name, kind)
+        measure = fastest_tilings if kind == "int4" else partial(
+            fastest_dense, gated=gated_downs(model), normed=normed_projections(model), mlps=gated_mlps(model),
+            known=known)
         missing = {shape: weights for shape, weights in weights_by_shape(model, kind).items() if shape not in known}
         if not missing:
             continue
@@ -122,6 +127,19 @@ def gated_downs(model) -> dict[tuple[int, int], str]:
             and layer.mlp_out.ndim == 2}
 
 
+def gated_mlps(model) -> dict[tuple[int, int], tuple[tuple[int, int], str]]:
+    """[N, K] of the 16-bit gate and up weights of `model`'s gated MLPs after an RMS norm, which it multiplies
+    through `Ops.rms_norm_gated_mlp` (the GEMV normalising x and writing the gated values), each with its down
+    projection's [N, K] and its activation."""
+    config = getattr(model, "config", None)
+    if not getattr(model, "gated_mlp", False) or config is None or getattr(model, "norm_kind", None) != "rms":
+        return {}
+    activation = gated_activation(config.hidden_act)
+    return {tuple(layer.mlp_in.shape): (tuple(layer.mlp_out.shape), activation) for layer in model.layers
+            if getattr(layer, "experts", None) is None
+            and all(isinstance(w, torch.Tensor) and w.ndim == 2 for w in (layer.mlp_in, layer.mlp_out))}
+
+
 def normed_projections(model) -> frozenset[tuple[int, int]]:
     """[N, K] of the 16-bit projections of an RMS norm's output in `model`, which it makes through
     `Ops.rms_norm_linear` (the GEMV normalising x as it loads it): attention's first projection, a dense
@@ -168,18 +186,31 @@ def fastest_tilings(by_shape: dict[tuple[int, int], list[Int4CudaWeight]], devic
 
 def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: torch.device,
                   stopwatch: Stopwatch, gated: dict[tuple[int, int], str] | None = None,
-                  normed: frozenset[tuple[int, int]] = frozenset()) -> Measured:
+                  normed: frozenset[tuple[int, int]] = frozenset(),
+                  mlps: dict[tuple[int, int], tuple[tuple[int, int], str]] | None = None,
+                  known: dict[tuple[int, int], gemv_tilings.GemvTiling | None] | None = None) -> Measured:
     """Per shape of 16-bit weights, the 16-bit GEMV's tiling that `stopwatch` timed fastest over that
     shape's weights, or None where cuBLAS's product was faster than all of them (each shape's times logged).
-    A shape in `gated` (a gated MLP's down projection, by its activation) is timed as `Ops.gated_linear`
-    runs it: the activation computed in the GEMV, against the activation's kernel then cuBLAS; one in
-    `normed` as `Ops.rms_norm_linear` runs it after a residual add: the norm in the GEMV, against the norm's
-    kernel then cuBLAS."""
+    A shape in `normed` is timed as `Ops.rms_norm_linear` runs it after a residual add: the norm in the GEMV,
+    against the norm's kernel then cuBLAS; one in `mlps` (a gated MLP's gate and up, with its down projection
+    and activation) as `Ops.rms_norm_gated_mlp` does, the GEMV also writing the gated values, against the
+    activation's kernel after cuBLAS. Its down projection, in `gated` by its activation, is timed plain where
+    the GEMV serves that gate and up (measured here first, or in `known`, the GPU's table), else as
+    `Ops.gated_linear` runs it: the activation computed in the GEMV, against the activation's kernel then
+    cuBLAS."""
     sm_count = multiprocessor_count(device)
+    mlps, known = mlps or {}, known or {}
     chosen = {}
-    for (columns, width), weights in by_shape.items():
+    # gate and up first: how they are served says how their down projections are
+    for (columns, width), weights in sorted(by_shape.items(), key=lambda item: item[0] not in mlps):
+        gate_output = mlps[columns, width][1] if (columns, width) in mlps else None
         activation = (gated or {}).get((columns, width))
-        by_cublas, by_gemv, what = _one_row_products(width, weights[0], activation, (columns, width) in normed)
+        if activation is not None and any(down == (columns, width) and {**known, **chosen}.get(gate_up) is not None
+                                          for gate_up, (down, _) in mlps.items()):
+            activation = None
+        by_cublas, by_gemv, what = _one_row_products(width, weights[0], activation,
+                                                     (columns, width) in normed or gate_output is not None,
+                                                     gate_output)
         expected = by_cublas(weights[0]).float()
         cublas = stopwatch([partial(by_cublas, w) for w in weights])
         timed = {}
@@ -197,11 +228,21 @@ def fastest_dense(by_shape: dict[tuple[int, int], list[torch.Tensor]], device: t
     return chosen
 
 
-def _one_row_products(width: int, like: torch.Tensor, activation: str | None, normed: bool):
+def _one_row_products(width: int, like: torch.Tensor, activation: str | None, normed: bool,
+                      gate_output: str | None = None):
     """(cuBLAS's product of a weight, the GEMV's at a tiling, what precedes the product in words) for one row
-    of random x, as serving makes that product: of a gated x's activation, of a norm's output, or of x."""
+    of random x, as serving makes that product: of a gated x's activation, of a norm's output (gated after,
+    with `gate_output`), or of x."""
     def randn(*shape):
         return torch.randn(*shape, device=like.device, dtype=like.dtype)
+
+    if gate_output:
+        x, residual, weight = randn(1, width), randn(1, width), randn(width)
+        norm = norms.RowNorm(weight, 1e-6, 0.0, residual)
+        return (lambda w: activations.gated(F.linear(norms.add_rms_norm(x, residual, weight, 1e-6)[0], w),
+                                            gate_output),
+                lambda w, tiling: dense_gemv.normed_dense_gemv(x, norm, w, tiling, gate_output=gate_output)[0],
+                f", x normalised after a residual add, {gate_output}-gated output")
 
     if activation:
         x = randn(1, 2 * width)

@@ -35,15 +35,29 @@ class CudaOps(TorchOps):
         """One launch at one row where a GEMV serves the weight, normalising x as it loads it: int4 weights' GEMV
         (but for columns stored in act order), and the 16-bit GEMV where the GPU's dense table chose it; else
         the norm's kernel, then `linear`."""
-        if x.numel() == x.shape[-1] and (residual is None or (residual.shape == x.shape
-                                                              and residual.dtype == x.dtype)):
-            row = x.reshape(1, -1)
-            norm = norms.RowNorm(norm_weight, eps, weight_offset, None if residual is None else residual.reshape(1, -1))
-            done = _normed_one_row(row, norm, weight, bias)
-            if done is not None:
-                out, joined = done
-                return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
+        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset)
+        done = None if norm is None else _normed_one_row(x.reshape(1, -1), norm, weight, bias)
+        if done is not None:
+            out, joined = done
+            return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
         return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
+
+    def rms_norm_gated_mlp(self, x, residual, norm_weight, eps, gate_up, down, gate_up_bias=None, down_bias=None,
+                           weight_offset=0.0, activation="silu"):
+        """At one row, where a GEMV serves the gate and up weight (int4, or 16-bit where the GPU's dense table
+        chose the GEMV), that GEMV normalising x as it loads it and writing the gated values, then `linear`
+        for down: two launches for the MLP. Elsewhere `rms_norm_linear`, then `gated_linear`."""
+        if activation not in activations.GATED_KINDS:
+            raise ValueError(f"unknown gated activation {activation!r}; expected one of "
+                             f"{tuple(activations.GATED_KINDS)}")
+        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset)
+        done = None if norm is None else _normed_one_row(x.reshape(1, -1), norm, gate_up, gate_up_bias, activation)
+        if done is not None:
+            gated, joined = done
+            out = self.linear(gated, down, down_bias)
+            return out.reshape(*x.shape[:-1], -1), x if residual is None else joined.reshape(x.shape)
+        return super().rms_norm_gated_mlp(x, residual, norm_weight, eps, gate_up, down, gate_up_bias, down_bias,
+                                          weight_offset, activation)
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         return norms.rms_norm(x, weight, eps, weight_offset)
@@ -99,13 +113,23 @@ def _one_row_gemv(x, weight, bias, gated=None):
     return dense_gemv.dense_gemv(x.reshape(1, -1), weight, tiling, bias, gated=gated).reshape(*x.shape[:-1], -1)
 
 
-def _normed_one_row(row, norm, weight, bias):
+def _one_row_norm(x, residual, norm_weight, eps, weight_offset):
+    """The norm of a one-row x (and its residual) as the GEMVs take it, None where x has more rows."""
+    if x.numel() != x.shape[-1] or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
+        return None
+    return norms.RowNorm(norm_weight, eps, weight_offset, None if residual is None else residual.reshape(1, -1))
+
+
+def _normed_one_row(row, norm, weight, bias, gate_output=None):
     """(product, row plus residual) of `Ops.rms_norm_linear` for one row by a GEMV normalising it as it loads
-    it, or None where none serves the weight."""
+    it (with `gate_output` an activation, of a gated MLP's gate and up weight, their gated values), or None
+    where none serves the weight."""
     if isinstance(weight, Int4CudaWeight):
-        return weight.normed_matmul(row, norm, bias)
+        return weight.normed_matmul(row, norm, bias, gate_output)
     tiling = _one_row_tiling(row, weight, bias)
-    return None if tiling is None else dense_gemv.normed_dense_gemv(row, norm, weight, tiling, bias)
+    if tiling is None or (gate_output is not None and (tiling.block_n < 2 or weight.shape[0] % 2)):
+        return None
+    return dense_gemv.normed_dense_gemv(row, norm, weight, tiling, bias, gate_output)
 
 
 def _one_row_tiling(x, weight, bias, gated=False):

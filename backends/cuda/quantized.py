@@ -83,15 +83,17 @@ class Int4CudaWeight:
             bias = bias.to(self.dtype).contiguous()
         return int4_matmul(flat, self.packed, self.scales, self.zeros, bias=bias).reshape(*x.shape[:-1], rows)
 
-    def normed_matmul(self, x: torch.Tensor, norm: RowNorm,
-                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def normed_matmul(self, x: torch.Tensor, norm: RowNorm, bias: torch.Tensor | None = None,
+                      gate_output: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`Ops.rms_norm_linear` of one row x [1, K] by the GEMV normalising x as it loads it: (the product
-        [1, N], the row plus residual); None where it cannot (more rows, columns stored in another order)."""
+        [1, N], the row plus residual); with `gate_output` an activation, of a gated MLP's gate and up rows,
+        their gated values [1, N / 2] (`normed_int4_gemv`). None where it cannot (more rows, columns stored in
+        another order)."""
         if x.shape[0] > GEMV_ROWS or self.column_order is not None or x.dtype != self.dtype:
             return None
         if bias is not None:
             bias = bias.to(self.dtype).contiguous()
-        return normed_int4_gemv(x, norm, self.packed, self.scales, self.zeros, bias=bias)
+        return normed_int4_gemv(x, norm, self.packed, self.scales, self.zeros, bias=bias, gate_output=gate_output)
 
 
 def _on(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -52,6 +52,7 @@ OP_NAMES: tuple[str, ...] = (
     "gelu",
     "gated_linear",
     "rms_norm_linear",
+    "rms_norm_gated_mlp",
     "write_kv",
     "rotary_and_write_kv",
     "paged_attention",
@@ -69,7 +70,8 @@ OP_NAMES: tuple[str, ...] = (
 # Ops whose default implementation runs other ops in turn, which a backend may fuse.
 FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv"),
                                          "gated_linear": ("silu_and_mul", "gelu_and_mul", "linear"),
-                                         "rms_norm_linear": ("rms_norm", "add_rms_norm", "linear")}
+                                         "rms_norm_linear": ("rms_norm", "add_rms_norm", "linear"),
+                                         "rms_norm_gated_mlp": ("rms_norm_linear", "gated_linear")}
 
 
 class OpNotSupported(NotImplementedError):
@@ -251,6 +253,19 @@ class Ops:
         else:
             normed, joined = self.add_rms_norm(x, residual, norm_weight, eps, weight_offset)
         return self.linear(normed, weight, bias), joined
+
+    def rms_norm_gated_mlp(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                           gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+                           down_bias: Tensor | None = None, weight_offset: float = 0.0,
+                           activation: GatedActivation = "silu") -> tuple[Tensor, Tensor]:
+        """A pre-norm and the gated MLP reading it: (`gated_linear(projected, down, down_bias, activation)`, s)
+        for (projected, s) = `rms_norm_linear(x, residual, norm_weight, eps, gate_up, gate_up_bias,
+        weight_offset)`. `gate_up` [2I, H] holds the gate's I rows, then the up's; `down` [N, I].
+        x [..., H] -> ([..., N], [..., H]). A backend may fuse any of it, and may or may not round the normalised
+        values, the gate and up products and the gated values to x's dtype (this default runs the two ops in
+        turn)."""
+        projected, joined = self.rms_norm_linear(x, residual, norm_weight, eps, gate_up, gate_up_bias, weight_offset)
+        return self.gated_linear(projected, down, down_bias, activation), joined
 
     def write_kv(self, cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> KVCache:
         """Store each token's key [T, Hk, D] and value [T, Hk, Dv] in the cache at its slot (Dv is D

@@ -185,10 +185,16 @@ class DecoderModel:
 
     def normed_mlp(self, layer: Layer, norm: Norm, x, branch):
         """(mlp(norm(x + branch)), x + branch), a dense MLP's first projection made with the norm
-        (`normed_projection`); without a branch, of norm(x) and x."""
+        (`normed_projection`), a gated one's whole MLP with an RMS norm (`Ops.rms_norm_gated_mlp`, which a
+        backend may fuse); without a branch, of norm(x) and x."""
         if layer.experts is not None:
             h, joined = joined_and_normed(self, norm, x, branch)
             return self._sparse_moe(self.ops, layer.experts, h), joined
+        if self.gated_mlp and self.norm_kind == "rms":
+            return self.ops.rms_norm_gated_mlp(
+                x if branch is None else branch, None if branch is None else x, norm.weight, self.config.norm_eps,
+                layer.mlp_in, layer.mlp_out, layer.mlp_in_bias, layer.mlp_out_bias, self.norm_offset,
+                gated_activation(self.config.hidden_act))
         projected, joined = self.normed_projection(norm, x, branch, layer.mlp_in, layer.mlp_in_bias)
         return self._dense_mlp_from(layer, projected), joined
 

@@ -20,6 +20,9 @@ each x (plus the residual it adds) by the norm's weight and sums its squares ove
 they give scales the finished sums (with K split, the last split to finish adds every split's squares:
 kernels/split_k.py), and the first column tile's programs store the row plus residual the next layer adds
 to. The norm's kernel and its launch are gone, and no program reads more of x than its share.
+A gated MLP's gate and up projection after its norm (`Ops.rms_norm_gated_mlp`) may also write the gated
+values: a program then takes its outputs in (gate, up) pairs, row j beside row j + I, and writes act(gate) * up
+for each (split_k.paired_rows and store_tile), so the down projection after it is a plain product.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input
 from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
+    paired_rows,
     partial_squares,
     partial_sums,
     splittable,
@@ -85,6 +89,7 @@ def _dense_gemv_kernel(
     GATE: tl.constexpr,
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    GATE_OUT: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     start_dependents(DEPENDENT)
@@ -92,8 +97,7 @@ def _dense_gemv_kernel(
     split = tl.program_id(1)
     row = tl.program_id(2)
     CHUNKS: tl.constexpr = BLOCK_K // VECTOR
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    cols, col_mask = paired_rows(tile_n, BLOCK_N, N, GATE_OUT)
     # A step is [CHUNKS, BLOCK_N, VECTOR]: a thread's VECTOR weights are contiguous along K, and the chunks
     # lead the layout, so a thread's other weights are other outputs' at the same chunk, which the x it
     # converts serves too (outputs leading, each thread would convert an x a weight). Its sums stay in the
@@ -128,7 +132,7 @@ def _dense_gemv_kernel(
             w = tl.load(w_ptr + k + w_offsets, mask=w_mask & more, other=0.0)
     finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
                     col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS,
-                    tl.sum(tl.sum(squares, axis=1), axis=0), squares_ptr, width, eps, NORM)
+                    tl.sum(tl.sum(squares, axis=1), axis=0), squares_ptr, width, eps, NORM, GATE_OUT)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
@@ -143,23 +147,31 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     if gated is not None and x.shape[1] != 2 * weight.shape[-1]:
         raise ValueError(f"a gated x {list(x.shape)} needs a weight [N, {x.shape[1] // 2}] for its gated half, "
                          f"not {list(weight.shape)}")
-    return _launch(x, weight, tiling, bias, gated, None)[0]
+    return _launch(x, weight, tiling, bias, gated, None, None)[0]
 
 
 def normed_dense_gemv(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor, tiling: GemvTiling,
-                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      bias: torch.Tensor | None = None, gate_output: str | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Ops.rms_norm_linear` as `dense_gemv` computes a product: (rms_norm(s) @ weight.T (+ bias), s) for
     s = x + norm.residual rounded to x's dtype, or x itself without a residual. Each row reads the whole
-    weight: meant for one."""
+    weight: meant for one.
+    With `gate_output` (an `Ops.gated_linear` activation) the weight [2I, K] is a gated MLP's gate and up
+    rows and the product [M, I] its gated values, act(gate) * up, from the float32 sums (`split_k.store_tile`):
+    the activation's kernel and the trip of both halves through memory are gone."""
     norm.check(x)
-    return _launch(x.contiguous(), weight, tiling, bias, None, norm)
+    return _launch(x.contiguous(), weight, tiling, bias, None, norm, gate_output)
 
 
-def _launch(x, weight, tiling, bias, gated, norm):
+def _launch(x, weight, tiling, bias, gated, norm, gate_output):
     rows, width = x.shape
     if gated is not None:
         width //= 2
     columns = weight.shape[0]
+    if gate_output is not None and (gate_output not in GATED_KINDS or columns % 2 or tiling.block_n < 2):
+        raise ValueError(f"a gated output ({gate_output!r}, one of {tuple(GATED_KINDS)}) takes a weight of an even "
+                         f"number of rows, gate then up ({columns}), in tiles of at least one pair "
+                         f"(block_n {tiling.block_n})")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"the dense GEMV takes float16 or bfloat16 x and weight of one dtype, not {x.dtype} and "
                          f"{weight.dtype}")
@@ -177,13 +189,13 @@ def _launch(x, weight, tiling, bias, gated, norm):
                          f"and split_k {tiling.split_k} split them with a step for each split")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, columns if gate_output is None else columns // 2, dtype=x.dtype, device=x.device)
     residual = None if norm is None else norm.residual
     joined = norm.joined_like(x) if norm is not None else x
     if rows == 0 or columns == 0:
         return out, joined
-    tiles_n = triton.cdiv(columns, tiling.block_n)
-    partials = partial_sums(out, tiling.split_k)
+    tiles_n = triton.cdiv(out.shape[1], tiling.block_n if gate_output is None else tiling.block_n // 2)
+    partials = partial_sums(out, tiling.split_k, columns)
     squares = partial_squares(out, tiling.split_k, rows * tiles_n, norm is not None)
     arrivals = arrival_counts(x.device, rows * tiles_n if tiling.split_k > 1 else 1)
     _dense_gemv_kernel[(tiles_n, tiling.split_k, rows)](
@@ -194,7 +206,8 @@ def _launch(x, weight, tiling, bias, gated, norm):
         BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, VECTOR=VECTOR, SPLIT=tiling.split_k > 1,
         PREFETCH=tiling.num_stages > 1, HAS_BIAS=bias is not None,
         GATE=NO_GATE.value if gated is None else GATED_KINDS[gated], NORM=norm is not None,
-        RESIDUAL=residual is not None, num_warps=tiling.num_warps, num_stages=1, **launch_options(x.device),
+        RESIDUAL=residual is not None, GATE_OUT=NO_GATE.value if gate_output is None else GATED_KINDS[gate_output],
+        num_warps=tiling.num_warps, num_stages=1, **launch_options(x.device),
     )  # fmt: skip
     return out, joined
 

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from candelabra.backends.cuda.availability import gpu_name, interpreting, multiprocessor_count
+from candelabra.backends.cuda.kernels.activations import GATED_KINDS, NO_GATE
 from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_options, start_dependents, wait_for_prior
 from candelabra.backends.cuda.kernels.gemv_tilings import GemvTiling, measured_tilings
 from candelabra.backends.cuda.kernels.norms import RowNorm, normed_input
@@ -55,6 +56,7 @@ from candelabra.backends.cuda.kernels.split_k import (
     arrival_counts,
     finish_gemv_row,
     finish_tile,
+    paired_rows,
     partial_squares,
     partial_sums,
     splits_for,
@@ -297,6 +299,7 @@ def _int4_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    GATE_OUT: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     start_dependents(DEPENDENT)
@@ -304,8 +307,7 @@ def _int4_gemv_kernel(
     split = tl.program_id(1)
     row = tl.program_id(2)
     GROUPS: tl.constexpr = BLOCK_K // 32
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    cols, col_mask = paired_rows(tile_n, BLOCK_N, N, GATE_OUT)
     groups = tl.arange(0, GROUPS)
     quads = tl.arange(0, 4)
     # A step is [GROUPS, BLOCK_N, 4] uint32 words: a group's 16 bytes of one output in one thread, whose
@@ -364,7 +366,7 @@ def _int4_gemv_kernel(
     row_squares = tl.sum(tl.sum(tl.sum(squares, axis=2), axis=1), axis=0)
     finish_gemv_row(tl.sum(acc, axis=0), out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols,
                     col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS, row_squares, squares_ptr,
-                    steps * BLOCK_K, eps, NORM)
+                    steps * BLOCK_K, eps, NORM, GATE_OUT)
 
 
 @triton.jit
@@ -391,22 +393,24 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     [N, K / 2] (`pack_nibbles`) and `scales`, `zeros` [N, K / G] with W[n, k] = (q - 8) * scale + zero for
     the nibble q of (n, k) and its group's scale and zero, G one of SCALE_GROUPS. `config` None picks one
     for the shape and device; a config's block_k must be a multiple of G."""
-    return _int4_product(x, packed, scales, zeros, config, bias, None)[0]
+    return _int4_product(x, packed, scales, zeros, config, bias, None, None)[0]
 
 
 def normed_int4_gemv(x: torch.Tensor, norm: RowNorm, packed: torch.Tensor, scales: torch.Tensor,
-                     zeros: torch.Tensor, config: TileConfig | None = None,
-                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     zeros: torch.Tensor, config: TileConfig | None = None, bias: torch.Tensor | None = None,
+                     gate_output: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`Ops.rms_norm_linear` by the GEMV, for rows of x few enough for it (GEMV_ROWS): as `int4_matmul`
-    multiplies, of the rows normalised as it loads them, and the row plus residual (x itself without one)."""
+    multiplies, of the rows normalised as it loads them, and the row plus residual (x itself without one).
+    With `gate_output` (an `Ops.gated_linear` activation) the weight's 2I rows are a gated MLP's gate and up,
+    and the product [M, I] their gated values (as dense_gemv.normed_dense_gemv gives them)."""
     norm.check(x)
     if x.shape[0] > GEMV_ROWS or (config is not None and config.block_m != 1):
         raise ValueError(f"the int4 GEMV normalises x as it loads it; {x.shape[0]} rows (or a config of "
                          f"{config.block_m if config else '?'}) take the tensor-core GEMM, which does not")
-    return _int4_product(x.contiguous(), packed, scales, zeros, config, bias, norm)
+    return _int4_product(x.contiguous(), packed, scales, zeros, config, bias, norm, gate_output)
 
 
-def _int4_product(x, packed, scales, zeros, config, bias, norm):
+def _int4_product(x, packed, scales, zeros, config, bias, norm, gate_output):
     rows, width = x.shape
     columns = packed.shape[0]
     group = width // scales.shape[1] if scales.ndim == 2 and scales.shape[1] else 0
@@ -422,13 +426,17 @@ def _int4_product(x, packed, scales, zeros, config, bias, norm):
                          "uint32 words")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    config = config or choose_config(rows, columns, width, x.device, x.dtype, group)
+    if gate_output is not None and (gate_output not in GATED_KINDS or columns % 2 or config.block_m != 1):
+        raise ValueError(f"a gated output ({gate_output!r}, one of {tuple(GATED_KINDS)}) takes the GEMV (not a "
+                         f"config of {config.block_m} rows) and a weight of an even number of rows, gate then up "
+                         f"({columns})")
+    out = torch.empty(rows, columns if gate_output is None else columns // 2, dtype=x.dtype, device=x.device)
     joined = x if norm is None else norm.joined_like(x)
     if rows == 0 or columns == 0:
         return out, joined
     if width == 0:
         return (out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()), joined
-    config = config or choose_config(rows, columns, width, x.device, x.dtype, group)
     if width % config.block_k:
         raise ValueError(f"block_k {config.block_k} does not divide K = {width}")
     if config.block_m == 1 and config.block_k % group:
@@ -437,7 +445,7 @@ def _int4_product(x, packed, scales, zeros, config, bias, norm):
     # each split takes a step at least (the last may take fewer than the others)
     split_k = max(split for split in range(1, min(config.split_k, steps) + 1) if splittable(steps, split))
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(columns, config.block_n)
-    partials = partial_sums(out, split_k)
+    partials = partial_sums(out, split_k, columns)
     squares = partial_squares(out, split_k, tiles, norm is not None)
     arrivals = arrival_counts(x.device, tiles if split_k > 1 else 1)
     strides = (x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), rows * columns)
@@ -449,6 +457,7 @@ def _int4_product(x, packed, scales, zeros, config, bias, norm):
             BLOCK_K=config.block_k, SPLIT=split_k > 1,
             PREFETCH=config.num_stages > 1, RUNS=group // GROUP_SIZE, HAS_BIAS=bias is not None,
             NORM=norm is not None, RESIDUAL=norm is not None and norm.residual is not None,
+            GATE_OUT=NO_GATE.value if gate_output is None else GATED_KINDS[gate_output],
             num_warps=config.num_warps, num_stages=1, **launch_options(x.device),
         )  # fmt: skip
         return out, joined

@@ -8,25 +8,28 @@ import torch
 import triton
 import triton.language as tl
 
+from candelabra.backends.cuda.kernels.activations import NO_GATE, activate
+
 
 @triton.jit
 def finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, row_mask, col_mask, N,
                 out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                squares, squares_ptr, width, eps, NORM: tl.constexpr):
+                squares, squares_ptr, width, eps, NORM: tl.constexpr, GATE_OUT: tl.constexpr = NO_GATE):
     """Store a program's float32 [rows, cols] tile (plus the bias over cols where HAS_BIAS), or with K
     split, its partial sum: the program that arrives last at its output tile adds them all, in split order,
     adds the bias, writes the tile and resets the tile's arrival count for the next launch.
     With NORM (a one-row tile of a GEMV normalising x as it loads it) the sums are of x times the norm's
     weight, and `squares` the sum of x's squares over the program's share of K: the tile is scaled by the
-    row's 1 / rms, from every split's squares (kept at `squares_ptr`, a float32 a split and tile)."""
-    out = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
+    row's 1 / rms, from every split's squares (kept at `squares_ptr`, a float32 a split and tile).
+    With GATE_OUT an activation kind, the tile's columns are (gate, up) pairs of a gated MLP's first
+    projection (`paired_rows`), and each pair is written as one gated value (`store_tile`)."""
     out_mask = row_mask[:, None] & col_mask[None, :]
     if not SPLIT:
         if NORM:
             acc *= inverse_rms(squares, width, eps)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        store_tile(acc, out_ptr, rows, cols, out_mask, out_row_stride, GATE_OUT)
     else:
         partial_offsets = rows[:, None] * N + cols[None, :]
         tl.store(partials_ptr + split * partials_split_stride + partial_offsets, acc, mask=out_mask)
@@ -48,7 +51,7 @@ def finish_tile(acc, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split,
                 total *= inverse_rms(row_squares, width, eps)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            store_tile(total, out_ptr, rows, cols, out_mask, out_row_stride, GATE_OUT)
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -87,16 +90,48 @@ def splits_for(tiles: int, steps: int, programs: int, most_splits: int = MAX_SPL
 
 
 @triton.jit
+def store_tile(values, out_ptr, rows, cols, mask, out_row_stride, GATE_OUT: tl.constexpr):
+    """Write a finished float32 [rows, cols] tile to out[rows, cols]; with GATE_OUT an activation kind, a tile
+    of (gate, up) pairs (`paired_rows`) as act(gate) * up at the gate's column, which is its gated value's."""
+    if GATE_OUT == NO_GATE:
+        tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], values.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        ROWS: tl.constexpr = values.shape[0]
+        PAIRS: tl.constexpr = values.shape[1] // 2
+        gate, up = tl.split(tl.reshape(values, (ROWS, PAIRS, 2)))
+        gate_cols, _ = tl.split(tl.reshape(cols, (PAIRS, 2)))
+        held, _ = tl.split(tl.reshape(mask, (ROWS, PAIRS, 2)))
+        tl.store(out_ptr + rows[:, None] * out_row_stride + gate_cols[None, :],
+                 (activate(gate, GATE_OUT) * up).to(out_ptr.dtype.element_ty), mask=held)
+
+
+@triton.jit
+def paired_rows(tile_n, BLOCK_N: tl.constexpr, N, GATE_OUT: tl.constexpr):
+    """The weight rows of a GEMV's output tile `tile_n` and which of them exist: BLOCK_N rows in turn, or with
+    GATE_OUT an activation kind (a gated MLP's first projection, its N rows the gate's then the up's), the
+    tile's BLOCK_N / 2 gate rows each followed by its up row, N / 2 on, for `store_tile` to gate in pairs."""
+    if GATE_OUT == NO_GATE:
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return cols, cols < N
+    else:
+        lanes = tl.arange(0, BLOCK_N)
+        inner = N // 2
+        gate = tile_n * (BLOCK_N // 2) + lanes // 2
+        return gate + (lanes % 2) * inner, gate < inner
+
+
+@triton.jit
 def finish_gemv_row(result, out_ptr, bias_ptr, partials_ptr, arrivals_ptr, row, tile_n, split, cols, col_mask, N,
                     out_row_stride, partials_split_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    squares, squares_ptr, width, eps, NORM: tl.constexpr):
+                    squares, squares_ptr, width, eps, NORM: tl.constexpr, GATE_OUT: tl.constexpr = NO_GATE):
     """`finish_tile` for a GEMV program's [BLOCK_N] outputs `cols` of x's row `row`, its grid (column
     tiles, splits of K, rows)."""
     rows = row + tl.arange(0, 1)
     tile = row * tl.num_programs(0) + tile_n
     finish_tile(result[None, :], out_ptr, bias_ptr, partials_ptr, arrivals_ptr, tile, split, rows, cols, rows >= 0,
                 col_mask, N, out_row_stride, partials_split_stride, SPLIT, HAS_BIAS, squares, squares_ptr, width, eps,
-                NORM)
+                NORM, GATE_OUT)
 
 
 @triton.jit
@@ -133,9 +168,11 @@ def partial_squares(out: torch.Tensor, split_k: int, tiles: int, normalising: bo
     return torch.empty(split_k, tiles, dtype=torch.float32, device=out.device)
 
 
-def partial_sums(out: torch.Tensor, split_k: int) -> torch.Tensor:
+def partial_sums(out: torch.Tensor, split_k: int, columns: int | None = None) -> torch.Tensor:
     """The float32 [split_k, rows, columns] buffer a launch with K split `split_k` ways stores its partial
-    sums in; `out` itself without a split (the kernels then touch neither)."""
+    sums in, columns out's unless given (a gated output's weight has twice as many rows as it); `out` itself
+    without a split (the kernels then touch neither)."""
     if split_k == 1:
         return out
-    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
+    return torch.empty(split_k, out.shape[0], out.shape[1] if columns is None else columns, dtype=torch.float32,
+                       device=out.device)
