@@ -283,7 +283,8 @@ def _quantized_cases(*ops):
 def test_every_format_candelabra_reads_has_quantized_linear_cases():
     cases = _quantized_cases()
     assert {case.weight_format for case in cases} == set(QUANTIZED_FORMATS)
-    assert {case.op for case in cases} == {"linear", "gated_linear", "rms_norm_linear", "moe_experts"}
+    assert {case.op for case in cases} == {"linear", "gated_linear", "rms_norm_linear", "rms_norm_gated_mlp",
+                                           "moe_experts"}
     assert {dict(case.params).get("role", "linear") for case in cases} == {"linear", "lm_head"}
     assert any(dict(case.params).get("column_order") for case in cases), "an act-order weight's case"
 

@@ -107,11 +107,12 @@ Work down the list: after each step its check passes, and `pytest` still does.
 4. **The ops that read whole weights** (`ops.py`): `linear`, `gated_linear` (a gated MLP's
    activation and down projection: delete it to run your activation, then your `linear`),
    `rms_norm_linear` (a pre-norm and the projection reading it: delete it to run your norm, then your
-   `linear`) and `embedding`; override `upload_weight` in `backend.py` if your kernels want weights in a
-   layout of their own.
+   `linear`), `rms_norm_gated_mlp` (a pre-norm and the gated MLP after it: delete it to run your
+   `rms_norm_linear`, then your `gated_linear`) and `embedding`; override `upload_weight` in
+   `backend.py` if your kernels want weights in a layout of their own.
 
        candelabra conformance --backend $name --level ops --op linear --op gated_linear \\
-           --op rms_norm_linear --op embedding
+           --op rms_norm_linear --op rms_norm_gated_mlp --op embedding
 
 5. **The rest, one at a time** (`ops.py`): `rms_norm`, `add_rms_norm`, `layer_norm`, `rotary`,
    `silu_and_mul`, `gelu_and_mul`, `gelu`, `softcap`, `softmax`, `gather_rows`, `sample`,
@@ -365,6 +366,11 @@ class $ops_class_name(Ops):
 
     def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, weight_offset=0.0):
         return self.on_host("rms_norm_linear", x, residual, norm_weight, eps, weight, bias, weight_offset)
+
+    def rms_norm_gated_mlp(self, x, residual, norm_weight, eps, gate_up, down, gate_up_bias=None, down_bias=None,
+                           weight_offset=0.0, activation="silu"):
+        return self.on_host("rms_norm_gated_mlp", x, residual, norm_weight, eps, gate_up, down, gate_up_bias,
+                            down_bias, weight_offset, activation)
 
     def embedding(self, ids, table, scale=None):
         return self.on_host("embedding", ids, table, scale)
