@@ -26,6 +26,8 @@
 #                       cuBLAS, against bench-bf16's, which takes the 16-bit GEMV where start-up measured it faster
 #   bench-no-pdl        bench/cuda_decode.py at batch 1 with CANDELABRA_PDL=0: each kernel launched after the one
 #                       before has finished, against bench-bf16's dependent launches (kernels/dependent_launch.py)
+#   bench-unfused       bench/cuda_decode.py at batch 1 with CANDELABRA_DECODE_FUSIONS=0: rotary in its own kernel
+#                       and a gated MLP's activation apart from gate and up's GEMV, against bench-bf16's fusions
 #   retuned             bench/cuda_decode.py at batch 1 in bfloat16 with CANDELABRA_GEMV_TUNING=all: every 16-bit
 #                       shape measured again at start-up, GEMV against cuBLAS (the package's table was measured
 #                       before dependent launches), into a table folder of its own, printed
@@ -57,17 +59,18 @@
 # `pip download --no-deps --only-binary=:all: -d .whl gguf` beforehand, where there is a network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl retuned bench-int4 bench-cublas
+STEPS=(env compile ops models-fp16 models-bf16 engine tests bench-bf16 bench-no-pdl bench-unfused retuned bench-int4 bench-cublas
        int4-tuned bench-in-turn bench-transformers profile profile-no-pdl attention-split profile-int4 int4-tiles host)
-# Batch 1 with short contexts whole in one attention program (kernels/key_segments.py), with and without
-# dependent launches (without was 2% ahead on 27 November, night, within about the spread of two runs), and
-# both profiles, whose attention and GEMV exposed times say which to keep; then correctness (about 430 s by
-# the step times of the H200 runs of 27 November). Then where splitting a decode's keys starts to pay and
-# which decode tiling is fastest (attention-split, about 60 s), int4 batch 1 at Llama-3-8B's shapes (about
-# 190 s; 1.66x bfloat16 in the afternoon), cuBLAS alone, transformers and in-turn scheduling, as the budget
-# allows.
-FIRST=(env bench-bf16 bench-no-pdl profile profile-no-pdl ops models-bf16 engine)
-SECOND=(attention-split bench-int4 bench-cublas bench-transformers bench-in-turn)
+# Batch 1 with short contexts whole in one attention program (kernels/key_segments.py) and the decode
+# fusions (rotary in the attention's launch, gate and up writing the gated values), with and without those
+# fusions and dependent launches (without was 2% ahead on 27 November, night, within about the spread of two
+# runs), and the profile, whose attention and GEMV exposed times say what is left; then correctness (about
+# 430 s by the step times of the H200 runs of 27 November). Then where splitting a decode's keys starts to pay
+# and which decode tiling is fastest (attention-split, about 60 s), int4 batch 1 at Llama-3-8B's shapes (about
+# 190 s; 1.66x bfloat16 in the afternoon), the profile without dependent launches, cuBLAS alone, transformers
+# and in-turn scheduling, as the budget allows.
+FIRST=(env bench-bf16 bench-unfused bench-no-pdl profile ops models-bf16 engine)
+SECOND=(attention-split bench-int4 profile-no-pdl bench-cublas bench-transformers bench-in-turn)
 
 results=${OUT:-./gpu-check}
 budget=0 pack=""
@@ -151,6 +154,9 @@ run_step() {
         bench-cublas)
             CANDELABRA_DENSE_GEMV=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
                 --json "$results/bench-cublas.json" ;;
+        bench-unfused)
+            CANDELABRA_DECODE_FUSIONS=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
+                --json "$results/bench-unfused.json" ;;
         bench-no-pdl)
             CANDELABRA_PDL=0 python3 bench/cuda_decode.py --parts bfloat16 --batches 1 \
                 --json "$results/bench-no-pdl.json" ;;

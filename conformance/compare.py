@@ -36,6 +36,8 @@ OP_NMSE_THRESHOLDS: dict[str, dict[str, float]] = {
     # Attention kernels round the softmax weights to the input dtype before multiplying by V, as
     # fused kernels do; that is allowed.
     "paged_attention": {"bfloat16": 5e-5, "float16": 1e-6},
+    # Likewise, and the rotated q may be rounded before the attention, or not.
+    "rotary_and_paged_attention": {"bfloat16": 5e-5, "float16": 1e-6},
     # Routing weights are float32 at every compute dtype, computed from the rounded logits.
     "route_experts": {"bfloat16": 1e-9, "float16": 1e-9},
     # A backend that rounds each expert's gate, up and down products to the compute dtype, as a dense
@@ -59,6 +61,8 @@ OP_NMSE_MEASURED: dict[str, dict[str, float]] = {
     # Over 30 seeds on each: the ops in turn, rounding the normalised values, gate and up and the gated values.
     "rms_norm_gated_mlp": {"bfloat16": 2.5e-5, "float16": 4.2e-7},
     "paged_attention": {"bfloat16": 1.5e-5, "float16": 2.1e-7},
+    # Over 30 seeds on each: the keys rotated and rounded, then attention over them.
+    "rotary_and_paged_attention": {"bfloat16": 1.9e-5, "float16": 3.1e-7},
     # Over 40 (torch) and 60 (metal, MLX's CPU build) seeds rather than two.
     "route_experts": {"bfloat16": 8.9e-14, "float16": 6.0e-14},
     "moe_experts": {"bfloat16": 5.4e-5, "float16": 6.7e-7},

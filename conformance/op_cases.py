@@ -377,16 +377,25 @@ ATTENTION_BATCHES = {
 }
 
 
-def _paged_step(h: Harness, batch: str, block_size: int):
+def _paged_step(h: Harness, batch: str, block_size: int, padded: int = 0):
     """A step of ATTENTION_BATCHES[batch] over shuffled blocks, the padding entries of its block tables
-    real block ids that must not be read: (its metadata, the cache's block count, each sequence's slots)."""
+    real block ids that must not be read: (its metadata, the cache's block count, each sequence's slots).
+
+    `padded` sequences follow as a captured decode pads its batch: one token each, writing nowhere
+    (NO_SLOT) and reading the first row of one block that no sequence of the step uses."""
     query_lens, seq_lens = zip(*ATTENTION_BATCHES[batch])
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 5
     shuffled = h.rng.permutation(num_blocks)
     starts = np.cumsum([0, *needed])
     tables = [shuffled[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
-    meta = StepMetadata.build(query_lens, seq_lens, tables, block_size)
+    slots = None
+    if padded:
+        written = StepMetadata.build(query_lens, seq_lens, tables, block_size).slot_mapping
+        slots = np.concatenate([written, np.full(padded, NO_SLOT, written.dtype)])
+        query_lens, seq_lens = (*query_lens, *[1] * padded), (*seq_lens, *[1] * padded)
+        tables, needed = [*tables, *[[int(shuffled[-1])]] * padded], [*needed, *[1] * padded]
+    meta = StepMetadata.build(query_lens, seq_lens, tables, block_size, slot_mapping=slots)
     for b, count in enumerate(needed):
         meta.block_tables[b, count:] = h.rng.integers(0, num_blocks, meta.block_tables.shape[1] - count)
     seq_slots = [np.array([tables[b][j // block_size] * block_size + j % block_size for j in range(seq_len)])
@@ -421,6 +430,44 @@ def check_paged_attention(
     reference = oracle.paged_attention(q, _read_back(key_cache, kv_dtype), _read_back(value_cache, kv_dtype),
                                        meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, sliding_window,
                                        logit_softcap)
+    h.close("out", out, reference)
+
+
+def check_rotary_and_paged_attention(h: Harness, head_dim: int, heads: tuple, block_size: int, batch: str,
+                                     style: str, rotary_dim: int | None = None,
+                                     sliding_window: int | None = None, padded: int = 0) -> None:
+    """The step's own keys and values are NaN in the cache until the op writes them; the oracle rotates q and k
+    in float64 and reads the keys as the cache holds them (rounded to the compute dtype), q unrounded: a
+    backend may round the rotated q or not. Every slot the step does not write must be left as it was,
+    the row a padded sequence reads too (see `_paged_step`)."""
+    q_heads, kv_heads = heads
+    rotary_dim = rotary_dim or head_dim
+    base, hf_scaling = ROPE_SCALINGS["default"]
+    table = cos_sin_table(rotary_dim, ROPE_MAX_POSITIONS, base, RopeScaling.from_hf(hf_scaling, ROPE_MAX_POSITIONS))
+    meta, num_blocks, _ = _paged_step(h, batch, block_size, padded)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache, value_cache = h.rand(*shape), h.rand(*shape)
+    rows = lambda cache: cache.reshape(-1, kv_heads, head_dim)  # noqa: E731
+    new_slots = meta.slot_mapping[meta.slot_mapping != NO_SLOT]
+    rows(key_cache)[new_slots], rows(value_cache)[new_slots] = np.nan, np.nan
+    q = h.rand(meta.num_tokens, q_heads, head_dim)
+    k, v = h.rand(meta.num_tokens, kv_heads, head_dim), h.rand(meta.num_tokens, kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    out, cache = h.call(
+        h.backend.ops.rotary_and_paged_attention, h.upload(q), h.upload(k), h.upload(v), h.upload(meta.rope_positions),
+        h.backend.to_device(table, "float32"), h.upload_cache(key_cache, value_cache, h.dtype),
+        h.upload(meta.slot_mapping), h.backend.prepare_step(meta), scale, sliding_window, None, style)
+    h.require("output dtype", h.backend.dtype_of(out) == h.dtype, h.backend.dtype_of(out))
+    q_ref, k_ref = oracle.rotary(q, k, meta.rope_positions, rotary_dim, base, style, hf_scaling)
+    ref_key, ref_value = oracle.write_kv(key_cache, value_cache, round_to(k_ref, h.dtype), v, new_slots)
+    keys = h.host(cache.key).reshape(-1, kv_heads, head_dim)
+    h.close("written keys", keys[new_slots], rows(ref_key)[new_slots])
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), new_slots)
+    h.equal("untouched keys", keys[untouched], rows(key_cache)[untouched])
+    h.slots_equal("value cache", cache.value, ref_value, meta.slot_mapping, v)
+    reference = oracle.paged_attention(q_ref, ref_key, ref_value, meta.query_start_loc, meta.seq_lens,
+                                       meta.block_tables, scale, sliding_window)
     h.close("out", out, reference)
 
 
@@ -919,6 +966,11 @@ def op_cases(dtypes: tuple[str, ...], kv_cache_dtypes: Callable[[str], tuple[str
         # multi-head latent attention's: the shared rotary key as the key, the latent as the value
         *_grid("rotary_and_write_kv", check_rotary_and_write_kv, dtypes, tokens=[1, 37], heads=[(16, 1)],
                head_dim=[64], block_size=[16], style=["gptj"], padding=["some"], value_dim=[512]),
+        # decodes alone, which a backend may fuse into one launch, and a mixed step; partial rotary, GPT-J's pairs
+        *_grid("rotary_and_paged_attention", check_rotary_and_paged_attention, dtypes, head_dim=[128],
+               heads=[(16, 4)], block_size=[16], batch=["decode", "mixed"], style=["neox"], padded=[0, 3]),
+        *_grid("rotary_and_paged_attention", check_rotary_and_paged_attention, dtypes, head_dim=[64], heads=[(8, 2)],
+               block_size=[32], batch=["decode"], style=["gptj", "neox"], rotary_dim=[32], sliding_window=[None, 40]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[64, 128, 256], heads=attention_heads,
                block_size=[16, 32], batch=["mixed"]),
         *_grid("paged_attention", check_paged_attention, dtypes, head_dim=[128], heads=[(16, 4)], block_size=[16],

@@ -25,7 +25,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # writes, gathers, block copies and swaps, chosen token ids, ranks).
 NMSE_OPS = ("embedding", "linear", "rms_norm", "add_rms_norm", "layer_norm", "rotary", "rotary_and_write_kv",
             "silu_and_mul", "gelu_and_mul", "gelu", "gated_linear", "rms_norm_linear", "rms_norm_gated_mlp",
-            "paged_attention", "softcap",
+            "paged_attention", "rotary_and_paged_attention", "softcap",
             "softmax", "sample", "token_logprobs", "route_experts", "moe_experts", "per_head_linear",
             "paged_latent_attention", "array_subset")
 EXACT_OPS = ("memory", "gather_rows", "write_kv", "copy_blocks", "swap_out", "swap_in", "allocate_kv_cache")

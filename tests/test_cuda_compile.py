@@ -232,6 +232,10 @@ def test_every_kernel_compiles_for_hopper_and_ampere_without_spills_or_too_much_
     assert all(entry["registers"] for entry in compiled)
     attention = [entry for entry in compiled if entry["kernel"] == "_attention_tile_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in attention}
+    # a decode step's tiles rotating q and writing the step's keys (neox's pairs), over whole heads and phi-2's
+    # first 32 features of 80; mixed steps' tiles not
+    words = {word for entry in attention for word in entry["variant"].split()}
+    assert {"ROTARY=1", "ROTARY=0", "ROTARY_DIM=128", "ROTARY_DIM=32"} <= words
     latent = [entry for entry in compiled if entry["kernel"] == "_latent_attention_kernel"]
     assert {"wgmma", "mma"} <= {entry["mma"] for entry in latent}
     assert {"deepseek-v2-lite", "deepseek-v3 heads"} <= {model for entry in latent for model in entry["models"]}

@@ -268,3 +268,59 @@ def test_a_step_lists_its_decodes_only_beside_longer_queries(query_lens, decode_
     step = CudaStep.prepare(StepMetadata.build(query_lens, [max(q, 9) for q in query_lens], tables, 16), DEVICE)
     listed = None if step.decode_tokens is None else step.decode_tokens.tolist()
     assert listed == decode_tokens
+
+
+@pytest.mark.parametrize(("seq_lens", "style", "rotary_dim", "dtype"), [
+    ([3, 40, 700], "neox", 64, torch.float16),  # 700 keys: split in segments, the last writes the token's own
+    ([1, 90], "gptj", 32, torch.float32),  # partial rotary, the rest passing through
+    ([17, 5, 300], "neox", 48, torch.float16),
+], ids=["neox-split", "gptj-partial", "neox-partial"])
+def test_a_decode_step_rotates_and_writes_its_own_keys_in_the_attention_launch_as_the_rotary_kernel_would(
+        seq_lens, style, rotary_dim, dtype):
+    from candelabra.backends.cuda.kernels.paged_attention import DecodeRotary, fuses_rotary
+    from candelabra.backends.cuda.kernels.rotary import rotary_write_kv
+
+    case = Case(31, [1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
+    rng = np.random.default_rng(32)
+    step = case.step
+    k, v = (torch.from_numpy(rng.standard_normal((len(seq_lens), 2, 64))).to(DEVICE, dtype) for _ in range(2))
+    cos_sin = torch.from_numpy(rng.uniform(-1, 1, (1024, rotary_dim))).to(DEVICE, torch.float32)
+    for cache in (case.key_cache, case.value_cache):  # the step's own slots hold NaN until written
+        cache.view(-1, 2, 64)[step.slot_mapping] = float("nan")
+    caches = [(case.key_cache.clone(), case.value_cache.clone()) for _ in range(2)]
+    rotary = DecodeRotary(k, v, step.rope_positions, cos_sin, style, step.slot_mapping)
+    assert fuses_rotary(case.q, *caches[0], step, rotary)
+    with assume_multiprocessors(NOMINAL_MULTIPROCESSORS):
+        fused = paged_attention(case.q, *caches[0], step, 0.125, rotary=rotary)
+        rotated_q = rotary_write_kv(case.q, k, v, step.rope_positions, cos_sin, style, *caches[1], step.slot_mapping)
+        apart = paged_attention(rotated_q, *caches[1], step, 0.125)
+    def same(a, b):  # NaN where the other has NaN (the slots no step wrote), equal elsewhere
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    assert same(caches[0][1], caches[1][1]) and not caches[0][0].view(-1, 2, 64)[step.slot_mapping].isnan().any()
+    if DEVICE.type == "cuda":  # where FMA contraction may differ between the two kernels: a rounding step
+        torch.testing.assert_close(caches[0][0], caches[1][0], rtol=1e-2, atol=1e-3, equal_nan=True)
+        torch.testing.assert_close(fused, apart, rtol=2e-3, atol=2e-3)
+    else:
+        assert same(caches[0][0], caches[1][0]) and torch.equal(fused, apart)
+
+
+def test_a_step_of_other_queries_or_a_quantized_cache_keeps_rotary_apart_from_attention():
+    from candelabra.backends.cuda.kernels.paged_attention import DecodeRotary, fuses_rotary
+
+    mixed = Case(33, [1, 4], [20, 9])
+    k = torch.zeros(5, 2, 64, dtype=torch.float32, device=DEVICE)
+    rotary = DecodeRotary(k, k, mixed.step.rope_positions, torch.zeros(64, 64, device=DEVICE), "neox",
+                          mixed.step.slot_mapping)
+    assert not fuses_rotary(mixed.q, mixed.key_cache, mixed.value_cache, mixed.step, rotary)
+    with pytest.raises(ValueError, match="only in a step of decodes alone over a float cache"):
+        paged_attention(mixed.q, mixed.key_cache, mixed.value_cache, mixed.step, 0.125, rotary=rotary)
+    decode = Case(34, [1, 1], [20, 9])
+    rotary = DecodeRotary(k[:2], k[:2], decode.step.rope_positions, torch.zeros(64, 64, device=DEVICE), "neox",
+                          decode.step.slot_mapping)
+    assert fuses_rotary(decode.q, decode.key_cache, decode.value_cache, decode.step, rotary)
+    codes = torch.zeros(*decode.key_cache.shape[:3], 68, dtype=torch.int8, device=DEVICE)
+    assert not fuses_rotary(decode.q, codes, codes.clone(), decode.step, rotary)
+    odd = DecodeRotary(k[:2], k[:2], decode.step.rope_positions, torch.zeros(64, 66, device=DEVICE), "neox",
+                       decode.step.slot_mapping)
+    assert not fuses_rotary(decode.q, decode.key_cache, decode.value_cache, decode.step, odd)

@@ -295,7 +295,7 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     from candelabra.backends.cuda.kernels import activations, dense_gemv, norms, rotary, sampling
     from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
     from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul, normed_int4_gemv
-    from candelabra.backends.cuda.kernels.paged_attention import paged_attention
+    from candelabra.backends.cuda.kernels.paged_attention import DecodeRotary, fuses_rotary, paged_attention
     from candelabra.backends.torch.backend import torch_dtype
 
     compute = torch_dtype(dtype)
@@ -327,11 +327,17 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
             q = torch.empty(tokens, w.heads, w.head_dim, dtype=compute)
             k = torch.empty(tokens, w.kv_heads, w.head_dim, dtype=compute)
             cos_sin = torch.empty(max(query_lens) * 4, w.rotary_dim, dtype=torch.float32)
-            rotary.rotary_write_kv(q, k, torch.empty_like(k), step.rope_positions, cos_sin, w.rotary_style,
-                                   key_cache, value_cache, step.slot_mapping)
+            # a step of decodes over a float cache rotates and writes its keys in the attention's launch
+            # (Ops.rotary_and_paged_attention); other steps in the rotary kernel first
+            in_attention = DecodeRotary(k, torch.empty_like(k), step.rope_positions, cos_sin, w.rotary_style,
+                                        step.slot_mapping)
+            if not fuses_rotary(q, key_cache, value_cache, step, in_attention):
+                in_attention = None
+                rotary.rotary_write_kv(q, k, torch.empty_like(k), step.rope_positions, cos_sin, w.rotary_style,
+                                       key_cache, value_cache, step.slot_mapping)
             rotary.write_kv(key_cache, value_cache, k, torch.empty_like(k), step.slot_mapping)
             for window in w.windows:
-                paged_attention(q, key_cache, value_cache, step, w.head_dim ** -0.5, window, w.softcap)
+                paged_attention(q, key_cache, value_cache, step, w.head_dim ** -0.5, window, w.softcap, in_attention)
 
     if w.experts:
         launch_experts(w, compute)

@@ -5,13 +5,23 @@ other dense GEMMs and the rest."""
 
 from __future__ import annotations
 
+import os
+
 from candelabra.backends.cuda.kernels import activations, dense_gemv, fused_moe, norms, rotary, sampling
 from candelabra.backends.cuda.kernels.latent_attention import paged_latent_attention
-from candelabra.backends.cuda.kernels.paged_attention import paged_attention
+from candelabra.backends.cuda.kernels.paged_attention import DecodeRotary, fuses_rotary, paged_attention
 from candelabra.backends.cuda.quantized import Int4CudaWeight
 from candelabra.backends.torch.expert_weights import ExpertWeights
 from candelabra.backends.torch.ops import TorchOps
 from candelabra.core.contract.ops import KVCache, check_experts_shapes
+
+# CANDELABRA_DECODE_FUSIONS=0 runs the ops that rms_norm_gated_mlp and rotary_and_paged_attention fuse in turn
+# (bench/gpu_check.sh's bench-unfused measures what the fusions gain).
+FUSIONS_SWITCH = "CANDELABRA_DECODE_FUSIONS"
+
+
+def fusing() -> bool:
+    return os.environ.get(FUSIONS_SWITCH, "1").strip() != "0"
 
 
 class CudaOps(TorchOps):
@@ -50,7 +60,7 @@ class CudaOps(TorchOps):
         if activation not in activations.GATED_KINDS:
             raise ValueError(f"unknown gated activation {activation!r}; expected one of "
                              f"{tuple(activations.GATED_KINDS)}")
-        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset)
+        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset) if fusing() else None
         done = None if norm is None else _normed_one_row(x.reshape(1, -1), norm, gate_up, gate_up_bias, activation)
         if done is not None:
             gated, joined = done
@@ -87,6 +97,17 @@ class CudaOps(TorchOps):
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
         return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap)
+
+    def rotary_and_paged_attention(self, q, k, v, positions, cos_sin, cache: KVCache, slot_mapping, step, scale,
+                                   sliding_window=None, logit_softcap=None, style="neox"):
+        """In a step of decodes alone over a float cache, one launch: the attention's tiles rotate q as they
+        load it, and the segment holding each token's own key rotates it and writes it and the value to the
+        cache first. Elsewhere `rotary_and_write_kv`, then `paged_attention`."""
+        rotary = DecodeRotary(k, v, positions, cos_sin, style, slot_mapping)
+        if fusing() and fuses_rotary(q, cache.key, cache.value, step, rotary):
+            return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap, rotary), cache
+        return super().rotary_and_paged_attention(q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
+                                                  sliding_window, logit_softcap, style)
 
     def moe_experts(self, x, weights, expert_ids, gate_up, down, first_expert=0):
         """The picks sorted by expert and two grouped GEMMs, all on the device (kernels/fused_moe.py):

@@ -96,13 +96,15 @@ Work down the list: after each step its check passes, and `pytest` still does.
 
        candelabra conformance --backend $name --level ops --op allocate_kv_cache --op copy_blocks --op swap
 
-3. **The ops that carry the KV cache** (`ops.py`): `write_kv`, `rotary_and_write_kv` and
-   `paged_attention`, and `prepare_step` in `backend.py`, which makes the step's metadata into
-   what your attention kernel reads. On the host these copy a layer's whole cache both ways at
-   every call, which is why they come first, and why the KV cache takes 2% of free memory until
-   then (`kv_cache_fraction`; or serve with `--kvcache-mem-gpu 64`).
+3. **The ops that carry the KV cache** (`ops.py`): `write_kv`, `rotary_and_write_kv`,
+   `paged_attention` and `rotary_and_paged_attention` (the two in turn: delete it to run yours), and
+   `prepare_step` in `backend.py`, which makes the step's metadata into what your attention kernel
+   reads. On the host these copy a layer's whole cache both ways at every call, which is why they
+   come first, and why the KV cache takes 2% of free memory until then (`kv_cache_fraction`; or
+   serve with `--kvcache-mem-gpu 64`).
 
-       candelabra conformance --backend $name --level ops --op write_kv --op rotary_and_write_kv --op paged_attention
+       candelabra conformance --backend $name --level ops --op write_kv --op rotary_and_write_kv \\
+           --op paged_attention --op rotary_and_paged_attention
 
 4. **The ops that read whole weights** (`ops.py`): `linear`, `gated_linear` (a gated MLP's
    activation and down projection: delete it to run your activation, then your `linear`),
@@ -343,9 +345,9 @@ class $ops_class_name(Ops):
         self.reference = NumpyOps()
         self.ran_on_host: set[str] = set()  # since the backend's last kernel_record()
 
-    # Step 3: the ops that carry the KV cache. The model calls rotary_and_write_kv rather than
-    # rotary and write_kv apart: a kernel may fuse the two, or delete it to run Ops' default, which
-    # calls rotary, then write_kv.
+    # Step 3: the ops that carry the KV cache. The model calls rotary_and_paged_attention rather
+    # than its parts apart: a kernel may fuse them, or delete it to run Ops' default, which calls
+    # rotary_and_write_kv (itself rotary, then write_kv), then paged_attention.
 
     def write_kv(self, cache, key, value, slot_mapping):
         return self.on_host("write_kv", cache, key, value, slot_mapping)
@@ -355,6 +357,11 @@ class $ops_class_name(Ops):
 
     def paged_attention(self, q, cache, step, scale, sliding_window=None, logit_softcap=None):
         return self.on_host("paged_attention", q, cache, step.gathered, scale, sliding_window, logit_softcap)
+
+    def rotary_and_paged_attention(self, q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
+                                   sliding_window=None, logit_softcap=None, style="neox"):
+        return self.on_host("rotary_and_paged_attention", q, k, v, positions, cos_sin, cache, slot_mapping,
+                            step.gathered, scale, sliding_window, logit_softcap, style)
 
     # Step 4: the ops that read whole weights.
 

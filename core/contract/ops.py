@@ -56,6 +56,7 @@ OP_NAMES: tuple[str, ...] = (
     "write_kv",
     "rotary_and_write_kv",
     "paged_attention",
+    "rotary_and_paged_attention",
     "softcap",
     "softmax",
     "sample",
@@ -71,7 +72,8 @@ OP_NAMES: tuple[str, ...] = (
 FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_and_write_kv": ("rotary", "write_kv"),
                                          "gated_linear": ("silu_and_mul", "gelu_and_mul", "linear"),
                                          "rms_norm_linear": ("rms_norm", "add_rms_norm", "linear"),
-                                         "rms_norm_gated_mlp": ("rms_norm_linear", "gated_linear")}
+                                         "rms_norm_gated_mlp": ("rms_norm_linear", "gated_linear"),
+                                         "rotary_and_paged_attention": ("rotary_and_write_kv", "paged_attention")}
 
 
 class OpNotSupported(NotImplementedError):
@@ -292,6 +294,16 @@ class Ops:
         write them rounded once, to the cache's dtype; this default runs the two ops in turn."""
         q, k = self.rotary(q, k, positions, cos_sin, style)
         return q, self.write_kv(cache, k, v, slot_mapping)
+
+    def rotary_and_paged_attention(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
+                                   cache: KVCache, slot_mapping: Tensor, step: Any, scale: float,
+                                   sliding_window: int | None = None, logit_softcap: float | None = None,
+                                   style: RotaryStyle = "neox") -> tuple[Tensor, KVCache]:
+        """`rotary_and_write_kv`, then `paged_attention` of the rotated q: returns (the attention's output
+        [T, Hq, D], the updated cache). A backend may fuse the two (rotating q as its attention loads it, say,
+        and writing each token's key and value before reading the cache); this default runs them in turn."""
+        q, cache = self.rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slot_mapping, style)
+        return self.paged_attention(q, cache, step, scale, sliding_window, logit_softcap), cache
 
     def paged_attention(
         self,

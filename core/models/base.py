@@ -171,9 +171,9 @@ class DecoderModel:
             q, k = self.norm(layer.q_norm, q), self.norm(layer.k_norm, k)
         window = c.window_of(index)
         table = self._local_rotary_device if window is not None else self._rotary_device
-        q, cache = ops.rotary_and_write_kv(q, k, v, positions, table, cache, step.slot_mapping, self.rotary_style)
-        attended = ops.paged_attention(q, cache, step, c.attention_scale, sliding_window=window,
-                                       logit_softcap=c.attn_logit_softcapping)
+        attended, cache = ops.rotary_and_paged_attention(q, k, v, positions, table, cache, step.slot_mapping, step,
+                                                         c.attention_scale, window, c.attn_logit_softcapping,
+                                                         self.rotary_style)
         return ops.linear(attended.reshape(tokens, q_width), layer.out, layer.out_bias), cache
 
     def mlp(self, layer: Layer, h):

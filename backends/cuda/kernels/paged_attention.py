@@ -12,6 +12,11 @@ twice: its decodes tiled as a decode step (a tile of one token's group of heads,
 segments) and the longer queries tiled for prefill. In one launch each decode would take a prefill
 tile of up to 128 rows for its few heads and walk its whole context alone.
 
+A step of decodes alone over a float cache may come with its keys and values unwritten and q unrotated
+(`DecodeRotary`, `Ops.rotary_and_paged_attention`): each decode tile rotates its q rows as it loads them, and
+the segment whose keys end at the token's own rotates that key and stores it and the value in the token's
+slot before reading the cache, so the rotary kernel's launch, a layer's, is gone.
+
 A quantized cache ("int8" or "fp8" codes, each row followed by its float32 scale: kv_codes.py) is read
 by the same tiles: each block of keys and values is loaded as codes with its rows' scales and multiplied
 out in float32 on the way to the dots, which take 16-bit operands where the queries are 16-bit.
@@ -45,6 +50,7 @@ from candelabra.backends.cuda.kernels.kv_codes import (
     row_features,
     row_strides,
 )
+from candelabra.backends.cuda.kernels.rotary import NO_ROTARY, STYLE_KINDS, head_rotation, rotate
 from candelabra.backends.cuda.step import CudaStep
 
 LOG2_E = math.log2(math.e)
@@ -103,12 +109,48 @@ def decode_tiles(keys: int, stages: int) -> Iterator[None]:
         _decode_tilings.pop()
 
 
+@dataclass(frozen=True)
+class DecodeRotary:
+    """What a decode step's attention needs to rotate q and write the step's keys and values itself
+    (`Ops.rotary_and_write_kv` as `rotary.rotary_write_kv` runs it): the unrotated k [T, Hk, D] and v, the
+    rotary positions [T] and cos_sin table [max_positions, R], its style, and the slots [T]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    style: str
+    slot_mapping: torch.Tensor
+
+    def arguments(self) -> tuple:
+        return (self.key, self.value, self.positions, self.cos_sin, self.slot_mapping)
+
+    def strides(self) -> tuple[int, ...]:
+        return (self.key.stride(0), self.key.stride(1), self.value.stride(0), self.value.stride(1),
+                self.cos_sin.stride(0))
+
+
+def fuses_rotary(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: CudaStep,
+                 rotary: DecodeRotary) -> bool:
+    """Whether `paged_attention` can rotate and write the step's rows itself: a step of decodes alone over a
+    float cache, with rows and a table as `rotary.rotary_write_kv` takes them."""
+    k, v = rotary.key, rotary.value
+    rotary_dim = rotary.cos_sin.shape[-1]
+    return (step.max_query_len == 1 and check_same_codes(key_cache, value_cache) == FLOAT_CACHE
+            and rotary.style in STYLE_KINDS and rotary_dim % 2 == 0 and 0 < rotary_dim <= q.shape[2]
+            and k.shape == v.shape == (q.shape[0], key_cache.shape[2], q.shape[2])
+            and k.stride(-1) == v.stride(-1) == rotary.cos_sin.stride(-1) == 1
+            and rotary.positions.shape == rotary.slot_mapping.shape == (q.shape[0],)
+            and rotary.cos_sin.dtype == torch.float32)
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, step: CudaStep,
                     scale: float, sliding_window: int | None = None,
-                    logit_softcap: float | None = None) -> torch.Tensor:
+                    logit_softcap: float | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
     """`Ops.paged_attention`: q [T, Hq, D] over key_cache/value_cache [num_blocks, block_size, Hk, D]
     (or a quantized cache's [.., D + 4] bytes) through the step's block tables; returns [T, Hq, D] in q's
-    dtype."""
+    dtype. With `rotary` (where `fuses_rotary`), q and the step's keys come unrotated and the keys and values
+    unwritten: the decode tiles rotate and write them first (`Ops.rotary_and_write_kv`, then this)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -137,7 +179,12 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         codes != FLOAT_CACHE or key_cache.dtype == q.dtype == value_cache.dtype) else torch.float32
     launch = _AttentionLaunch(out, q, key_cache, value_cache, step, group, head_dim_pad, dot_dtype,
                               sliding_window, logit_softcap, scale, codes)
-    if step.max_query_len == 1:
+    if rotary is not None:
+        if not fuses_rotary(q, key_cache, value_cache, step, rotary):
+            raise ValueError("the attention rotates and writes the step's keys only in a step of decodes alone over a "
+                             "float cache, with k and v [T, Hk, D] of unit stride along D and a float32 cos_sin table")
+        launch.decodes(num_tokens, None, rotary)
+    elif step.max_query_len == 1:
         launch.decodes(num_tokens, None)
     elif step.decode_tokens is not None:
         launch.decodes(int(step.decode_tokens.shape[0]), step.decode_tokens)
@@ -164,7 +211,7 @@ class _AttentionLaunch:
     scale: float
     codes: str  # the cache's (kv_codes.py)
 
-    def decodes(self, count: int, tokens: torch.Tensor | None) -> None:
+    def decodes(self, count: int, tokens: torch.Tensor | None, rotary: DecodeRotary | None = None) -> None:
         """One tile per decode token (all of the step's tokens, or those listed in `tokens`), its keys
         split into segments when the tiles alone leave SMs idle, merged by each tile's last segment."""
         q, num_kv_heads = self.q, self.key_cache.shape[2]
@@ -179,7 +226,8 @@ class _AttentionLaunch:
             partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum, workspace.arrivals)
         else:
             partials = (self.out,) * 4  # never touched when there is a single segment
-        self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False, token_tiles=True)
+        self._tiles((count, num_kv_heads, segments), tiling, partials, tokens, skip_decodes=False, token_tiles=True,
+                    rotary=rotary)
 
     def longer_queries(self, skip_decodes: bool) -> None:
         """Tiles of several query tokens of one sequence each, unsplit."""
@@ -190,7 +238,8 @@ class _AttentionLaunch:
         self._tiles((tiles, self.key_cache.shape[2], 1), tiling, (self.out,) * 4, None, skip_decodes,
                     token_tiles=False)
 
-    def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool, token_tiles: bool) -> None:
+    def _tiles(self, grid, tiling: Tiling, partials, tokens, skip_decodes: bool, token_tiles: bool,
+               rotary: DecodeRotary | None = None) -> None:
         q, out, key_cache, value_cache, step = self.q, self.out, self.key_cache, self.value_cache, self.step
         if self.logit_softcap is None:
             score_scale, capped_scale = self.scale * LOG2_E, 0.0
@@ -203,11 +252,13 @@ class _AttentionLaunch:
             q, key_cache, value_cache,
             step.block_tables, step.seq_lens, step.query_start_loc, step.token_positions, step.token_seq,
             tokens if tokens is not None else step.token_seq,
+            *(rotary.arguments() if rotary is not None else (q, q, step.token_seq, q, step.token_seq)),
             num_seqs, (num_seqs - 1).bit_length(),  # binary-search steps over the sequences
             score_scale, capped_scale, self.sliding_window or 0, min_segment_steps(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *row_strides(key_cache, alignment), *row_strides(value_cache, alignment),
             step.block_tables.stride(0),
+            *(rotary.strides() if rotary is not None else (0,) * 5),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad,
             GROUP=self.group, GROUP_PAD=triton.next_power_of_2(self.group),
             QUERIES_PER_TILE=tiling.queries, BLOCK_M=tiling.rows, BLOCK_N=tiling.keys,
@@ -215,6 +266,8 @@ class _AttentionLaunch:
             USE_SOFTCAP=self.logit_softcap is not None, USE_WINDOW=self.sliding_window is not None,
             DOT_DTYPE=TRITON_DTYPES[self.dot_dtype], TOKEN_LIST=tokens is not None, SKIP_DECODES=skip_decodes,
             TOKEN_TILES=token_tiles, CODES=self.codes, ROW_ALIGNMENT=alignment,
+            ROTARY=NO_ROTARY.value if rotary is None else STYLE_KINDS[rotary.style],
+            ROTARY_DIM=0 if rotary is None else rotary.cos_sin.shape[-1],
             num_warps=tiling.warps, num_stages=tiling.stages, **launch_options(q.device),
         )
 
@@ -247,25 +300,31 @@ def _attention_tile_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, token_positions_ptr, token_seq_ptr, tile_tokens_ptr,
+    new_keys_ptr, new_values_ptr, rope_positions_ptr, cos_sin_ptr, slot_mapping_ptr,
     num_seqs, search_steps,
     score_scale, capped_scale, sliding_window, min_segment_steps,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_block_tables,
+    stride_new_key_token, stride_new_key_head, stride_new_value_token, stride_new_value_head, stride_cos_sin,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     QUERIES_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     TOKEN_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr, TOKEN_TILES: tl.constexpr, CODES: tl.constexpr,
-    ROW_ALIGNMENT: tl.constexpr, DEPENDENT: tl.constexpr,
+    ROW_ALIGNMENT: tl.constexpr, ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """A tile of query rows against its sequence's keys (or one segment of them). With TOKEN_TILES (the
     decodes' launch, one query a tile) tile t is one token: token t, or with TOKEN_LIST the t-th of
     tile_tokens. Otherwise tiles follow the sequences' queries in order, QUERIES_PER_TILE a tile (one
     too, where a group of query heads fills the tile), and with SKIP_DECODES those of one-token
-    sequences (tiled by another launch) do nothing."""
+    sequences (tiled by another launch) do nothing.
+    With ROTARY a style (a decode step's tiles over a float cache), q and the token's own key and value come
+    unrotated and unwritten (`new_keys_ptr`, `new_values_ptr`): each tile rotates its q rows as it loads them,
+    and the segment holding the token's own key rotates it, writes it and the value to the token's slot, and
+    only then reads the cache: `Ops.rotary_and_write_kv` in the attention's launch."""
     begin(DEPENDENT)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -315,8 +374,22 @@ def _attention_tile_kernel(
         if segment >= used_segments:
             return
 
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0).to(DOT_DTYPE)
+    q_rows = q_ptr + token * stride_q_token + head * stride_q_head
+    if ROTARY != NO_ROTARY:
+        partner, cos, sin = head_rotation(tl.load(rope_positions_ptr + first_token), cos_sin_ptr, stride_cos_sin, dims,
+                                          ROTARY, ROTARY_DIM)
+        q = rotate(q_rows, dims, partner, cos, sin, row_valid[:, None] & dim_valid[None, :], ROTARY_DIM)
+        q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as the rotary kernel stores it
+        # the segment holding the token's own key writes it (the others' stores are masked off)
+        _write_new_row(new_keys_ptr, new_values_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, first_token,
+                       kv_head, dims, dim_valid & (segment == used_segments - 1), partner, cos, sin,
+                       stride_new_key_token, stride_new_key_head, stride_new_value_token, stride_new_value_head,
+                       stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+                       BLOCK_SIZE, ROTARY_DIM)
+        tl.debug_barrier()  # the loads below read the key and value just stored
+    else:
+        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :],
+                    other=0.0).to(DOT_DTYPE)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -378,6 +451,27 @@ def _attention_tile_kernel(
     finish_rows(acc, running_max, running_sum, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
                 token, head, dims, row_valid, dim_valid, stride_out_token, stride_out_head, NUM_HEADS, NUM_SEGMENTS,
                 used_segments, segment, merge_token, merge_head, merge_valid, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _write_new_row(new_keys_ptr, new_values_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, token, kv_head,
+                   dims, dim_valid, partner, cos, sin, stride_new_key_token, stride_new_key_head,
+                   stride_new_value_token, stride_new_value_head, stride_k_block, stride_k_slot, stride_k_head,
+                   stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr):
+    """Token `token`'s key, rotated, and value of KV head `kv_head` stored in a float cache at its slot (none
+    at NO_SLOT, -1), as rotary.rotary_write_kv stores them."""
+    key_row = new_keys_ptr + token * stride_new_key_token + kv_head * stride_new_key_head + tl.zeros([1], tl.int32)
+    key = rotate(key_row, dims, partner, cos, sin, dim_valid[None, :], ROTARY_DIM)
+    value = tl.load(new_values_ptr + token * stride_new_value_token + kv_head * stride_new_value_head + dims,
+                    mask=dim_valid, other=0.0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block, offset = tl.maximum(slot, 0) // BLOCK_SIZE, tl.maximum(slot, 0) % BLOCK_SIZE
+    stored = dim_valid & (slot >= 0)
+    key_at = key_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
+    key = key.to(new_keys_ptr.dtype.element_ty).to(key_cache_ptr.dtype.element_ty)
+    tl.store(key_at + dims[None, :], key, mask=stored[None, :])
+    tl.store(value_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head + dims,
+             value.to(value_cache_ptr.dtype.element_ty), mask=stored)
 
 
 @triton.jit

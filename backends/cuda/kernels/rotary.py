@@ -18,6 +18,10 @@ from candelabra.backends.cuda.kernels.dependent_launch import begin, launch_opti
 from candelabra.backends.cuda.kernels.kv_codes import FLOAT_CACHE, check_same_codes, row_features
 
 STYLES = ("neox", "gptj")
+# A kernel that rotates as it loads (paged attention's decode tiles) takes the style as a constexpr.
+NO_ROTARY = tl.constexpr(0)
+STYLE_KINDS = {"neox": 1, "gptj": 2}
+NEOX_KIND = tl.constexpr(STYLE_KINDS["neox"])
 # Largest [heads, features] tile one program holds: 16 float32 values per thread with 4 warps.
 TILE_ELEMENTS = 2048
 
@@ -233,6 +237,36 @@ def _rotary_kernel(
                                value_cache_stride_head, block_size)
             scales = _scales_for(rows, slot, kv_codes.largest_magnitudes(value), value_dim, head_valid, CODES)
             _write_heads(rows, slot, value_cols, value, mask, scales, CODES)
+
+
+@triton.jit
+def head_rotation(position, cos_sin_ptr, cos_sin_stride, dims, STYLE: tl.constexpr, ROTARY_DIM: tl.constexpr):
+    """How a head's features `dims` rotate at `position` (`Ops.rotary` with a table of ROTARY_DIM columns, in
+    style STYLE_KINDS): (each feature's partner in its pair, the cos to multiply it by, and the signed sin to
+    multiply its partner by), so that `rotate` gives a in the pair's a*c - b*s and b its b*c + a*s; features
+    past ROTARY_DIM pass through (cos 1, sin 0)."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    rotating = dims < ROTARY_DIM
+    if STYLE == NEOX_KIND:
+        first = dims < HALF
+        pair = tl.where(first, dims, dims - HALF)
+        partner = tl.where(first, dims + HALF, dims - HALF)
+    else:
+        first = dims % 2 == 0
+        pair = dims // 2
+        partner = dims ^ 1
+    row = cos_sin_ptr + position.to(tl.int64) * cos_sin_stride
+    cos = tl.load(row + pair, mask=rotating, other=1.0).to(tl.float32)
+    sin = tl.load(row + HALF + pair, mask=rotating, other=0.0).to(tl.float32)
+    return tl.where(rotating, partner, dims), tl.where(rotating, cos, 1.0), tl.where(first, -sin, sin)
+
+
+@triton.jit
+def rotate(rows, dims, partner, cos, sin, mask, ROTARY_DIM: tl.constexpr):
+    """Features `dims` of the rows at `rows` [R] rotated as `head_rotation` says, in float32 (0 where masked)."""
+    x = tl.load(rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    mate = tl.load(rows[:, None] + partner[None, :], mask=mask & (dims < ROTARY_DIM)[None, :], other=0.0)
+    return x * cos[None, :] + mate.to(tl.float32) * sin[None, :]
 
 
 def _last_axis_dense(x: torch.Tensor) -> torch.Tensor:
