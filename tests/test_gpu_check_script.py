@@ -36,9 +36,9 @@ def test_a_step_runs_inside_the_budget_and_the_ones_past_it_are_skipped_and_all_
     assert "candelabra" in (results / "env.log").read_text()  # `candelabra backends` ran
     skipped = (results / "skipped.log").read_text().splitlines()
     assert [line.split(":")[0] for line in skipped] == [
-        f"== {step}" for step in ("env", "bench-bf16", "bench-no-pdl", "profile", "profile-no-pdl", "ops",
-                                  "models-bf16", "engine", "attention-split", "bench-int4", "bench-cublas",
-                                  "bench-transformers", "bench-in-turn")]
+        f"== {step}" for step in ("env", "bench-bf16", "bench-unfused", "bench-no-pdl", "profile", "ops",
+                                  "models-bf16", "engine", "attention-split", "bench-int4", "profile-no-pdl",
+                                  "bench-cublas", "bench-transformers", "bench-in-turn")]
     with tarfile.open(pack) as packed:
         assert {Path(name).name for name in packed.getnames()} >= {"env.log", "skipped.log"}
     assert not pack.with_name("gpu-check.tgz.part").exists()
