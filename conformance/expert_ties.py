@@ -14,7 +14,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
+                 # a quantized KV cache's rows: int8 keeps an element to half a code of its row's largest
+                 # magnitude over 127, about 2^-8 of it; fp8 (e4m3) to its 3 mantissa bits
+                 "int8": 2.0**-8, "fp8": 2.0**-4}
+
+
+def coarsest(*roundings: str | None) -> str:
+    """Of the dtypes and KV cache dtypes named (None for none), the one that rounds the most."""
+    return max((r for r in roundings if r is not None), key=UNIT_ROUNDOFF.__getitem__)
 
 # On the tiny MoE cases in bfloat16 (8 cases x 12 seeds) and float16 (8 x 8) every position whose
 # logits moved by more than the dense limit was found at 4 units; 1 and 2 units missed one of them.

@@ -71,8 +71,9 @@ def threshold_table() -> str:
         kv_cache,
         models,
         "A mixture of experts' logits are compared at the prompt positions where transformers' routers do not choose "
-        f"within the dtype's rounding of a tie (their input nudged by up to {NUDGE_UNITS} units in the last place "
-        f"changes no choice in {NUDGES} draws); at the others a correct backend may choose other experts. For the "
+        f"within the dtype's rounding of a tie, or a quantized KV cache's where it rounds more (int8: 2^-8 of a row's "
+        f"largest value; their input nudged by up to {NUDGE_UNITS} such units changes no choice in {NUDGES} draws); "
+        "at the others a correct backend may choose other experts. For the "
         "same reason its greedy tokens may part from transformers' where transformers' newest position routes so.",
         "engine level: every request's greedy tokens equal the numpy reference backend's, and its logprobs within "
         "the model limit of the dtype (over a quantized KV cache: the tokens it gets alone at that cache dtype).",
