@@ -324,3 +324,29 @@ def test_a_step_of_other_queries_or_a_quantized_cache_keeps_rotary_apart_from_at
     odd = DecodeRotary(k[:2], k[:2], decode.step.rope_positions, torch.zeros(64, 66, device=DEVICE), "neox",
                        decode.step.slot_mapping)
     assert not fuses_rotary(decode.q, decode.key_cache, decode.value_cache, decode.step, odd)
+
+
+@pytest.mark.parametrize("switch, fused", [(None, True), ("1", True), ("0", False)])
+def test_the_decode_fusions_switch_sends_a_decode_step_to_the_fused_launch_or_to_the_two_kernels(
+        monkeypatch, switch, fused):
+    from candelabra.backends.cuda import ops as cuda_ops
+    from candelabra.core.contract.ops import KVCache
+
+    if switch is None:
+        monkeypatch.delenv(cuda_ops.FUSIONS_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(cuda_ops.FUSIONS_SWITCH, switch)
+    ops = cuda_ops.CudaOps(DEVICE)
+    launched = []
+    monkeypatch.setattr(cuda_ops, "paged_attention", lambda *args: launched.append(args[-1]) or args[0])
+    decode = Case(35, [1, 1], [20, 9])
+    rng = np.random.default_rng(36)
+    k = torch.from_numpy(rng.standard_normal((2, 2, 64))).to(DEVICE, torch.float32)
+    cos_sin = torch.from_numpy(rng.uniform(-1, 1, (64, 64))).to(DEVICE, torch.float32)
+
+    ops.rotary_and_paged_attention(decode.q, k, k.clone(), decode.step.rope_positions, cos_sin,
+                                   KVCache(decode.key_cache, decode.value_cache), decode.step.slot_mapping,
+                                   decode.step, 0.125)
+
+    assert ops.fusing == fused
+    assert len(launched) == 1 and (launched[0] is not None) == fused

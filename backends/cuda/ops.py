@@ -27,6 +27,10 @@ def fusing() -> bool:
 class CudaOps(TorchOps):
     backend_name = "cuda"
 
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.fusing = fusing()  # read once: the ops below ask at every layer
+
     def linear(self, x, weight, bias=None):
         if isinstance(weight, Int4CudaWeight):
             return weight.matmul(x, bias)
@@ -60,7 +64,7 @@ class CudaOps(TorchOps):
         if activation not in activations.GATED_KINDS:
             raise ValueError(f"unknown gated activation {activation!r}; expected one of "
                              f"{tuple(activations.GATED_KINDS)}")
-        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset) if fusing() else None
+        norm = _one_row_norm(x, residual, norm_weight, eps, weight_offset) if self.fusing else None
         done = None if norm is None else _normed_one_row(x.reshape(1, -1), norm, gate_up, gate_up_bias, activation)
         if done is not None:
             gated, joined = done
@@ -104,7 +108,7 @@ class CudaOps(TorchOps):
         load it, and the segment holding each token's own key rotates it and writes it and the value to the
         cache first. Elsewhere `rotary_and_write_kv`, then `paged_attention`."""
         rotary = DecodeRotary(k, v, positions, cos_sin, style, slot_mapping)
-        if fusing() and fuses_rotary(q, cache.key, cache.value, step, rotary):
+        if self.fusing and fuses_rotary(q, cache.key, cache.value, step, rotary):
             return paged_attention(q, cache.key, cache.value, step, scale, sliding_window, logit_softcap, rotary), cache
         return super().rotary_and_paged_attention(q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
                                                   sliding_window, logit_softcap, style)
