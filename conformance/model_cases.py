@@ -76,6 +76,9 @@ class ModelCase:
     kv_cache_dtype: str | None = None
 
 
+_QWEN3_MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+              "mlp_only_layers": [1], "norm_topk_prob": False}
+
 MODEL_CASES = [
     ModelCase("llama", "LlamaConfig"),
     ModelCase("llama3.1-rope", "LlamaConfig", {"rope_scaling": _LLAMA3}),
@@ -102,9 +105,7 @@ MODEL_CASES = [
     # Qwen3-MoE does not, and keeps a dense MLP in its middle layer.
     ModelCase("mixtral", "MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 7},
               routes_experts=True),
-    ModelCase("qwen3-moe", "Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
-                                              "moe_intermediate_size": 48, "mlp_only_layers": [1],
-                                              "norm_topk_prob": False}, routes_experts=True),
+    ModelCase("qwen3-moe", "Qwen3MoeConfig", _QWEN3_MOE, routes_experts=True),
     # Latent attention (no q bottleneck in V2, as in V2-Lite; one in V3), a dense first layer, a shared
     # expert, and routing by groups: 8 experts in 4 groups of which 2 are kept, 2 experts a token. V2
     # with yarn and DeepSeek's mscale; V3 with its sigmoid scores and a random correction bias.
@@ -183,6 +184,9 @@ INT4_MODEL_CASES = [
     # one group a row: groups of 128 and 256 repeating its scale and zero
     Int4ModelCase("gptq-llama-v1-sym-per-row", "LlamaConfig", Int4Layout("gptq", -1, sym=True, v1=True)),
     Int4ModelCase("awq-qwen2-g64", "Qwen2Config", Int4Layout("awq", 64)),
+    # a mixture of experts packed one linear per expert and projection, as the Hub's GPTQ MoE checkpoints are
+    Int4ModelCase("gptq-qwen3-moe-g32", "Qwen3MoeConfig", Int4Layout("gptq", 32, sym=True),
+                  {**_QWEN3_MOE, "moe_intermediate_size": 64}, routes_experts=True),
 ]
 
 

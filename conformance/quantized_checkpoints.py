@@ -23,6 +23,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Linears that read the same input share an act-order permutation, as in a real checkpoint (the
 # permutation follows the input's Hessian).
 SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# A MoE layer's experts as transformers 5 fuses them: [E, 2I, H] gate rows first, and [E, H, I].
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -115,25 +117,40 @@ def pack_columns(values: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -
     return words.view(np.int32)
 
 
-def quantize_linears(tensors: dict[str, np.ndarray], layout: Int4Layout,
-                     seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def quantize_linears(tensors: dict[str, np.ndarray], layout: Int4Layout, seed: int,
+                     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(`tensors` with each linear layer's weight (not the LM head's) replaced by random 4-bit codes
-    packed as `layout` says, the same tensors holding those weights dequantized instead)."""
+    packed as `layout` says, the same tensors holding those weights dequantized instead). Experts
+    fused in 3-D as transformers 5 keeps them (`experts.gate_up_proj`, `experts.down_proj`) are packed
+    one expert at a time, as the Hub's checkpoints store them, under `expert_names` (gate, up, down):
+    each expert's gate and up share one g_idx and its down has another, so under act-order every
+    expert's column order differs."""
     rng = np.random.default_rng(seed)
     packed, dense = dict(tensors), dict(tensors)
     shared: dict[tuple[str, str], np.ndarray] = {}
-    for name, value in tensors.items():
-        prefix = name.removesuffix(".weight")
-        kind = prefix.rsplit(".", 1)[-1]
-        if kind not in LINEARS or not name.endswith(".weight"):
-            continue
+
+    def quantized(prefix: str, value: np.ndarray, reads: str) -> np.ndarray:
+        """`value` [N, K] replaced by the linear `prefix`, whose g_idx it shares with the linears that read `reads`."""
         rows, columns = value.shape
-        key = (prefix.rsplit(".", 2)[0], SHARED_INPUT.get(kind, kind))
-        g_idx = shared.setdefault(key, random_g_idx(rng, layout, columns))
+        g_idx = shared.setdefault((prefix.rsplit(".", 1)[0], reads), random_g_idx(rng, layout, columns))
         weight = random_int4_weight(rng, layout, rows, columns, g_idx)
-        dense[name] = weight.dequantized()
-        del packed[name]
         packed.update(packed_tensors(layout, weight, prefix))
+        return weight.dequantized()
+
+    gate, up, down = expert_names
+    for name, value in tensors.items():
+        module, _, kind = name.removesuffix(".weight").rpartition(".")
+        if name.endswith(".weight") and kind in LINEARS:
+            dense[name] = quantized(name.removesuffix(".weight"), value, SHARED_INPUT.get(kind, kind))
+        elif module.endswith(".experts") and kind in FUSED_EXPERTS and value.ndim == 3:
+            parts = (gate, up) if kind == "gate_up_proj" else (down,)
+            dense[name] = np.stack([np.concatenate([quantized(f"{module}.{e}.{part}", rows, kind)
+                                                    for part, rows in zip(parts, np.split(expert, len(parts)))])
+                                    for e, expert in enumerate(value)])
+        else:
+            continue
+        del packed[name]
     return packed, dense
 
 
@@ -142,8 +159,11 @@ def write_int4_checkpoint(model, layout: Int4Layout, folder: str | Path, seed: i
     says, write the checkpoint to `folder`, and leave the dequantized weights in `model`."""
     import torch
 
+    from candelabra.plugins import installed_plugins
+
     tensors = {name: value.detach().numpy().copy() for name, value in model.state_dict().items()}
-    packed, dense = quantize_linears(tensors, layout, seed)
+    names = installed_plugins().model_architectures.get(type(model).__name__).expert_names
+    packed, dense = quantize_linears(tensors, layout, seed, (names.gate, names.up, names.down))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             parameter.copy_(torch.from_numpy(dense[name]))

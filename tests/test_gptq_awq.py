@@ -2,18 +2,26 @@
 definition says (checked one element at a time in plain Python), kept as grouped int4 weights
 where that is exact (act-order as a column order) and dequantized with a reason where not; configs
 candelabra cannot read refused naming what they say; `--quant` checked against the checkpoint; and
-a tiny act-order model kept quantized matching transformers.
+a tiny act-order model kept quantized matching transformers, and MoE models whose experts are packed one
+by one stacked quantized, or dequantized where act-order gave each expert its own column order.
 """
 
 import json
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from candelabra.conformance.model_cases import INT4_MODEL_CASES, make_reference, run_model_case
-from candelabra.conformance.quantized_checkpoints import AWQ_ORDER, write_int4_checkpoint
+from candelabra.conformance.model_cases import (
+    INT4_MODEL_CASES,
+    MODEL_CASES,
+    Int4ModelCase,
+    make_reference,
+    run_model_case,
+)
+from candelabra.conformance.quantized_checkpoints import AWQ_ORDER, Int4Layout, write_int4_checkpoint
 from candelabra.core.contract.weights import QuantizedTensor, WeightRole
 from candelabra.core.loading.model import load_model
 from candelabra.core.loading.open import open_model
@@ -242,6 +250,40 @@ def test_projections_fused_from_different_act_orders_are_dequantized(tmp_path, a
     expected = np.concatenate([reference.model.layers[0].self_attn.get_submodule(f"{p}_proj").weight.detach().numpy()
                                for p in "qkv"])
     np.testing.assert_array_equal(qkv, expected)
+
+
+# MoE checkpoints as the Hub's GPTQ and AWQ ones store their experts, one linear per expert and projection
+# (the models level's GPTQ Qwen3-MoE, and these); under act-order each expert has a g_idx of its own (its
+# inputs' statistics order its columns).
+GPTQ_MOE = next(case for case in INT4_MODEL_CASES if case.routes_experts)
+MOE_INT4_CASES = [
+    GPTQ_MOE,
+    replace(GPTQ_MOE, name="gptq-qwen3-moe-v1-act-order-g32", layout=Int4Layout("gptq", 32, desc_act=True, v1=True)),
+    Int4ModelCase("awq-mixtral-g32", "MixtralConfig", Int4Layout("awq", 32),
+                  next(case for case in MODEL_CASES if case.name == "mixtral").settings, routes_experts=True),
+]
+
+
+@pytest.mark.parametrize("case", MOE_INT4_CASES, ids=lambda case: case.name)
+@pytest.mark.parametrize("backend_name", ["quantized-cpu", "torch"])
+def test_moe_experts_packed_one_by_one_are_stacked_and_match_transformers(case, backend_name, caplog):
+    """Each expert's packed linears are read and stacked into the layer's two 3-D weights: kept int4 where
+    every expert's columns come in one order, dequantized (and logged) where act-order gave each its own."""
+    from candelabra.backends.torch.backend import TorchBackend
+
+    backend = QuantizedCpuBackend() if backend_name == "quantized-cpu" else TorchBackend()
+    with caplog.at_level(logging.INFO, logger="candelabra"):
+        result = run_model_case(backend, case, seed=21)
+    assert result.status == "passed", result.message
+    reordered = "the experts dequantized to float32 at load to be stacked" in caplog.text
+    assert reordered == case.layout.desc_act
+    if backend_name == "quantized-cpu":
+        experts = [backend.uploads[f"model.layers.0.mlp.experts.{part}", WeightRole.EXPERTS]
+                   for part in ("gate_up_proj", "down_proj")]
+        kinds = {type(weight) for weight in experts}
+        assert kinds == ({np.ndarray} if case.layout.desc_act else {QuantizedTensor})
+        assert isinstance(backend.uploads["model.layers.0.self_attn.qkv_proj.weight", WeightRole.LINEAR],
+                          QuantizedTensor)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -164,10 +164,17 @@ def _check_alike(parts: Sequence[QuantizedTensor], action: str, kind) -> None:
                          f"{sorted(kinds)}")
 
 
-def _check_same_order(parts: Sequence[QuantizedTensor]) -> None:
+def same_column_order(parts: Sequence[QuantizedTensor]) -> bool:
+    """Whether the parts' columns are stored in one order: none permuted, or all alike (as act-order GPTQ
+    layers reading the same input are)."""
     orders = [part.column_order for part in parts]
-    if any(order is None for order in orders) != all(order is None for order in orders) or (
-            orders[0] is not None and not all(np.array_equal(orders[0], order) for order in orders)):
+    if all(order is None for order in orders):
+        return True
+    return all(order is not None for order in orders) and all(np.array_equal(orders[0], order) for order in orders)
+
+
+def _check_same_order(parts: Sequence[QuantizedTensor]) -> None:
+    if not same_column_order(parts):
         raise ValueError("cannot join quantized weights whose columns are stored in different orders "
                          "(act-order GPTQ layers with different g_idx)")
 

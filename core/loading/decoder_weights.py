@@ -25,7 +25,7 @@ from tqdm import tqdm
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.dtypes import DType
-from candelabra.core.contract.weights import QuantizedTensor, WeightRole, stays_quantized
+from candelabra.core.contract.weights import QuantizedTensor, WeightRole, same_column_order, stays_quantized
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.layer_weights import DecoderWeights, Experts, LatentAttention, Layer, Norm
@@ -211,7 +211,7 @@ class _Loader:
         """One projection of this rank's experts, [E', out, in]: those of the checkpoint's fused 3-D tensor
         of every expert's `matrix` where it has one, else the tensors `per_expert` of each (their rows
         one after another) stacked, the other experts' not read; still quantized where they all share a
-        format the backend keeps for experts."""
+        format the backend keeps for experts and one column order (act-order GPTQ experts each have their own)."""
         if fused in self._names:
             every = self._host([fused], WeightRole.EXPERTS)
             _check_shape(fused, every, (self.config.moe.num_experts, *matrix))
@@ -219,7 +219,13 @@ class _Loader:
         kept = self._kept_format([name for names in per_expert for name in names], WeightRole.EXPERTS)
         experts = [self._read(names, kept) for names in per_expert]
         self._progress.update((self.config.moe.num_experts - len(per_expert)) * len(per_expert[0]))
-        return np.stack(experts) if kept is None else QuantizedTensor.stack(experts)
+        if kept is None:
+            return np.stack(experts)
+        if all(isinstance(expert, QuantizedTensor) for expert in experts) and same_column_order(experts):
+            return QuantizedTensor.stack(experts)
+        log.info("%s: the experts dequantized to float32 at load to be stacked, since their act-order column "
+                 "orders differ", fused)
+        return np.stack([expert.dequantize() if isinstance(expert, QuantizedTensor) else expert for expert in experts])
 
     # One tensor, or several stacked, from the checkpoint to the backend.
 
@@ -348,9 +354,7 @@ def _check_shape(name: str, weight: HostWeight, expected: tuple[int, ...],
 def _joined(names: list[str], parts: list[QuantizedTensor]) -> HostWeight:
     """The parts' rows one after another: quantized where they share a column order, as fused act-order
     GPTQ projections do (q, k and v, or gate and up, read the same inputs), else dequantized."""
-    orders = [part.column_order for part in parts]
-    if all(order is None for order in orders) or (
-            all(order is not None for order in orders) and all(np.array_equal(orders[0], o) for o in orders)):
+    if same_column_order(parts):
         return QuantizedTensor.concatenate(parts)
     log.info("%s: dequantized to float32 at load to be fused, since their act-order column orders differ",
              " and ".join(names))
