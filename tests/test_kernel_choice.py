@@ -11,10 +11,13 @@ import torch
 
 from candelabra.backends.torch import kernel_choice
 from candelabra.backends.torch.kernel_choice import (
+    INVERSION_RATIO,
     MAX_LOOKS,
+    MEASURING_ORDER,
     PRUNE_RATIO,
     QUIET_MARGIN_CPUS,
     ROW_BANDS,
+    TIMED_CALLS,
     Candidate,
     Choice,
     KernelChooser,
@@ -214,6 +217,49 @@ def test_a_kernel_far_slower_than_the_best_is_not_timed_at_more_rows(tmp_path):
     (slow,) = [t for t in measuring.timings if t.kernel == "int8_split"]
     assert slow.dropped.startswith(f"slow: {1000 / 1.0:.0f}x") and 1000 > PRUNE_RATIO
 
+
+
+class SlowAtOneRow(FakeTimes):
+    """FakeTimes, but one kernel's calls at one row take `slow_ms` (its first `slow_calls` of them, or all)."""
+
+    def __init__(self, ms, kernel: tuple[str, str], slow_ms: float, slow_calls: int | None = None) -> None:
+        super().__init__(ms)
+        self.kernel, self.slow_ms, self.slow_calls = kernel, slow_ms, slow_calls
+
+    def __call__(self, form, name, kernel, x) -> float:
+        seconds = super().__call__(form, name, kernel, x)
+        if (form, name) != self.kernel or x.shape[0] != 1:
+            return seconds
+        seen = sum(1 for call in self.calls if call == (form, name, 1))
+        return self.slow_ms / 1000 if self.slow_calls is None or seen <= self.slow_calls else seconds
+
+
+def test_a_kernel_timed_slower_over_one_row_than_over_more_is_timed_again_there(tmp_path):
+    """Its first look at one row was held up (three calls, 10 ms each, where four rows took 1 ms): taken
+    again, it is the fastest there once more."""
+    times = SlowAtOneRow(ALL_FAST, ("int8", "int8_mm"), slow_ms=10.0, slow_calls=TIMED_CALLS)
+    measuring = chooser(tmp_path, times)
+    kept = measuring.keep("Q5_0", SHAPE, int8_and_dense_candidates())
+    assert times.calls.count(("int8", "int8_mm", 1)) == 2 * TIMED_CALLS
+    (one_row,) = [t for t in measuring.timings if t.kernel == "int8_mm" and t.rows == 1]
+    assert one_row.ms == 1.0 and kept.choice.kernel_for(1) == "int8_mm"
+
+
+def test_a_kernel_slower_over_one_row_every_time_keeps_that_time():
+    from candelabra.backends.torch.kernel_choice import measure
+
+    times = SlowAtOneRow(ALL_FAST, ("int8", "int8_mm"), slow_ms=10.0)
+    found, _ = measure("Q5_0", SHAPE, int8_and_dense_candidates(), "bfloat16", times, lambda: 1.0)
+    (one_row,) = [t for t in found if t.kernel == "int8_mm" and t.rows == 1]
+    assert one_row.ms == 10.0 and 10.0 > INVERSION_RATIO * 1.0
+    assert times.calls.count(("int8", "int8_mm", 1)) == 2 * TIMED_CALLS  # timed again once, not without end
+    assert times.calls.count(("dense", "dense", 1)) == TIMED_CALLS  # no faster over more rows: not again
+    # and once the budget is spent on the bands, nothing is timed again
+    times = SlowAtOneRow(ALL_FAST, ("int8", "int8_mm"), slow_ms=10.0)
+    bands_then_nothing = iter([1.0] * (len(MEASURING_ORDER) - 1))
+    measure("Q5_0", SHAPE, int8_and_dense_candidates(), "bfloat16", times, lambda: next(bands_then_nothing, 0.0))
+    assert {rows for _, name, rows in times.calls if name == "int8_mm"} == set(ROW_BANDS)
+    assert times.calls.count(("int8", "int8_mm", 1)) == TIMED_CALLS
 
 def test_an_unavailable_form_is_reported_and_never_built(tmp_path):
     candidates = [*int8_and_dense_candidates(),

@@ -34,7 +34,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,6 +57,12 @@ ENTRY_SHARE = 0.25
 # A kernel this many times slower than the best at one band is not timed at larger bands: a kernel
 # that multiplies row by row only falls further behind as rows grow.
 PRUNE_RATIO = 20.0
+# A kernel timed this many times slower over fewer rows than over more is timed again there (TIMED_CALLS
+# more calls, the best kept): the smaller product does no more work, so the look caught something else.
+# On an Intel VM of 2 cores whose other processes stayed idle, a 9728 x 896 Q5_0 product that takes
+# 0.7 ms at one row timed 4.8 ms in all three calls and 1.1 ms at four rows; the weight went dense and
+# one request's decode step took 89 ms instead of 53 (29 November).
+INVERSION_RATIO = 1.5
 # A call this slow is timed once: its time is not in doubt, and a second look costs as much again.
 # Faster calls are timed three times, the best kept: on 2 cores one call in a few is preempted for 5 to
 # 15 ms, which made a 0.3 ms kernel look 50 times slower at one band than at the next; and with two, a
@@ -291,10 +297,11 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
             budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET[dtype] if rounding else KERNEL_NMSE_BUDGET[dtype]
             kernels.append((candidate.form, name, kernel, values, budget))
     slow: dict[str, int] = {}  # kernel name: the rows it was found too slow at, not timed at more
+    inputs: dict[int, object] = {}  # x of each band timed
     for rows in MEASURING_ORDER:
         if rows > MEASURING_ORDER[0] and seconds_left() <= 0:
             break
-        x = torch.from_numpy(rng.standard_normal((rows, shape[1]))).to(torch_dtype(dtype))
+        x = inputs[rows] = torch.from_numpy(rng.standard_normal((rows, shape[1]))).to(torch_dtype(dtype))
         references: dict[str, np.ndarray] = {}  # per form: x times its values, in float64
         band: list[Timing] = []
         for form, name, kernel, values, budget in kernels:
@@ -311,7 +318,25 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
                 t = Timing(**{**asdict(t), "dropped": f"slow: {t.ms / fastest:.0f}x the fastest at {rows} rows, "
                                                       "not timed at more"})
             timings.append(t)
-    return timings, built
+    calls = {(form, name): kernel for form, name, kernel, _, _ in kernels}
+    return _inversions_timed_again(timings, calls, inputs, stopwatch, repeats, seconds_left), built
+
+
+def _inversions_timed_again(timings: list[Timing], calls: dict[tuple[str, str], Kernel], inputs: dict[int, object],
+                            stopwatch: Callable[[str, str, Kernel, object], float], repeats: int,
+                            seconds_left: Callable[[], float]) -> list[Timing]:
+    """`timings` with each kernel's time at a band INVERSION_RATIO above its best at a larger band taken
+    again, while the budget lasts: the best of the first look and `repeats` more calls."""
+    again = list(timings)
+    for index, timing in enumerate(timings):
+        larger = [t.ms for t in timings if t.usable and (t.form, t.kernel) == (timing.form, timing.kernel)
+                  and t.rows > timing.rows]
+        if not timing.usable or not larger or timing.ms <= INVERSION_RATIO * min(larger) or seconds_left() <= 0:
+            continue
+        kernel, x = calls[timing.form, timing.kernel], inputs[timing.rows]
+        best = min(stopwatch(timing.form, timing.kernel, kernel, x) for _ in range(repeats)) * 1000
+        again[index] = replace(timing, ms=min(timing.ms, best))
+    return again
 
 
 def _time_one(format, shape, rows, form, name, kernel, reference, checked, x, budget, stopwatch, repeats) -> Timing:
