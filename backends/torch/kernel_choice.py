@@ -265,7 +265,8 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
     """Every candidate form built and every kernel of it timed at one row, then at the other bands in
     MEASURING_ORDER while `seconds_left()` is positive (a band begun is finished); with the forms that
     were built. A kernel is timed `repeats` times, the first call's
-    output checked, and its best time kept."""
+    output checked, and its best time kept; where that is INVERSION_RATIO above its time over more rows, it
+    is timed again."""
     import torch
 
     from candelabra.backends.torch.backend import torch_dtype
