@@ -23,6 +23,10 @@ values and scales; packed int4 with scales and zeros; dense values) over the med
 
 --threads 1 --cpu-time: one thread's CPU time instead of the wall clock, for a machine others keep busy.
 
+--float-tiles 4 16: blocks_float in float32 also as the library builds it with those rows of x a tile
+(`FLOAT_TILE`; the package's build is the candidate without a tile named), each build kept in a folder
+of its own for the run.
+
 --overhead: microseconds per call on a tiny weight (64 x 256, M = 1): the fixed cost a decode step
 pays about 100 times.
 
@@ -38,15 +42,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
+from candelabra.backends.torch import native_blocks
 from candelabra.backends.torch.cpu_features import cpu_model_name
 from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.backends.torch.quantized import int4_groupwise, int8_rowwise
@@ -98,11 +105,32 @@ def int8_rows(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(values), torch.from_numpy(scales).to(torch.bfloat16)
 
 
-def candidates(weights: list[QuantizedTensor]) -> list[Candidate]:
+def tile_builds(tiles: list[int], folder: str) -> dict[int, object]:
+    """The kernel library built with each number of rows a float tile, in `folder`."""
+    builds = {}
+    for tile in tiles:
+        build = native_blocks._build_and_load((f"-DFLOAT_TILE={tile}",), Path(folder) / str(tile))
+        if build.library is None:
+            raise SystemExit(f"the library with FLOAT_TILE={tile} did not build: {build.detail}")
+        builds[tile] = build
+    return builds
+
+
+def on_library(weight: NativeBlocksWeight, build) -> NativeBlocksWeight:
+    """`weight` multiplied by another build of the kernel library."""
+    weight._matmul, weight._decode = build.library.gguf_blocks_matmul, build.library.gguf_blocks_decode
+    return weight
+
+
+def candidates(weights: list[QuantizedTensor], tiles: dict[int, object]) -> list[Candidate]:
     first = weights[0]
     rows, columns = first.shape
     blocks = first.blocks.nbytes
     found = []
+    for tile, build in tiles.items():
+        pool = pooled(lambda w, build=build: on_library(NativeBlocksWeight.from_quantized(w, torch.float32), build),
+                      weights, blocks)
+        found.append(Candidate(f"blocks_float f32 tile {tile}", torch.float32, pool, blocks, lambda w, x: w._float(x)))
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         pool = pooled(lambda w, dtype=dtype: NativeBlocksWeight.from_quantized(w, dtype), weights, blocks)
         found.append(Candidate(f"blocks_float {tag}", dtype, pool, blocks, lambda w, x: w._float(x)))
@@ -246,6 +274,8 @@ def main() -> None:
     parser.add_argument("--errors", action="store_true")
     parser.add_argument("--cpu-time", action="store_true",
                         help="with --threads 1: time the thread's CPU time, which other processes barely move")
+    parser.add_argument("--float-tiles", type=int, nargs="+", default=[], metavar="ROWS",
+                        help="also time blocks_float in float32 built with these rows of x a tile")
     args = parser.parse_args()
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time counts one thread's time: give --threads 1")
@@ -265,10 +295,12 @@ def main() -> None:
         return
     reader = GGUFReader(default_model_path())
     lines = []
+    builds_folder = tempfile.TemporaryDirectory()
+    tiles = tile_builds(args.float_tiles, builds_folder.name)
     for kind in args.weights:
         weights = read_weights(reader, *WEIGHTS[kind])
         rows, columns = weights[0].shape
-        cands = candidates(weights)
+        cands = candidates(weights, tiles)
         for m in args.rows:
             seconds, busy = time_all(cands, m, columns, args.repeats, args.quiet_wait_s, clock)
             for c in cands:
