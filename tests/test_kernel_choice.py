@@ -218,7 +218,6 @@ def test_a_kernel_far_slower_than_the_best_is_not_timed_at_more_rows(tmp_path):
     assert slow.dropped.startswith(f"slow: {1000 / 1.0:.0f}x") and 1000 > PRUNE_RATIO
 
 
-
 class SlowAtOneRow(FakeTimes):
     """FakeTimes, but one kernel's calls at one row take `slow_ms` (its first `slow_calls` of them, or all)."""
 
@@ -260,6 +259,7 @@ def test_a_kernel_slower_over_one_row_every_time_keeps_that_time():
     measure("Q5_0", SHAPE, int8_and_dense_candidates(), "bfloat16", times, lambda: next(bands_then_nothing, 0.0))
     assert {rows for _, name, rows in times.calls if name == "int8_mm"} == set(ROW_BANDS)
     assert times.calls.count(("int8", "int8_mm", 1)) == TIMED_CALLS
+
 
 def test_an_unavailable_form_is_reported_and_never_built(tmp_path):
     candidates = [*int8_and_dense_candidates(),

@@ -221,11 +221,8 @@ class _Loader:
         self._progress.update((self.config.moe.num_experts - len(per_expert)) * len(per_expert[0]))
         if kept is None:
             return np.stack(experts)
-        if all(isinstance(expert, QuantizedTensor) for expert in experts) and same_column_order(experts):
-            return QuantizedTensor.stack(experts)
-        log.info("%s: the experts dequantized to float32 at load to be stacked, since their act-order column "
-                 "orders differ", fused)
-        return np.stack([expert.dequantize() if isinstance(expert, QuantizedTensor) else expert for expert in experts])
+        return _in_one_column_order(experts, QuantizedTensor.stack, np.stack,
+                                    f"{fused}: the experts dequantized to float32 at load to be stacked")
 
     # One tensor, or several stacked, from the checkpoint to the backend.
 
@@ -354,11 +351,17 @@ def _check_shape(name: str, weight: HostWeight, expected: tuple[int, ...],
 def _joined(names: list[str], parts: list[QuantizedTensor]) -> HostWeight:
     """The parts' rows one after another: quantized where they share a column order, as fused act-order
     GPTQ projections do (q, k and v, or gate and up, read the same inputs), else dequantized."""
-    if same_column_order(parts):
-        return QuantizedTensor.concatenate(parts)
-    log.info("%s: dequantized to float32 at load to be fused, since their act-order column orders differ",
-             " and ".join(names))
-    return np.concatenate([part.dequantize() for part in parts])
+    return _in_one_column_order(parts, QuantizedTensor.concatenate, np.concatenate,
+                                f"{' and '.join(names)}: dequantized to float32 at load to be fused")
+
+
+def _in_one_column_order(parts: list[HostWeight], join_quantized, join_dense, dequantized: str) -> HostWeight:
+    """The parts joined quantized where all are quantized with their columns in one order, else dequantized
+    and joined, with `dequantized` logged."""
+    if all(isinstance(part, QuantizedTensor) for part in parts) and same_column_order(parts):
+        return join_quantized(parts)
+    log.info("%s, since their act-order column orders differ", dequantized)
+    return join_dense([part.dequantize() if isinstance(part, QuantizedTensor) else part for part in parts])
 
 
 def _shifted(indices: range, offset: int) -> range:
