@@ -241,6 +241,20 @@ def _all_blocks_free(engine) -> str:
     return ""
 
 
+def _late_stop_token(lone: list[list[list[int]]], earliest: int) -> int:
+    """A token that ends some of the requests whose lone greedy tokens are `lone`, but none before its
+    `earliest`-th token, so that they all grow; the one that ends a request soonest, else one never
+    generated. A stop token the tiny model favours would end every request before the KV cache fills."""
+    first_seen = {}
+    for samples in lone:
+        for position, token in enumerate(samples[0]):
+            first_seen[token] = min(first_seen.get(token, position), position)
+    late = {token: position for token, position in first_seen.items() if position >= earliest}
+    if late:
+        return min(late, key=lambda token: (late[token], token))
+    return next(token for token in range(2, VOCAB) if token not in first_seen)
+
+
 def _tokens(outputs) -> list[list[int]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
@@ -339,12 +353,18 @@ def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
             problems.append(_all_blocks_free(engine))
             steps += engine.stats["steps"]
         long_prompts = [rng.integers(2, VOCAB, 40).tolist() for _ in range(8)]
-        longer = replace(stopping, max_tokens=3 * MAX_TOKENS, stop_token_ids=stops[:1], stop=[])
+        unstopped = SamplingParams(temperature=0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+        late = _late_stop_token(_tokens(h.alone(long_prompts, unstopped)), earliest=MAX_TOKENS)
+        longer = replace(unstopped, stop_token_ids=[late])
         engine = h.engine(async_scheduling=True, num_blocks=10, preemption="recompute")
-        problems.append(_differ_but_for_ties(h, h.run(engine, long_prompts, longer), long_prompts, longer, ties))
-        if not engine.scheduler.num_preemptions["recompute"]:
+        preempted = h.run(engine, long_prompts, longer)
+        problems.append(_differ_but_for_ties(h, preempted, long_prompts, longer, ties))
+        preemptions = engine.scheduler.num_preemptions["recompute"]
+        if not preemptions:
             problems.append("no preemption happened")
-        detail = f"{steps + engine.stats['steps']} steps scheduled ahead"
+        stopped = sum(o.outputs[0].finish_reason == "stop" for o in preempted)
+        detail = (f"{steps + engine.stats['steps']} steps scheduled ahead, {preemptions} preemptions, "
+                  f"{stopped} of the {len(preempted)} requests it crowded ended on the stop token")
     elif case.check == "prompt-logprobs":
         scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
         engine = h.engine(prefill_chunk_size=5, max_num_batched_tokens=24)
