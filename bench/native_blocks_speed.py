@@ -25,7 +25,8 @@ values and scales; packed int4 with scales and zeros; dense values) over the med
 
 --float-tiles 4 16: blocks_float in float32 also as the library builds it with those rows of x a tile
 (`FLOAT_TILE`; the package's build is the candidate without a tile named), each build kept in a folder
-of its own for the run.
+of its own for the run. --build-flags=-mno-avx512f (repeatable): the same, built with those extra
+compiler flags (that one: the AVX2 code a CPU without AVX-512 runs, timed on this one).
 
 --overhead: microseconds per call on a tiny weight (64 x 256, M = 1): the fixed cost a decode step
 pays about 100 times.
@@ -105,14 +106,14 @@ def int8_rows(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(values), torch.from_numpy(scales).to(torch.bfloat16)
 
 
-def tile_builds(tiles: list[int], folder: str) -> dict[int, object]:
-    """The kernel library built with each number of rows a float tile, in `folder`."""
+def variant_builds(variants: dict[str, tuple[str, ...]], folder: str) -> dict[str, object]:
+    """The kernel library built with each variant's extra compiler flags, each in a folder of `folder`."""
     builds = {}
-    for tile in tiles:
-        build = native_blocks._build_and_load((f"-DFLOAT_TILE={tile}",), Path(folder) / str(tile))
+    for index, (name, flags) in enumerate(variants.items()):
+        build = native_blocks._build_and_load(flags, Path(folder) / str(index))
         if build.library is None:
-            raise SystemExit(f"the library with FLOAT_TILE={tile} did not build: {build.detail}")
-        builds[tile] = build
+            raise SystemExit(f"the library built with {' '.join(flags)} did not build: {build.detail}")
+        builds[name] = build
     return builds
 
 
@@ -122,15 +123,15 @@ def on_library(weight: NativeBlocksWeight, build) -> NativeBlocksWeight:
     return weight
 
 
-def candidates(weights: list[QuantizedTensor], tiles: dict[int, object]) -> list[Candidate]:
+def candidates(weights: list[QuantizedTensor], variants: dict[str, object]) -> list[Candidate]:
     first = weights[0]
     rows, columns = first.shape
     blocks = first.blocks.nbytes
     found = []
-    for tile, build in tiles.items():
+    for variant, build in variants.items():
         pool = pooled(lambda w, build=build: on_library(NativeBlocksWeight.from_quantized(w, torch.float32), build),
                       weights, blocks)
-        found.append(Candidate(f"blocks_float f32 tile {tile}", torch.float32, pool, blocks, lambda w, x: w._float(x)))
+        found.append(Candidate(f"blocks_float f32 {variant}", torch.float32, pool, blocks, lambda w, x: w._float(x)))
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         pool = pooled(lambda w, dtype=dtype: NativeBlocksWeight.from_quantized(w, dtype), weights, blocks)
         found.append(Candidate(f"blocks_float {tag}", dtype, pool, blocks, lambda w, x: w._float(x)))
@@ -276,6 +277,9 @@ def main() -> None:
                         help="with --threads 1: time the thread's CPU time, which other processes barely move")
     parser.add_argument("--float-tiles", type=int, nargs="+", default=[], metavar="ROWS",
                         help="also time blocks_float in float32 built with these rows of x a tile")
+    parser.add_argument("--build-flags", action="append", default=[], metavar="FLAGS",
+                        help="also time blocks_float in float32 built with these extra compiler flags "
+                             "(space-separated; repeatable), e.g. --build-flags=-mno-avx512f")
     args = parser.parse_args()
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time counts one thread's time: give --threads 1")
@@ -296,11 +300,13 @@ def main() -> None:
     reader = GGUFReader(default_model_path())
     lines = []
     builds_folder = tempfile.TemporaryDirectory()
-    tiles = tile_builds(args.float_tiles, builds_folder.name)
+    variants = {f"tile {tile}": (f"-DFLOAT_TILE={tile}",) for tile in args.float_tiles}
+    variants.update({flags: tuple(flags.split()) for flags in args.build_flags})
+    builds = variant_builds(variants, builds_folder.name)
     for kind in args.weights:
         weights = read_weights(reader, *WEIGHTS[kind])
         rows, columns = weights[0].shape
-        cands = candidates(weights, tiles)
+        cands = candidates(weights, builds)
         for m in args.rows:
             seconds, busy = time_all(cands, m, columns, args.repeats, args.quiet_wait_s, clock)
             for c in cands:

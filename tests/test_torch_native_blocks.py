@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from candelabra.backends.torch import native_blocks
+from candelabra.backends.torch.cpu_features import cpu_flags
 from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
@@ -92,9 +93,12 @@ def test_the_rebuild_kernels_multiply_a_weight_decoded_slice_by_slice(dtype):
         assert out.dtype == dtype and nmse(out, reference) <= ROUNDED_NMSE.get(dtype, FLOAT32_NMSE), name
 
 
+@pytest.mark.parametrize("format", ["Q4_K", "Q5_0"])
 @pytest.mark.parametrize("kernel", ["blocks_float", "blocks_int8"])
-def test_a_rows_product_depends_neither_on_its_batch_nor_on_the_thread_count(kernel):
-    kept, _ = weight_and_values("Q4_K", seed=7, rows=300)
+def test_a_rows_product_depends_neither_on_its_batch_nor_on_the_thread_count(kernel, format):
+    # 301 weight rows: some multiplied beside others (AVX-512's float kernel takes them 4 or 2 at a time)
+    # and some alone
+    kept, _ = weight_and_values(format, seed=7, rows=301)
     x = random_x(8, 13, kept.shape[1])  # a whole tile of 8 rows, one of 4 and one row
     multiply = kept.kernels()[kernel]
     threads = torch.get_num_threads()
@@ -151,15 +155,32 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
     assert native_blocks.library_of_symbol(library, "GOMP_parallel") == native_blocks.torch_openmp_library()
 
 
-def test_the_portable_c_agrees_with_the_oracle(tmp_path):
-    """The code that machines without AVX2 (or x86) run, built here with the vector code turned off."""
-    build = native_blocks._build_and_load(("-DGB_PORTABLE",), folder=tmp_path)
+def test_this_cpus_build_takes_its_widest_float_kernel():
+    available, detail = native_blocks_available()
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        assert detail.startswith("avx-512 float, avx2+fma"), detail
+    elif {"avx2", "fma"} <= flags:
+        assert detail.startswith("avx2+fma"), detail
+
+
+# The code other machines run, built here: without AVX-512 (AVX2 machines such as AMD's Zen 3), and
+# with the vector code turned off (machines without AVX2, or not x86).
+OTHER_BUILDS = [pytest.param(("-mno-avx512f",), "avx2+fma", id="avx2"),
+                pytest.param(("-DGB_PORTABLE",), "portable C", id="portable")]
+
+
+@pytest.mark.parametrize("flags, described", OTHER_BUILDS)
+def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, described):
+    if described == "avx2+fma" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    build = native_blocks._build_and_load(flags, folder=tmp_path)
     assert build.library is not None, build.detail
-    assert build.detail.startswith("portable C")
+    assert build.detail.startswith(described), build.detail
     for format in sorted(NATIVE_FORMATS):
         kept, values = weight_and_values(format, seed=13)
         kept._matmul, kept._decode = build.library.gguf_blocks_matmul, build.library.gguf_blocks_decode
-        x = random_x(14, 5, kept.shape[1])
+        x = random_x(14, 13, kept.shape[1])  # tiles of 8, 4 and 1 rows
         reference = x.double().numpy() @ values.T
         assert nmse(kept.kernels()["blocks_float"](x), reference) <= FLOAT32_NMSE, format
         assert nmse(kept.kernels()["blocks_int8"](x), reference) <= QUANTIZED_NMSE_THRESHOLDS[format], format

@@ -33,7 +33,10 @@
 
    Rows of the output are spread over threads with OpenMP, which should be the process's one
    OpenMP runtime (torch's): the Python side links against it. Without OpenMP it runs on one
-   thread. The vector code is AVX2 with FMA; elsewhere (or with GB_PORTABLE) plain C.
+   thread. The vector code is AVX2 with FMA; elsewhere (or with GB_PORTABLE) plain C. Where the
+   compiler targets AVX-512, the float kernel decodes each chunk's weights to float32 once (scale and
+   offset applied) for 4 weight rows at a time (2 beside 8 rows of x), so that each load of x feeds
+   that many rows' FMAs: 1.4 to 1.6 times the AVX2 kernel at 16 and 64 rows of x, level at one.
 */
 
 #include <math.h>
@@ -49,6 +52,11 @@
 #define GB_AVX2 1
 #else
 #define GB_AVX2 0
+#endif
+#if GB_AVX2 && defined(__AVX512F__)
+#define GB_AVX512 1
+#else
+#define GB_AVX512 0
 #endif
 #if defined(__F16C__) && !defined(GB_PORTABLE)
 #define GB_F16C 1
@@ -330,6 +338,137 @@ INLINE void chunk_floats(const int f, const uint8_t *b, const block_scales *s, i
     for (int k = 0; k < 4; k++) w[k] = _mm256_fmadd_ps(w[k], k < 2 ? scale : scale_hi, offset);
 }
 
+#if GB_AVX512
+
+/* ---- float kernel, AVX-512: one weight row against `rows` rows of x (float32, row stride K) ---- */
+
+/* 16 bytes as 16 int32 lanes */
+INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+/* A chunk's 32 integers as int32 lanes, values 0..15 in q[0] and 16..31 in q[1]; Q4_0 and Q5_0 leave in
+   the bias they subtract (8, 16), which the chunk's offset takes away. */
+INLINE void chunk_lanes(const int f, const uint8_t *b, int c, __m512i q[2]) {
+    const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+    switch (f) {
+    case F_Q8_0:
+        q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+        q[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)));
+        return;
+    case F_Q4_0: case F_Q4_1: case F_Q5_0: case F_Q5_1: {
+        const int nibbles_at = f == F_Q4_0 ? 2 : f == F_Q4_1 ? 4 : f == F_Q5_0 ? 6 : 8;
+        const __m512i n = bytes16(b + nibbles_at);
+        q[0] = _mm512_and_si512(n, low_nibble);
+        q[1] = _mm512_srli_epi32(n, 4);
+        if (f == F_Q5_0 || f == F_Q5_1) {  /* bit j of the word: the fifth bit of value j */
+            const uint32_t bits = read_u32(b + (f == F_Q5_0 ? 2 : 4));
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            q[0] = _mm512_mask_or_epi32(q[0], (__mmask16)(bits & 0xFFFF), q[0], sixteen);
+            q[1] = _mm512_mask_or_epi32(q[1], (__mmask16)(bits >> 16), q[1], sixteen);
+        }
+        return;
+    }
+    case F_Q4_K: {
+        const uint8_t *p = b + 16 + 32 * (c >> 1);
+        for (int h = 0; h < 2; h++)  /* bytes widened with zeros: their high nibble needs no mask */
+            q[h] = c & 1 ? _mm512_srli_epi32(bytes16(p + 16 * h), 4) : _mm512_and_si512(bytes16(p + 16 * h), low_nibble);
+        return;
+    }
+    default: {  /* Q5_K and Q6_K: their bits are gathered faster as bytes, 32 at a time */
+        const __m256i v = chunk_values(f, b, c);
+        q[0] = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(v));
+        q[1] = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1));
+        return;
+    }
+    }
+}
+
+/* What a format subtracts from its stored integers before scaling: the offset (scale times minus this)
+   does it in the same FMA that scales them. */
+INLINE float bias(const int f) { return f == F_Q4_0 ? 8.0f : f == F_Q5_0 ? 16.0f : 0.0f; }
+
+/* A chunk's 32 weights as two vectors of 16 float32 (values 0..15, 16..31): its integers scaled and
+   offset once for all the tile's rows, so that each row then costs two FMAs a chunk. */
+INLINE void chunk_weights(const int f, const uint8_t *b, int c, __m512 scale, __m512 scale_hi, __m512 offset,
+                          __m512 offset_hi, __m512 w[2]) {
+    __m512i q[2];
+    chunk_lanes(f, b, c, q);
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[0]), scale, offset);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[1]), scale_hi, offset_hi);
+}
+
+/* A legacy format's row (one chunk a block): each block's scale and offset as float32, converted
+   sixteen at a time, into tables of a multiple of 16. Broadcast from these in the chunk loop, each
+   costs a load there instead of a conversion and two shuffles on the ports the vector work needs. */
+INLINE void legacy_scales(const int f, const uint8_t *w_row, int64_t blocks, float *scale, float *offset) {
+    for (int64_t i0 = 0; i0 < blocks; i0 += 16) {
+        uint16_t d[16] = {0}, m[16] = {0};
+        for (int j = 0; j < 16 && i0 + j < blocks; j++) {
+            d[j] = read_u16(w_row + (i0 + j) * BYTES_PER_BLOCK[f]);
+            if (has_offset(f)) m[j] = read_u16(w_row + (i0 + j) * BYTES_PER_BLOCK[f] + 2);
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m));
+        _mm512_storeu_ps(scale + i0, dv);
+        _mm512_storeu_ps(offset + i0, _mm512_fnmadd_ps(dv, _mm512_set1_ps(bias(f)), mv));
+    }
+}
+
+/* Weight rows a float tile decodes together, so that each load of x feeds that many rows' FMAs: 4
+   beside up to 4 rows of x, 2 beside 8 (16 sums in registers either way). */
+#define WIDE_W_ROWS 4
+INLINE int weight_rows_beside(const int rows) { return rows >= 8 ? 2 : WIDE_W_ROWS; }
+
+/* Each (weight row, x row) pair has one sum, taking a chunk's two halves in turn, whatever rows share
+   its tile: a row's result does not depend on the rows beside it, of x or of the weight. */
+INLINE void multiply_chunk(const int R, const int T, __m512 w[WIDE_W_ROWS][2], const float *xc, int64_t K,
+                           __m512 acc[WIDE_W_ROWS][FLOAT_TILE]) {
+    for (int t = 0; t < T; t++) {
+        const __m512 x0 = _mm512_loadu_ps(xc + t * K), x1 = _mm512_loadu_ps(xc + t * K + 16);
+        for (int r = 0; r < R; r++) {
+            acc[r][t] = _mm512_fmadd_ps(w[r][0], x0, acc[r][t]);
+            acc[r][t] = _mm512_fmadd_ps(w[r][1], x1, acc[r][t]);
+        }
+    }
+}
+
+/* R weight rows (row_bytes apart) against T rows of x: result[t * R + r]. */
+INLINE void float_tile(const int f, const int R, const int T, const uint8_t *w_row, int64_t row_bytes,
+                       const float *x, int64_t K, float *result) {
+    __m512 acc[WIDE_W_ROWS][FLOAT_TILE], w[WIDE_W_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    const int64_t blocks = K / VALUES_PER_BLOCK[f];
+    if (chunks_per_block(f) == 1) {
+        const int64_t padded = (blocks + 15) / 16 * 16;
+        float scale[WIDE_W_ROWS][padded], offset[WIDE_W_ROWS][padded];
+        for (int r = 0; r < R; r++) legacy_scales(f, w_row + r * row_bytes, blocks, scale[r], offset[r]);
+        for (int64_t i = 0; i < blocks; i++) {
+            for (int r = 0; r < R; r++) {
+                const __m512 d = _mm512_set1_ps(scale[r][i]), o = _mm512_set1_ps(offset[r][i]);
+                chunk_weights(f, w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], 0, d, d, o, o, w[r]);
+            }
+            multiply_chunk(R, T, w, x + 32 * i, K, acc);
+        }
+    } else {
+        for (int64_t i = 0; i < blocks; i++) {
+            block_scales s[WIDE_W_ROWS];
+            for (int r = 0; r < R; r++) read_scales(f, w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], &s[r]);
+            for (int c = 0; c < chunks_per_block(f); c++) {
+                for (int r = 0; r < R; r++) {
+                    const __m512 o = _mm512_set1_ps(s[r].offset[c]);
+                    chunk_weights(f, w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], c, _mm512_set1_ps(s[r].scale[c]),
+                                  _mm512_set1_ps(s[r].scale_hi[c]), o, o, w[r]);
+                }
+                multiply_chunk(R, T, w, x + 256 * i + 32 * c, K, acc);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) result[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#else
+
 /* ---- float kernel: one weight row against `rows` rows of x (float32, row stride K) ---- */
 
 /* Each chunk's integers times x, summed, then times the chunk's scale: fewer multiplies than scaling
@@ -375,6 +514,8 @@ INLINE void float_tile(const int f, const int rows, const uint8_t *w_row, const 
     }
     for (int m = 0; m < rows; m++) result[m] = horizontal_sum(acc[m]) + offsets[m];
 }
+
+#endif  /* GB_AVX512 */
 
 /* ---- int8 kernel: one weight row against `rows` rows of x as int8 blocks of 32 ---- */
 
@@ -633,34 +774,84 @@ INLINE int tile_rows(const int kernel, int64_t left, int64_t K) {
     return left >= tile ? tile : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-/* Weight rows first..last-1: a group of rows that stays in the cache meets every tile of x rows. */
-INLINE void rows_of(const int f, const int kernel, const product *p, int64_t first, int64_t last) {
-    float result[ROW_TILE];
+#if GB_AVX512
+
+/* Weight rows first..last-1 against every tile of x rows, WIDE_W_ROWS (or 2) weight rows at a time and
+   the rows left over one by one. */
+INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
+    float result[WIDE_W_ROWS * FLOAT_TILE];
     for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
-        rows = tile_rows(kernel, p->M - m0, p->K);
+        rows = tile_rows(KERNEL_FLOAT, p->M - m0, p->K);
+        const float *x = p->x + m0 * p->K;
+        const int beside = weight_rows_beside((int)rows);
+        for (int64_t n = first, R; n < last; n += R) {
+            R = last - n >= beside ? beside : 1;
+            const uint8_t *w_row = p->blocks + n * p->row_bytes;
+            switch (rows * 8 + R) {
+            case 1 * 8 + 1: float_tile(f, 1, 1, w_row, p->row_bytes, x, p->K, result); break;
+            case 2 * 8 + 1: float_tile(f, 1, 2, w_row, p->row_bytes, x, p->K, result); break;
+            case 4 * 8 + 1: float_tile(f, 1, 4, w_row, p->row_bytes, x, p->K, result); break;
+            case FLOAT_TILE * 8 + 1: float_tile(f, 1, FLOAT_TILE, w_row, p->row_bytes, x, p->K, result); break;
+            case 1 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 1, w_row, p->row_bytes, x, p->K, result); break;
+            case 2 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 2, w_row, p->row_bytes, x, p->K, result); break;
+            case 4 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 4, w_row, p->row_bytes, x, p->K, result); break;
+            default: float_tile(f, 2, FLOAT_TILE, w_row, p->row_bytes, x, p->K, result); break;
+            }
+            for (int t = 0; t < rows; t++)
+                for (int r = 0; r < R; r++) write_value(p->out, p->out_dtype, (m0 + t) * p->N + n + r, result[t * R + r]);
+        }
+    }
+}
+
+#else
+
+/* Weight rows first..last-1 against every tile of x rows, one weight row at a time. */
+INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
+    float result[FLOAT_TILE];
+    for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
+        rows = tile_rows(KERNEL_FLOAT, p->M - m0, p->K);
         const float *x = p->x + m0 * p->K, *x_sum = p->x_sum + m0 * (p->K / 32);
-        const int8_t *xq = p->xq + m0 * p->K;
-        const float *x_scale = p->x_scale + m0 * (p->K / 32);
         for (int64_t n = first; n < last; n++) {
             const uint8_t *w_row = p->blocks + n * p->row_bytes;
-            if (kernel == KERNEL_FLOAT) {
-                switch (rows) {
-                case 1: float_tile(f, 1, w_row, x, x_sum, p->K, result); break;
-                case 2: float_tile(f, 2, w_row, x, x_sum, p->K, result); break;
-                case 4: float_tile(f, 4, w_row, x, x_sum, p->K, result); break;
-                default: float_tile(f, FLOAT_TILE, w_row, x, x_sum, p->K, result); break;
-                }
-            } else {
-                switch (rows) {
-                case 1: int8_tile(f, 1, w_row, xq, x_scale, x_sum, p->K, result); break;
-                case 2: int8_tile(f, 2, w_row, xq, x_scale, x_sum, p->K, result); break;
-                case 4: int8_tile(f, 4, w_row, xq, x_scale, x_sum, p->K, result); break;
-                default: int8_tile(f, INT8_TILE, w_row, xq, x_scale, x_sum, p->K, result); break;
-                }
+            switch (rows) {
+            case 1: float_tile(f, 1, w_row, x, x_sum, p->K, result); break;
+            case 2: float_tile(f, 2, w_row, x, x_sum, p->K, result); break;
+            case 4: float_tile(f, 4, w_row, x, x_sum, p->K, result); break;
+            default: float_tile(f, FLOAT_TILE, w_row, x, x_sum, p->K, result); break;
             }
             for (int m = 0; m < rows; m++) write_value(p->out, p->out_dtype, (m0 + m) * p->N + n, result[m]);
         }
     }
+}
+
+#endif  /* GB_AVX512 */
+
+/* Weight rows first..last-1 against every tile of x rows as int8, one weight row at a time. */
+INLINE void int8_rows(const int f, const product *p, int64_t first, int64_t last) {
+    float result[INT8_TILE];
+    for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
+        rows = tile_rows(KERNEL_INT8, p->M - m0, p->K);
+        const int8_t *xq = p->xq + m0 * p->K;
+        const float *x_scale = p->x_scale + m0 * (p->K / 32), *x_sum = p->x_sum + m0 * (p->K / 32);
+        for (int64_t n = first; n < last; n++) {
+            const uint8_t *w_row = p->blocks + n * p->row_bytes;
+            switch (rows) {
+            case 1: int8_tile(f, 1, w_row, xq, x_scale, x_sum, p->K, result); break;
+            case 2: int8_tile(f, 2, w_row, xq, x_scale, x_sum, p->K, result); break;
+            case 4: int8_tile(f, 4, w_row, xq, x_scale, x_sum, p->K, result); break;
+            default: int8_tile(f, INT8_TILE, w_row, xq, x_scale, x_sum, p->K, result); break;
+            }
+            for (int m = 0; m < rows; m++) write_value(p->out, p->out_dtype, (m0 + m) * p->N + n, result[m]);
+        }
+    }
+}
+
+/* Weight rows first..last-1: a group of rows that stays in the cache meets every tile of x rows. */
+INLINE void rows_of(const int f, const int kernel, const product *p, int64_t first, int64_t last) {
+    if (kernel == KERNEL_FLOAT)
+        float_rows(f, p, first, last);
+    else
+        int8_rows(f, p, first, last);
 }
 
 /* Rows m0..m1-1 of x as the kernel reads them: in float32, with each chunk's sum, and for the int8
@@ -754,6 +945,9 @@ int gguf_blocks_matmul(int format, int kernel, const uint8_t *blocks, int64_t N,
     int64_t group = GROUP_BYTES / p.row_bytes;
     if (M <= tile_rows(kernel, M, K) || group > even) group = even;
     if (group < 1) group = 1;
+#if GB_AVX512
+    if (kernel == KERNEL_FLOAT) group = (group + WIDE_W_ROWS - 1) / WIDE_W_ROWS * WIDE_W_ROWS;  /* no rows left over */
+#endif
     const int64_t groups = (N + group - 1) / group;
     const rows_function rows = (kernel == KERNEL_FLOAT ? FLOAT_ROWS : INT8_ROWS)[format];
 
@@ -822,8 +1016,9 @@ int gguf_blocks_decode(int format, const uint8_t *blocks, int64_t N, int64_t K, 
 /* What this build runs on, for logs. */
 const char *gguf_blocks_describe(void) {
 #ifdef _OPENMP
-    return GB_AVX2 ? "avx2+fma, openmp" : "portable C, openmp";
+    return GB_AVX512 ? "avx-512 float, avx2+fma, openmp" : GB_AVX2 ? "avx2+fma, openmp" : "portable C, openmp";
 #else
-    return GB_AVX2 ? "avx2+fma, one thread" : "portable C, one thread";
+    return GB_AVX512 ? "avx-512 float, avx2+fma, one thread" : GB_AVX2 ? "avx2+fma, one thread"
+                                                                   : "portable C, one thread";
 #endif
 }
