@@ -340,7 +340,7 @@ INLINE void chunk_floats(const int f, const uint8_t *b, const block_scales *s, i
 
 #if GB_AVX512
 
-/* ---- float kernel, AVX-512: one weight row against `rows` rows of x (float32, row stride K) ---- */
+/* ---- float kernel, AVX-512: weight rows against rows of x (float32, row stride K) ---- */
 
 /* 16 bytes as 16 int32 lanes */
 INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -776,8 +776,18 @@ INLINE int tile_rows(const int kernel, int64_t left, int64_t K) {
 
 #if GB_AVX512
 
-/* Weight rows first..last-1 against every tile of x rows, WIDE_W_ROWS (or 2) weight rows at a time and
-   the rows left over one by one. */
+/* A tile of T rows of x against the weight rows taken beside it (R > 1), or one: each call with
+   constant sizes, so that its loops unroll and its sums stay in registers. */
+INLINE void weight_rows_tile(const int f, const int T, int64_t R, const uint8_t *w_row, int64_t row_bytes,
+                             const float *x, int64_t K, float *result) {
+    if (R > 1)
+        float_tile(f, weight_rows_beside(T), T, w_row, row_bytes, x, K, result);
+    else
+        float_tile(f, 1, T, w_row, row_bytes, x, K, result);
+}
+
+/* Weight rows first..last-1 against every tile of x rows, weight_rows_beside(tile) at a time and the
+   rows left over one by one. */
 INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
     float result[WIDE_W_ROWS * FLOAT_TILE];
     for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
@@ -787,15 +797,11 @@ INLINE void float_rows(const int f, const product *p, int64_t first, int64_t las
         for (int64_t n = first, R; n < last; n += R) {
             R = last - n >= beside ? beside : 1;
             const uint8_t *w_row = p->blocks + n * p->row_bytes;
-            switch (rows * 8 + R) {
-            case 1 * 8 + 1: float_tile(f, 1, 1, w_row, p->row_bytes, x, p->K, result); break;
-            case 2 * 8 + 1: float_tile(f, 1, 2, w_row, p->row_bytes, x, p->K, result); break;
-            case 4 * 8 + 1: float_tile(f, 1, 4, w_row, p->row_bytes, x, p->K, result); break;
-            case FLOAT_TILE * 8 + 1: float_tile(f, 1, FLOAT_TILE, w_row, p->row_bytes, x, p->K, result); break;
-            case 1 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 1, w_row, p->row_bytes, x, p->K, result); break;
-            case 2 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 2, w_row, p->row_bytes, x, p->K, result); break;
-            case 4 * 8 + WIDE_W_ROWS: float_tile(f, WIDE_W_ROWS, 4, w_row, p->row_bytes, x, p->K, result); break;
-            default: float_tile(f, 2, FLOAT_TILE, w_row, p->row_bytes, x, p->K, result); break;
+            switch (rows) {
+            case 1: weight_rows_tile(f, 1, R, w_row, p->row_bytes, x, p->K, result); break;
+            case 2: weight_rows_tile(f, 2, R, w_row, p->row_bytes, x, p->K, result); break;
+            case 4: weight_rows_tile(f, 4, R, w_row, p->row_bytes, x, p->K, result); break;
+            default: weight_rows_tile(f, FLOAT_TILE, R, w_row, p->row_bytes, x, p->K, result); break;
             }
             for (int t = 0; t < rows; t++)
                 for (int r = 0; r < R; r++) write_value(p->out, p->out_dtype, (m0 + t) * p->N + n + r, result[t * R + r]);
