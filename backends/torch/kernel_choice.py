@@ -87,8 +87,9 @@ CHECKED_OUTPUTS = 4096
 # Version of the candidate set and of how they are timed: a new kernel or form, or a new way of timing
 # them, makes every cached table stale (6: tables before it may hold timings taken under contention; 7:
 # blocks_float decodes a chunk for 8 rows of x, not 4, and is faster from 8 rows; 8: with AVX-512,
-# blocks_float takes 4 weight rows at a time and is faster from 16 rows).
-CANDIDATES_VERSION = 8
+# blocks_float takes 4 weight rows at a time and is faster from 16 rows; 9: blocks_float prefetches the
+# weight and is faster at one row).
+CANDIDATES_VERSION = 9
 # A weight measured under contention is measured again by later starts until one look runs quiet or it has
 # had this many: the best of three contended looks is close to a quiet one, and each costs budget.
 MAX_LOOKS = 3
