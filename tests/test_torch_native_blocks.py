@@ -156,8 +156,7 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
 
 
 def test_this_cpus_build_takes_its_widest_float_kernel():
-    available, detail = native_blocks_available()
-    flags = cpu_flags()
+    detail, flags = native_blocks_available()[1], cpu_flags()
     if "avx512f" in flags:
         assert detail.startswith("avx-512 float, avx2+fma"), detail
     elif {"avx2", "fma"} <= flags:
