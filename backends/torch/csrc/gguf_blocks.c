@@ -828,55 +828,46 @@ INLINE void float_rows(const int f, const product *p, int64_t first, int64_t las
     }
 }
 
-#else
-
-/* Weight rows first..last-1 against every tile of x rows, one weight row at a time. */
-INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
-    float result[FLOAT_TILE];
-    for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
-        rows = tile_rows(KERNEL_FLOAT, p->M - m0, p->K);
-        const float *x = p->x + m0 * p->K, *x_sum = p->x_sum + m0 * (p->K / 32);
-        for (int64_t n = first; n < last; n++) {
-            const uint8_t *w_row = p->blocks + n * p->row_bytes;
-            switch (rows) {
-            case 1: float_tile(f, 1, w_row, x, x_sum, p->K, result); break;
-            case 2: float_tile(f, 2, w_row, x, x_sum, p->K, result); break;
-            case 4: float_tile(f, 4, w_row, x, x_sum, p->K, result); break;
-            default: float_tile(f, FLOAT_TILE, w_row, x, x_sum, p->K, result); break;
-            }
-            for (int m = 0; m < rows; m++) write_value(p->out, p->out_dtype, (m0 + m) * p->N + n, result[m]);
-        }
-    }
-}
-
 #endif  /* GB_AVX512 */
 
-/* Weight rows first..last-1 against every tile of x rows as int8, one weight row at a time. */
-INLINE void int8_rows(const int f, const product *p, int64_t first, int64_t last) {
-    float result[INT8_TILE];
+/* Weight rows first..last-1, one at a time (the AVX-512 float kernel takes several: float_rows): a
+   group of rows that stays in the cache meets every tile of x rows. */
+INLINE void rows_of(const int f, const int kernel, const product *p, int64_t first, int64_t last) {
+#if GB_AVX512
+    if (kernel == KERNEL_FLOAT) {
+        float_rows(f, p, first, last);
+        return;
+    }
+#endif
+    float result[ROW_TILE];
     for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
-        rows = tile_rows(KERNEL_INT8, p->M - m0, p->K);
-        const int8_t *xq = p->xq + m0 * p->K;
-        const float *x_scale = p->x_scale + m0 * (p->K / 32), *x_sum = p->x_sum + m0 * (p->K / 32);
+        rows = tile_rows(kernel, p->M - m0, p->K);
+        const float *x_sum = p->x_sum + m0 * (p->K / 32);
         for (int64_t n = first; n < last; n++) {
             const uint8_t *w_row = p->blocks + n * p->row_bytes;
-            switch (rows) {
-            case 1: int8_tile(f, 1, w_row, xq, x_scale, x_sum, p->K, result); break;
-            case 2: int8_tile(f, 2, w_row, xq, x_scale, x_sum, p->K, result); break;
-            case 4: int8_tile(f, 4, w_row, xq, x_scale, x_sum, p->K, result); break;
-            default: int8_tile(f, INT8_TILE, w_row, xq, x_scale, x_sum, p->K, result); break;
+            if (kernel == KERNEL_FLOAT) {
+#if !GB_AVX512
+                const float *x = p->x + m0 * p->K;
+                switch (rows) {
+                case 1: float_tile(f, 1, w_row, x, x_sum, p->K, result); break;
+                case 2: float_tile(f, 2, w_row, x, x_sum, p->K, result); break;
+                case 4: float_tile(f, 4, w_row, x, x_sum, p->K, result); break;
+                default: float_tile(f, FLOAT_TILE, w_row, x, x_sum, p->K, result); break;
+                }
+#endif
+            } else {
+                const int8_t *xq = p->xq + m0 * p->K;
+                const float *x_scale = p->x_scale + m0 * (p->K / 32);
+                switch (rows) {
+                case 1: int8_tile(f, 1, w_row, xq, x_scale, x_sum, p->K, result); break;
+                case 2: int8_tile(f, 2, w_row, xq, x_scale, x_sum, p->K, result); break;
+                case 4: int8_tile(f, 4, w_row, xq, x_scale, x_sum, p->K, result); break;
+                default: int8_tile(f, INT8_TILE, w_row, xq, x_scale, x_sum, p->K, result); break;
+                }
             }
             for (int m = 0; m < rows; m++) write_value(p->out, p->out_dtype, (m0 + m) * p->N + n, result[m]);
         }
     }
-}
-
-/* Weight rows first..last-1: a group of rows that stays in the cache meets every tile of x rows. */
-INLINE void rows_of(const int f, const int kernel, const product *p, int64_t first, int64_t last) {
-    if (kernel == KERNEL_FLOAT)
-        float_rows(f, p, first, last);
-    else
-        int8_rows(f, p, first, last);
 }
 
 /* Rows m0..m1-1 of x as the kernel reads them: in float32, with each chunk's sum, and for the int8
