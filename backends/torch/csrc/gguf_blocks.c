@@ -402,11 +402,11 @@ INLINE float bias(const int f) { return f == F_Q4_0 ? 8.0f : f == F_Q5_0 ? 16.0f
 /* A chunk's 32 weights as two vectors of 16 float32 (values 0..15, 16..31): its integers scaled and
    offset once for all the tile's rows, so that each row then costs two FMAs a chunk. */
 INLINE void chunk_weights(const int f, const uint8_t *b, int c, __m512 scale, __m512 scale_hi, __m512 offset,
-                          __m512 offset_hi, __m512 w[2]) {
+                          __m512 w[2]) {
     __m512i q[2];
     chunk_lanes(f, b, c, q);
     w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[0]), scale, offset);
-    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[1]), scale_hi, offset_hi);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[1]), scale_hi, offset);
 }
 
 /* A legacy format's row (one chunk a block): each block's scale and offset as float32, converted
@@ -460,7 +460,7 @@ INLINE void float_tile(const int f, const int R, const int T, const uint8_t *w_r
                 const uint8_t *b = w_row + r * row_bytes + i * BYTES_PER_BLOCK[f];
                 const __m512 d = _mm512_set1_ps(scale[r][i]), o = _mm512_set1_ps(offset[r][i]);
                 prefetch_ahead(b, BYTES_PER_BLOCK[f]);
-                chunk_weights(f, b, 0, d, d, o, o, w[r]);
+                chunk_weights(f, b, 0, d, d, o, w[r]);
             }
             multiply_chunk(R, T, w, x + 32 * i, K, acc);
         }
@@ -475,7 +475,7 @@ INLINE void float_tile(const int f, const int R, const int T, const uint8_t *w_r
                 for (int r = 0; r < R; r++) {
                     const __m512 o = _mm512_set1_ps(s[r].offset[c]);
                     chunk_weights(f, w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], c, _mm512_set1_ps(s[r].scale[c]),
-                                  _mm512_set1_ps(s[r].scale_hi[c]), o, o, w[r]);
+                                  _mm512_set1_ps(s[r].scale_hi[c]), o, w[r]);
                 }
                 multiply_chunk(R, T, w, x + 256 * i + 32 * c, K, acc);
             }
