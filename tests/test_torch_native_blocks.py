@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch import native_blocks
+from candelabra.backends.torch import native_blocks, native_build
 from candelabra.backends.torch.cpu_features import cpu_flags
 from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
 
-pytestmark = pytest.mark.skipif(native_blocks.find_compiler() is None,
+pytestmark = pytest.mark.skipif(native_build.find_compiler() is None,
                                 reason="no C compiler (cc, gcc or clang) to build the GGUF block kernels")
 
 # A float32 kernel's error is its rounding (about 1e-14 here); a wrong decode is far above this.
@@ -152,7 +152,7 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
     if "openmp" not in detail:
         pytest.skip(f"built without OpenMP here: {detail}")
     library = detail.rsplit(": ", 1)[1]
-    assert native_blocks.library_of_symbol(library, "GOMP_parallel") == native_blocks.torch_openmp_library()
+    assert native_build.library_of_symbol(library, "GOMP_parallel") == native_build.torch_openmp_library()
 
 
 def test_this_cpus_build_takes_its_widest_float_kernel():
@@ -197,7 +197,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
-    monkeypatch.setattr(native_blocks, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native_build, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
     available, reason = native_blocks_available()
     assert not available and "no-such-cc" in reason
     with pytest.raises(RuntimeError, match="no-such-cc"):
@@ -212,7 +212,7 @@ def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, 
     assert not available and "did not compile" in reason and "error" in reason
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load
     native_blocks._library.cache_clear()  # a later start remembers the failure instead of compiling again
-    monkeypatch.setattr(native_blocks, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
+    monkeypatch.setattr(native_build, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
     assert native_blocks_available() == (False, reason)
 
 
