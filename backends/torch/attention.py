@@ -7,11 +7,13 @@ as one contiguous row. Keys past a sequence's end (the tail of its last block, t
 block table) may hold anything, NaN included. They lie outside every query's window, so the mask
 replaces their scores, and their values are zeroed so that a zero weight never meets a NaN. The query
 heads that share a KV head are stacked into one matmul with it, so no KV head is copied per query head.
-Every group runs the same arithmetic, two batched matmuls around a float32 softmax, so a token
-gets the same attention whether it is decoded or recomputed in a prefill: with the fused
-`scaled_dot_product_attention` for prefills (which rounds the softmax weights to bfloat16) and this
-path for decodes, greedy tokens in bfloat16 diverged after a preemption by recompute. It is also
-faster for decodes, where the fused kernel's tiling cost 1.3 ms a layer for 16 sequences.
+Every group runs two batched matmuls around a float32 softmax: with the fused
+`scaled_dot_product_attention` for prefills (which rounds the softmax weights to bfloat16), greedy
+tokens in bfloat16 diverged after a preemption by recompute, where a token decoded is read again in a
+prefill. On the CPU the decodes go to the C kernel of native_attention.py instead, also float32
+throughout: it and the matmuls differ only in the order they add in, a rounding step of float32,
+within the engine level's tie margins (in bfloat16 it parted on the same ties as before, on the four
+seeds tried).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from candelabra.backends.torch.native_attention import decode_attention, reads_natively
 from candelabra.backends.torch.quantized_kv import dequantize_rows, is_quantized
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -91,6 +94,13 @@ class TorchStep:
         return getattr(self.host, name)
 
 
+def decodes_alone(step: TorchStep) -> QueryGroup | None:
+    """The step's one group where it holds decodes alone (token r is then sequence r's one query), else None."""
+    if len(step.groups) == 1 and step.groups[0].token_index.shape[1] == 1:
+        return step.groups[0]
+    return None
+
+
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
@@ -123,6 +133,14 @@ def paged_attention(q: torch.Tensor, cache: KVCache, step: TorchStep, scale: flo
     out = torch.empty_like(q)
     for group in step.groups:
         rows, width = group.token_index.shape
+        if width == 1 and reads_natively(cache):
+            if decodes_alone(step) is group:
+                return decode_attention(q, cache, group.block_tables, group.seq_lens, scale, sliding_window,
+                                        logit_softcap).to(q.dtype)
+            attended = decode_attention(q.index_select(0, group.real_tokens), cache, group.block_tables,
+                                        group.seq_lens, scale, sliding_window, logit_softcap)
+            out.index_copy_(0, group.real_tokens, attended.to(q.dtype))
+            continue
         # [R, Hk, G, Q, D]: the G query heads that share a KV head side by side, so each KV head meets
         # all of its queries in one matmul and is never copied G times
         grouped_q = (q[group.token_index].reshape(rows, width, kv_heads, shared, head_dim)

@@ -11,7 +11,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from candelabra.backends.torch import attention, sampling
+from candelabra.backends.torch import attention, native_attention, sampling
 from candelabra.backends.torch.quantized_kv import is_quantized, quantize_rows
 from candelabra.backends.torch.weight_forms import KeptWeight
 from candelabra.core.contract.ops import (
@@ -86,6 +86,22 @@ class TorchOps(Ops):
             rows = quantize_rows(rows, target.dtype) if is_quantized(target) else rows.to(target.dtype)
             target.view(-1, *target.shape[2:]).index_copy_(0, slots, rows)
         return cache
+
+    def rotary_and_write_kv(self, q, k, v, positions, cos_sin, cache, slot_mapping, style="neox"):
+        if native_attention.rotates_natively(q, k, v, cos_sin, cache):
+            return native_attention.rotary_and_write(q, k, v, positions, cos_sin, cache, slot_mapping, style), cache
+        return super().rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slot_mapping, style)
+
+    def rotary_and_paged_attention(self, q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
+                                   sliding_window=None, logit_softcap=None, style="neox"):
+        decodes = attention.decodes_alone(step)
+        if decodes is not None and native_attention.rotates_natively(q, k, v, cos_sin, cache):
+            attended = native_attention.rotary_and_decode_attention(
+                q, k, v, positions, cos_sin, cache, slot_mapping, decodes.block_tables, decodes.seq_lens, scale,
+                sliding_window, logit_softcap, style)
+            return attended.to(q.dtype), cache
+        return super().rotary_and_paged_attention(q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
+                                                  sliding_window, logit_softcap, style)
 
     def paged_attention(self, q, cache: KVCache, step, scale, sliding_window=None, logit_softcap=None):
         return attention.paged_attention(q, cache, step, scale, sliding_window, logit_softcap)
