@@ -75,6 +75,23 @@ def test_decode_attention_agrees_with_the_oracle(dtype, heads, head_dim, window,
     assert np.abs(out.numpy() - reference).max() <= FLOAT32_ERROR
 
 
+def test_scores_far_apart_weigh_as_the_oracle_weighs(monkeypatch):
+    """Scores spread over hundreds (a few keys take nearly all the weight, most fall under e^-87): the
+    vectorised exponential over its whole range, and its floor. Scores of 60 carry float32's rounding of
+    60, so the bound is the torch ops' own error, doubled."""
+    rng = np.random.default_rng(3)
+    meta, blocks = random_step(rng, [300, 41, 8], block_size=16)
+    cache = random_cache(rng, blocks, 16, 2, 64, torch.float32)
+    q = torch.from_numpy(rng.standard_normal((3, 4, 64), dtype=np.float32)) * 60
+    step = TorchStep.prepare(meta, CPU)
+    reference = attention_oracle(q, cache, meta, 0.125)
+    native = TorchOps(CPU).paged_attention(q, cache, step, 0.125)
+    torch_path(monkeypatch)
+    torch_ops = TorchOps(CPU).paged_attention(q, cache, step, 0.125)
+    torch_error = np.abs(torch_ops.numpy() - reference).max()
+    assert np.abs(native.numpy() - reference).max() <= max(2 * torch_error, FLOAT32_ERROR)
+
+
 def test_a_sequence_attends_the_same_whatever_shares_its_step():
     rng = np.random.default_rng(5)
     meta, blocks = random_step(rng, [90, 7, 40, 200], block_size=16)

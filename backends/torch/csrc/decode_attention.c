@@ -43,6 +43,7 @@ enum { DA_OK = 0, DA_BAD_DTYPE = -1, DA_BAD_SHAPE = -2, DA_NO_MEMORY = -3, DA_BA
 typedef float da_vec __attribute__((vector_size(DA_LANES * sizeof(float))));
 typedef float da_vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float da_vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t da_ivec __attribute__((vector_size(DA_LANES * sizeof(int32_t))));
 #if defined(__clang__) || __GNUC__ >= 12
 #define DA_SHUFFLE 1
 #else
@@ -124,32 +125,123 @@ static const float *da_row(const void *cache, int dtype, int64_t row, int d, flo
     return scratch;
 }
 
-static float da_dot(const float *restrict a, const float *restrict b, int d) {
-    da_vec sums = {0};
-    int i = 0;
-    for (; i + DA_LANES <= d; i += DA_LANES) {
-        da_vec x, y;
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        sums += x * y;
-    }
-#if DA_SHUFFLE && DA_LANES == 16
+/* A dot product's partial sums, DA_LANES of them, to 4 (added in halves). */
+#if DA_SHUFFLE || DA_LANES == 4
+static da_vec4 da_quarter(da_vec sums) {
+#if DA_LANES == 16
     da_vec8 eight = __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7) +
                     __builtin_shufflevector(sums, sums, 8, 9, 10, 11, 12, 13, 14, 15);
-    da_vec4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
-#elif DA_SHUFFLE && DA_LANES == 8
-    da_vec4 four = __builtin_shufflevector(sums, sums, 0, 1, 2, 3) + __builtin_shufflevector(sums, sums, 4, 5, 6, 7);
-#elif DA_LANES == 4
-    da_vec4 four = sums;
+    return __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+#elif DA_LANES == 8
+    return __builtin_shufflevector(sums, sums, 0, 1, 2, 3) + __builtin_shufflevector(sums, sums, 4, 5, 6, 7);
+#else
+    return sums;
 #endif
+}
+#endif
+
+static float da_total(da_vec sums) {
 #if DA_SHUFFLE || DA_LANES == 4
-    float total = (four[0] + four[2]) + (four[1] + four[3]);
+    da_vec4 four = da_quarter(sums);
+    return (four[0] + four[2]) + (four[1] + four[3]);
 #else
     float total = 0;
     for (int l = 0; l < DA_LANES; l++) total += sums[l];
-#endif
-    for (; i < d; i++) total += a[i] * b[i];
     return total;
+#endif
+}
+
+/* out[t] = a . rows[t] for t < n: four rows at a time where the compiler can shuffle vectors, their
+   partial sums reduced together (a transpose of four vectors of 4), else one at a time. */
+static void da_dots(const float *restrict a, const float *const *rows, int n, int d, float *restrict out) {
+    int t = 0, whole = d - d % DA_LANES;
+#if DA_SHUFFLE
+    for (; t + 4 <= n; t += 4) {
+        da_vec sums[4] = {{0}}, x, y;
+        for (int i = 0; i < whole; i += DA_LANES) {
+            memcpy(&x, a + i, sizeof x);
+            for (int r = 0; r < 4; r++) {
+                memcpy(&y, rows[t + r] + i, sizeof y);
+                sums[r] += x * y;
+            }
+        }
+        da_vec4 s0 = da_quarter(sums[0]), s1 = da_quarter(sums[1]), s2 = da_quarter(sums[2]), s3 = da_quarter(sums[3]);
+        da_vec4 s01 = __builtin_shufflevector(s0, s1, 0, 1, 4, 5) + __builtin_shufflevector(s0, s1, 2, 3, 6, 7);
+        da_vec4 s23 = __builtin_shufflevector(s2, s3, 0, 1, 4, 5) + __builtin_shufflevector(s2, s3, 2, 3, 6, 7);
+        da_vec4 four = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) + __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
+        for (int r = 0; r < 4; r++) {
+            out[t + r] = four[r];
+            for (int i = whole; i < d; i++) out[t + r] += a[i] * rows[t + r][i];
+        }
+    }
+#endif
+    for (; t < n; t++) {
+        da_vec sums = {0}, x, y;
+        for (int i = 0; i < whole; i += DA_LANES) {
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, rows[t] + i, sizeof y);
+            sums += x * y;
+        }
+        out[t] = da_total(sums);
+        for (int i = whole; i < d; i++) out[t] += a[i] * rows[t][i];
+    }
+}
+
+static da_vec da_splat(float x) {
+    return (da_vec){0} + x;
+}
+
+/* Where `take`, a; else b. */
+static da_vec da_select(da_ivec take, da_vec a, da_vec b) {
+    return (da_vec)((take & (da_ivec)a) | (~take & (da_ivec)b));
+}
+
+/* e^x for scores less their largest (x <= 0), lane by lane, within about one unit in the last place:
+   x = k ln 2 + r with |r| <= ln(2) / 2, e^r by Cephes' polynomial, 2^k put in the exponent bits. Below
+   -87 it gives e^-87 (1.6e-38) rather than the subnormals and zero, nothing beside the largest score's 1. */
+static da_vec da_exp(da_vec x) {
+    x = da_select(x < -87.0f, da_splat(-87.0f), x);
+    da_vec k = x * 1.44269504f + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to a whole number */
+    k -= 12582912.0f;
+    da_vec r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    da_vec p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    da_ivec exponent = (__builtin_convertvector(k, da_ivec) + 127) << 23;
+    return p * (da_vec)exponent;
+}
+
+/* s[0 : n] in place to exp(s - max s) / sum exp(s - max s). */
+static void da_softmax(float *s, int64_t n) {
+    da_vec x, tops = da_splat(-INFINITY), sums = {0};
+    int64_t whole = n - n % DA_LANES;
+    for (int64_t j = 0; j < whole; j += DA_LANES) {
+        memcpy(&x, s + j, sizeof x);
+        tops = da_select(x > tops, x, tops);
+    }
+    float top = -INFINITY, total = 0;
+    for (int l = 0; l < DA_LANES; l++) top = tops[l] > top ? tops[l] : top;
+    for (int64_t j = whole; j < n; j++) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < whole; j += DA_LANES) {
+        memcpy(&x, s + j, sizeof x);
+        x = da_exp(x - top);
+        sums += x;
+        memcpy(s + j, &x, sizeof x);
+    }
+    if (whole < n) {  /* the last few, in a vector padded with the largest score */
+        x = da_splat(top);
+        memcpy(&x, s + whole, sizeof(float) * (size_t)(n - whole));
+        x = da_exp(x - top);
+        memcpy(s + whole, &x, sizeof(float) * (size_t)(n - whole));
+        for (int64_t j = whole; j < n; j++) total += s[j];
+    }
+    for (int l = 0; l < DA_LANES; l++) total += sums[l];
+    float inverse = 1 / total;
+    for (int64_t j = 0; j < n; j++) s[j] *= inverse;
 }
 
 /* out += sum over t < n of p[t] * rows[t], d values; the sums of 64 values at a time stay in
@@ -202,22 +294,14 @@ static int da_task(const float *q, const void *key, const void *value, int dtype
         int n = seq_len - start < DA_TILE ? (int)(seq_len - start) : DA_TILE;
         int status = da_tile_rows(key, dtype, table, blocks, block_size, kv_heads, kv_head, d, start, n, widened, rows);
         if (status != DA_OK) return status;
-        for (int g = 0; g < group; g++)
-            for (int t = 0; t < n; t++) {
-                float s = scale * da_dot(q + (int64_t)g * d, rows[t], d);
-                if (softcap > 0) s = softcap * tanhf(s / softcap);
-                scores[g * keys + (start - first) + t] = s;
-            }
+        for (int g = 0; g < group; g++) {
+            float *s = scores + g * keys + (start - first);
+            da_dots(q + (int64_t)g * d, rows, n, d, s);
+            for (int t = 0; t < n; t++) s[t] = softcap > 0 ? softcap * tanhf(scale * s[t] / softcap) : scale * s[t];
+        }
     }
     for (int g = 0; g < group; g++) {
-        float *s = scores + g * keys, top = -INFINITY, total = 0;
-        for (int64_t j = 0; j < keys; j++) top = s[j] > top ? s[j] : top;
-        for (int64_t j = 0; j < keys; j++) {
-            s[j] = expf(s[j] - top);
-            total += s[j];
-        }
-        float inverse = 1 / total;
-        for (int64_t j = 0; j < keys; j++) s[j] *= inverse;
+        da_softmax(scores + g * keys, keys);
         memset(out + (int64_t)g * d, 0, sizeof(float) * d);
     }
     for (int64_t start = first; start < seq_len; start += DA_TILE) {
