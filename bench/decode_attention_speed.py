@@ -52,10 +52,10 @@ def main() -> None:
     amx = "AMX" if "amx_tile" in cpu_flags() else "no AMX"
     print(f"{cpu_model_name()} ({amx}), {torch.get_num_threads()} threads, {args.dtype}, heads {args.heads[0]}/"
           f"{args.heads[1]} of {args.head_dim}; {detail}")
-    builds = {"C": native_attention._library()}
+    builds = {"C": native_attention.LIBRARY.loaded()}
     with tempfile.TemporaryDirectory() as folder:
         for index, flags in enumerate(args.build_flags):
-            build = native_attention._build_and_load(tuple(flags.split()), Path(folder) / str(index))
+            build = native_attention.LIBRARY.build(tuple(flags.split()), Path(folder) / str(index))
             if build.library is None:
                 raise SystemExit(f"the build with {flags} failed: {build.detail}")
             builds[f"C {flags}"] = build
@@ -107,12 +107,12 @@ def on_torch_ops(call) -> float:
 
 
 def on_build(call, build) -> float:
-    saved = native_attention._library
-    native_attention._library = lambda: build
+    saved = native_attention.LIBRARY.loaded
+    native_attention.LIBRARY.loaded = lambda: build
     try:
         return timed(call)
     finally:
-        native_attention._library = saved
+        native_attention.LIBRARY.loaded = saved
 
 
 def timed(call) -> float:

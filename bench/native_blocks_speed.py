@@ -110,7 +110,7 @@ def variant_builds(variants: dict[str, tuple[str, ...]], folder: str) -> dict[st
     """The kernel library built with each variant's extra compiler flags, each in a folder of `folder`."""
     builds = {}
     for index, (name, flags) in enumerate(variants.items()):
-        build = native_blocks._build_and_load(flags, Path(folder) / str(index))
+        build = native_blocks.LIBRARY.build(flags, Path(folder) / str(index))
         if build.library is None:
             raise SystemExit(f"the library built with {' '.join(flags)} did not build: {build.detail}")
         builds[name] = build

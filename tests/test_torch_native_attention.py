@@ -248,9 +248,9 @@ OTHER_BUILDS = [pytest.param(("-mno-avx512f",), {"avx2", "fma"}, id="avx2"),
 def test_the_code_other_cpus_run_agrees_with_the_oracle(monkeypatch, tmp_path, flags, needs):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
-    build = native_attention._build_and_load(flags, folder=tmp_path)
+    build = native_attention.LIBRARY.build(flags, folder=tmp_path)
     assert build.library is not None, build.detail
-    monkeypatch.setattr(native_attention, "_library", lambda: build)
+    monkeypatch.setattr(native_attention.LIBRARY, "loaded", lambda: build)
     rng = np.random.default_rng(23)
     meta, blocks = random_step(rng, [3, 64, 100], 16)
     cache = random_cache(rng, blocks, 16, 2, 80, torch.bfloat16)

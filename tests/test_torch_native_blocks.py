@@ -173,7 +173,7 @@ OTHER_BUILDS = [pytest.param(("-mno-avx512f",), "avx2+fma", id="avx2"),
 def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, described):
     if described == "avx2+fma" and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 code")
-    build = native_blocks._build_and_load(flags, folder=tmp_path)
+    build = native_blocks.LIBRARY.build(flags, folder=tmp_path)
     assert build.library is not None, build.detail
     assert build.detail.startswith(described), build.detail
     for format in sorted(NATIVE_FORMATS):
@@ -190,10 +190,10 @@ def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, describ
 def fresh_build(monkeypatch, tmp_path):
     """native_blocks_available() answering afresh, building into an empty cache; the real build after."""
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
-    native_blocks._library.cache_clear()
+    native_blocks.LIBRARY.forget()
     yield
     monkeypatch.undo()
-    native_blocks._library.cache_clear()
+    native_blocks.LIBRARY.forget()
 
 
 def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
@@ -207,11 +207,11 @@ def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatc
 def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native_blocks, "SOURCE", broken)
+    monkeypatch.setattr(native_blocks.LIBRARY, "source", broken)
     available, reason = native_blocks_available()
     assert not available and "did not compile" in reason and "error" in reason
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load
-    native_blocks._library.cache_clear()  # a later start remembers the failure instead of compiling again
+    native_blocks.LIBRARY.forget()  # a later start remembers the failure instead of compiling again
     monkeypatch.setattr(native_build, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
     assert native_blocks_available() == (False, reason)
 

@@ -13,12 +13,11 @@ torch's does, so a key is cached the same whichever path rotated it.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from candelabra.backends.torch.native_build import Build, build_library, built_or_reason
+from candelabra.backends.torch.native_build import NativeLibrary
 from candelabra.core.contract.ops import KVCache
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
@@ -30,20 +29,9 @@ _STYLES = {"neox": 0, "gptj": 1}
 
 
 def native_decode_attention_available() -> tuple[bool, str]:
-    """Whether the decode attention library is built and loaded here, and what it is or why not. Builds it on
-    the first call of a process; never raises."""
-    build = _library()
-    return build.library is not None, build.detail
-
-
-@cache
-def _library() -> Build:
-    return built_or_reason(_build_and_load)
-
-
-def _build_and_load(extra_flags: tuple[str, ...] = (), folder: Path | None = None) -> Build:
-    return build_library(SOURCE, _bind, lambda library: library.decode_attention_describe().decode(),
-                         extra_flags, folder)
+    """Whether the kernel library is built and loaded here, and what it is or why not. Builds it
+    on the first call of a process; never raises."""
+    return LIBRARY.available()
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -63,13 +51,16 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+LIBRARY = NativeLibrary(SOURCE, _bind, lambda library: library.decode_attention_describe().decode())
+
+
 def reads_natively(cache: KVCache) -> bool:
     """Whether `decode_attention` reads this cache: a float one on the CPU, laid out as allocated, where the
     library is built."""
     key, value = cache
     return (key.device.type == "cpu" and key.dtype in _DTYPE_CODES and value.dtype == key.dtype
             and key.shape == value.shape and key.is_contiguous() and value.is_contiguous()
-            and _library().library is not None)
+            and LIBRARY.loaded().library is not None)
 
 
 def decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -91,7 +82,7 @@ def decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor
         raise ValueError(f"{rows} queries need {rows} block tables and lengths, got {tables.shape[0]} and "
                          f"{lengths.shape[0]}")
     out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    status = _library().library.decode_attention(
+    status = LIBRARY.loaded().library.decode_attention(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), _DTYPE_CODES[key.dtype], blocks, block_size,
         tables.data_ptr(), tables.shape[1], lengths.data_ptr(), rows, heads, kv_heads, head_dim, scale,
         logit_softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
@@ -130,7 +121,7 @@ def rotary_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table_ro
     rotated q [T, Hq, D] in q's dtype."""
     arguments, _keep = _rotary_arguments(q, k, v, table_rows, cos_sin, cache, slots, style)
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = _library().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
+    status = LIBRARY.loaded().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
                                                  out.data_ptr(), torch.get_num_threads())
     if status:
         raise ValueError(f"rotary and cache write: {_STATUS.get(status, f'status {status}')}")
@@ -153,7 +144,7 @@ def rotary_and_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError(f"{rows} queries need {rows} block tables and lengths, got {tables.shape[0]} and "
                          f"{lengths.shape[0]}")
     out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    status = _library().library.rotary_and_decode_attention(
+    status = LIBRARY.loaded().library.rotary_and_decode_attention(
         *arguments, tables.data_ptr(), tables.shape[1], lengths.data_ptr(), rows, heads, k.shape[1], head_dim,
         scale, logit_softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
     if status:

@@ -27,7 +27,6 @@ the output's allocation); see bench/native_blocks_speed.py for their speed again
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from candelabra.backends.torch.kernel_choice import Choice
-from candelabra.backends.torch.native_build import Build, build_library, built_or_reason
+from candelabra.backends.torch.native_build import NativeLibrary
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
 
@@ -54,18 +53,7 @@ REBUILD_SLICE_ELEMENTS = 2**20
 def native_blocks_available() -> tuple[bool, str]:
     """Whether the kernel library is built and loaded here, and what it is or why not. Builds it
     on the first call of a process; never raises."""
-    build = _library()
-    return build.library is not None, build.detail
-
-
-@cache
-def _library() -> Build:
-    return built_or_reason(_build_and_load)
-
-
-def _build_and_load(extra_flags: tuple[str, ...] = (), folder: Path | None = None) -> Build:
-    """The library built with OpenMP, else without (one thread); see native_build.build_library."""
-    return build_library(SOURCE, _bind, lambda library: library.gguf_blocks_describe().decode(), extra_flags, folder)
+    return LIBRARY.available()
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -77,6 +65,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_blocks_describe.argtypes = []
     library.gguf_blocks_describe.restype = ctypes.c_char_p
     return library
+
+
+LIBRARY = NativeLibrary(SOURCE, _bind, lambda library: library.gguf_blocks_describe().decode())
 
 
 def _checked(status: int, call: str) -> None:
@@ -113,7 +104,7 @@ class NativeBlocksWeight(KeptWeight):
         if shape[1] % values or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.numel() != expected:
             raise ValueError(f"{format} blocks of a {shape[0]} x {shape[1]} weight are {expected} contiguous bytes "
                              f"(K a multiple of {values}), got {blocks.dtype} {list(blocks.shape)}")
-        build = _library()
+        build = LIBRARY.loaded()
         if build.library is None:
             raise RuntimeError(build.detail)
         self.format = format

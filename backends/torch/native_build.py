@@ -53,6 +53,35 @@ def built_or_reason(build: Callable[[], Build]) -> Build:
         return Build(None, f"the kernel library could not be built: {type(exc).__name__}: {exc}")
 
 
+class NativeLibrary:
+    """A C source built on first use in a process (loaded from the cache where an earlier start built it),
+    its functions typed by `bind`, described by `describe` (which names the code the build took)."""
+
+    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL], ctypes.CDLL],
+                 describe: Callable[[ctypes.CDLL], str]) -> None:
+        self.source, self._bind, self._describe = source, bind, describe
+        self._loaded: Build | None = None
+
+    def loaded(self) -> Build:
+        """The library for this process, built on the first call; never raises."""
+        if self._loaded is None:
+            self._loaded = built_or_reason(self.build)
+        return self._loaded
+
+    def available(self) -> tuple[bool, str]:
+        """Whether the library is built and loaded here, and what it is or why not."""
+        build = self.loaded()
+        return build.library is not None, build.detail
+
+    def forget(self) -> None:
+        """Build (or find) the library again at the next call, as a new process would."""
+        self._loaded = None
+
+    def build(self, extra_flags: tuple[str, ...] = (), folder: Path | None = None) -> Build:
+        """The library built with `extra_flags` too (a variant, kept apart by its name), into `folder`."""
+        return build_library(self.source, self._bind, self._describe, extra_flags, folder)
+
+
 def build_library(source: Path, bind: Callable[[ctypes.CDLL], ctypes.CDLL], describe: Callable[[ctypes.CDLL], str],
                   extra_flags: tuple[str, ...] = (), folder: Path | None = None) -> Build:
     """`source` built with OpenMP, else without (one thread), typed by `bind` and described by `describe`;
