@@ -94,9 +94,10 @@ class TorchStep:
         return getattr(self.host, name)
 
 
-def decodes_alone(step: TorchStep) -> QueryGroup | None:
-    """The step's one group where it holds decodes alone (token r is then sequence r's one query), else None."""
-    if len(step.groups) == 1 and step.groups[0].token_index.shape[1] == 1:
+def decodes_alone(step) -> QueryGroup | None:
+    """The step's one group where it is this module's step and holds decodes alone (token r is then sequence r's
+    one query), else None: a backend built on these ops may prepare steps of its own (cuda's CudaStep)."""
+    if isinstance(step, TorchStep) and len(step.groups) == 1 and step.groups[0].token_index.shape[1] == 1:
         return step.groups[0]
     return None
 
