@@ -235,6 +235,10 @@ def test_bad_input_is_refused_before_the_cache_changes():
         native_attention.decode_attention(q, cache, step.block_tables, step.seq_lens + 16, 0.125, None, None)
     with pytest.raises(ValueError, match="rotary style"):
         native_attention.rotary_and_write(q, k, v, rows, table, cache, torch.tensor([3, 4]), "interleaved")
+    with pytest.raises(ValueError, match="block the cache does not have"):  # the fused call writes nothing either
+        native_attention.rotary_and_decode_attention(q, k, v, rows, table, cache, torch.tensor([3, 4]),
+                                                     step.block_tables + blocks, step.seq_lens, 0.125, None, None,
+                                                     "neox")
     assert torch.equal(cache.key, before)
 
 

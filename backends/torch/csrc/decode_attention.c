@@ -9,11 +9,16 @@
      out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s)
 
    over the keys j the query sees: all of them, or with a window W > 0 the last W. Everything is
-   float32, summed in key order: a sequence's result does not depend on what else is in the batch.
+   float32, summed in an order the sequence alone fixes: its result does not depend on what else is
+   in the batch.
 
    One task per (sequence, KV head) reads each of its keys and values once for the Hq / Hk query
    heads that share them. Tasks are spread over threads with OpenMP (the process's one runtime,
    torch's: the Python side links against it); without OpenMP, one thread.
+
+   rotary_and_write rotates q and k (rotary embedding) and writes k and v to the cache, for any
+   step; rotary_and_decode_attention does that and then attends, for a step of decodes alone. Every
+   entry point checks its slots, positions and block tables before it writes or reads anything.
 */
 
 #include <math.h>
@@ -269,31 +274,26 @@ static void da_add_weighted(float *restrict out, const float *restrict p, const 
 }
 
 /* The cache rows of keys [start, start + n) of a sequence in KV head kv_head, as float32 (widened into
-   `widened`, n x d, where the cache is not float32); DA_BAD_BLOCK where the table names no block. */
-static int da_tile_rows(const void *cache, int dtype, const int64_t *table, int64_t blocks, int block_size,
-                        int kv_heads, int kv_head, int d, int64_t start, int n, float *widened, const float **rows) {
+   `widened`, n x d, where the cache is not float32). */
+static void da_tile_rows(const void *cache, int dtype, const int64_t *table, int block_size, int kv_heads,
+                         int kv_head, int d, int64_t start, int n, float *widened, const float **rows) {
     for (int t = 0; t < n; t++) {
         int64_t j = start + t, block = table[j / block_size];
-        if (block < 0 || block >= blocks) return DA_BAD_BLOCK;
         rows[t] = da_row(cache, dtype, (block * block_size + j % block_size) * kv_heads + kv_head, d,
                          widened + (int64_t)t * d);
     }
-    return DA_OK;
 }
 
 /* One sequence's `group` query heads (q, group x d) against KV head kv_head, into out (group x d), a
    tile of DA_TILE keys at a time. `scores` holds group x keys floats, `widened` DA_TILE x d. */
-static int da_task(const float *q, const void *key, const void *value, int dtype, const int64_t *table,
-                   int64_t table_width, int64_t seq_len, int64_t blocks, int block_size, int kv_heads,
-                   int kv_head, int group, int d, float scale, float softcap, int64_t window, float *scores,
-                   float *widened, float *out) {
+static void da_task(const float *q, const void *key, const void *value, int dtype, const int64_t *table,
+                    int64_t seq_len, int block_size, int kv_heads, int kv_head, int group, int d, float scale,
+                    float softcap, int64_t window, float *scores, float *widened, float *out) {
     int64_t first = window > 0 && seq_len > window ? seq_len - window : 0, keys = seq_len - first;
-    if (seq_len <= 0 || (seq_len - 1) / block_size >= table_width) return DA_BAD_SHAPE;
     const float *rows[DA_TILE];
     for (int64_t start = first; start < seq_len; start += DA_TILE) {
         int n = seq_len - start < DA_TILE ? (int)(seq_len - start) : DA_TILE;
-        int status = da_tile_rows(key, dtype, table, blocks, block_size, kv_heads, kv_head, d, start, n, widened, rows);
-        if (status != DA_OK) return status;
+        da_tile_rows(key, dtype, table, block_size, kv_heads, kv_head, d, start, n, widened, rows);
         for (int g = 0; g < group; g++) {
             float *s = scores + g * keys + (start - first);
             da_dots(q + (int64_t)g * d, rows, n, d, s);
@@ -306,11 +306,10 @@ static int da_task(const float *q, const void *key, const void *value, int dtype
     }
     for (int64_t start = first; start < seq_len; start += DA_TILE) {
         int n = seq_len - start < DA_TILE ? (int)(seq_len - start) : DA_TILE;
-        da_tile_rows(value, dtype, table, blocks, block_size, kv_heads, kv_head, d, start, n, widened, rows);
+        da_tile_rows(value, dtype, table, block_size, kv_heads, kv_head, d, start, n, widened, rows);
         for (int g = 0; g < group; g++)
             da_add_weighted(out + (int64_t)g * d, scores + g * keys + (start - first), rows, n, d);
     }
-    return DA_OK;
 }
 
 static int da_check(int dtype, int heads, int kv_heads, int d, int block_size) {
@@ -319,7 +318,20 @@ static int da_check(int dtype, int heads, int kv_heads, int d, int block_size) {
     return DA_OK;
 }
 
-static int da_attend(const float *q, const void *key, const void *value, int dtype, int64_t blocks, int block_size,
+/* Every sequence's length fits its block table, and every block it reads is in the cache. */
+static int da_check_tables(const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens,
+                           int64_t sequences, int64_t blocks, int block_size) {
+    for (int64_t r = 0; r < sequences; r++) {
+        if (seq_lens[r] <= 0 || (seq_lens[r] - 1) / block_size >= table_width) return DA_BAD_SHAPE;
+        for (int64_t b = 0; b <= (seq_lens[r] - 1) / block_size; b++) {
+            int64_t block = block_tables[r * table_width + b];
+            if (block < 0 || block >= blocks) return DA_BAD_BLOCK;
+        }
+    }
+    return DA_OK;
+}
+
+static int da_attend(const float *q, const void *key, const void *value, int dtype, int block_size,
                      const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, int64_t sequences,
                      int heads, int kv_heads, int d, float scale, float softcap, int64_t window, float *out,
                      int threads) {
@@ -338,9 +350,9 @@ static int da_attend(const float *q, const void *key, const void *value, int dty
             int64_t r = t / kv_heads;
             int kv_head = (int)(t % kv_heads);
             int64_t head = (int64_t)kv_head * group;
-            mine = da_task(q + (r * heads + head) * d, key, value, dtype, block_tables + r * table_width, table_width,
-                           seq_lens[r], blocks, block_size, kv_heads, kv_head, group, d, scale, softcap, window,
-                           scratch, scratch + (size_t)group * (size_t)longest, out + (r * heads + head) * d);
+            da_task(q + (r * heads + head) * d, key, value, dtype, block_tables + r * table_width, seq_lens[r],
+                    block_size, kv_heads, kv_head, group, d, scale, softcap, window, scratch,
+                    scratch + (size_t)group * (size_t)longest, out + (r * heads + head) * d);
         }
         free(scratch);
         if (mine != DA_OK) {
@@ -356,8 +368,9 @@ int decode_attention(const float *q, const void *key, const void *value, int dty
                      int64_t sequences, int heads, int kv_heads, int d, float scale, float softcap,
                      int64_t window, float *out, int threads) {
     int status = da_check(dtype, heads, kv_heads, d, block_size);
+    if (status == DA_OK) status = da_check_tables(block_tables, table_width, seq_lens, sequences, blocks, block_size);
     if (status != DA_OK) return status;
-    return da_attend(q, key, value, dtype, blocks, block_size, block_tables, table_width, seq_lens, sequences, heads,
+    return da_attend(q, key, value, dtype, block_size, block_tables, table_width, seq_lens, sequences, heads,
                      kv_heads, d, scale, softcap, window, out, threads);
 }
 
@@ -472,13 +485,14 @@ int rotary_and_decode_attention(const void *q, int64_t q_stride, const void *k, 
     int status = da_check(dtype, heads, kv_heads, d, block_size);
     if (status == DA_OK)
         status = da_check_rotary(sequences, table_rows, table_length, rotary_dim, d, slots, blocks, block_size);
+    if (status == DA_OK) status = da_check_tables(block_tables, table_width, seq_lens, sequences, blocks, block_size);
     if (status != DA_OK) return status;
     float *rotated = malloc(sizeof(float) * (size_t)sequences * (size_t)heads * (size_t)d);
     if (!rotated) return DA_NO_MEMORY;
     status = da_rotate_and_write_all(sequences, q, q_stride, k, k_stride, v, v_stride, dtype, table_rows, cos_sin,
                                      rotary_dim, gptj, slots, key, value, heads, kv_heads, d, rotated, 1, threads);
     if (status == DA_OK)
-        status = da_attend(rotated, key, value, dtype, blocks, block_size, block_tables, table_width, seq_lens,
+        status = da_attend(rotated, key, value, dtype, block_size, block_tables, table_width, seq_lens,
                            sequences, heads, kv_heads, d, scale, softcap, window, out, threads);
     free(rotated);
     return status;
