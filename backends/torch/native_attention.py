@@ -73,22 +73,34 @@ def decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor
     rows, heads = q.shape[0], q.shape[1]
     if q.shape[2] != head_dim or heads % kv_heads:
         raise ValueError(f"queries {list(q.shape)} do not fit a cache of {kv_heads} KV heads of {head_dim}")
+    q = q.to(torch.float32).contiguous()
+    tables, limits, _keep = _attention_arguments(rows, block_tables, seq_lens, sliding_window, logit_softcap)
+    out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
+    _checked(LIBRARY.loaded().library.decode_attention(
+        q.data_ptr(), key.data_ptr(), value.data_ptr(), _DTYPE_CODES[key.dtype], blocks, block_size, *tables, rows,
+        heads, kv_heads, head_dim, scale, *limits, out.data_ptr(), torch.get_num_threads()),
+        "decode attention")
+    return out
+
+
+def _attention_arguments(rows: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None,
+                         logit_softcap: float | None = None) -> tuple:
+    """(block tables, their width, lengths) and (soft cap, window) as the C entry points take them, and the
+    tensors whose memory they point at, to keep alive through the call."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"a sliding window holds at least one key, got {sliding_window}")
-    q = q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lengths = seq_lens.reshape(-1).to(torch.int64).contiguous()
     if tables.shape[0] != rows or lengths.shape[0] != rows:
         raise ValueError(f"{rows} queries need {rows} block tables and lengths, got {tables.shape[0]} and "
                          f"{lengths.shape[0]}")
-    out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    status = LIBRARY.loaded().library.decode_attention(
-        q.data_ptr(), key.data_ptr(), value.data_ptr(), _DTYPE_CODES[key.dtype], blocks, block_size,
-        tables.data_ptr(), tables.shape[1], lengths.data_ptr(), rows, heads, kv_heads, head_dim, scale,
-        logit_softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
+    return ((tables.data_ptr(), tables.shape[1], lengths.data_ptr()), (logit_softcap or 0.0, sliding_window or 0),
+            (tables, lengths))
+
+
+def _checked(status: int, what: str) -> None:
     if status:
-        raise ValueError(f"decode attention: {_STATUS.get(status, f'status {status}')}")
-    return out
+        raise ValueError(f"{what}: {_STATUS.get(status, f'status {status}')}")
 
 
 def rotates_natively(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, cache: KVCache) -> bool:
@@ -121,10 +133,9 @@ def rotary_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table_ro
     rotated q [T, Hq, D] in q's dtype."""
     arguments, _keep = _rotary_arguments(q, k, v, table_rows, cos_sin, cache, slots, style)
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = LIBRARY.loaded().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
-                                                 out.data_ptr(), torch.get_num_threads())
-    if status:
-        raise ValueError(f"rotary and cache write: {_STATUS.get(status, f'status {status}')}")
+    _checked(LIBRARY.loaded().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
+                                                       out.data_ptr(), torch.get_num_threads()),
+             "rotary and cache write")
     return out
 
 
@@ -134,19 +145,11 @@ def rotary_and_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 logit_softcap: float | None, style: str) -> torch.Tensor:
     """`rotary_and_write`, then `decode_attention` of the rotated queries, in one call, for a step of decodes
     alone (token r is sequence r's query): [R, Hq, D] float32."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"a sliding window holds at least one key, got {sliding_window}")
     arguments, _keep = _rotary_arguments(q, k, v, table_rows, cos_sin, cache, slots, style)
-    tables = block_tables.to(torch.int64).contiguous()
-    lengths = seq_lens.reshape(-1).to(torch.int64).contiguous()
     rows, heads, head_dim = q.shape
-    if tables.shape[0] != rows or lengths.shape[0] != rows:
-        raise ValueError(f"{rows} queries need {rows} block tables and lengths, got {tables.shape[0]} and "
-                         f"{lengths.shape[0]}")
+    tables, limits, _keep_too = _attention_arguments(rows, block_tables, seq_lens, sliding_window, logit_softcap)
     out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    status = LIBRARY.loaded().library.rotary_and_decode_attention(
-        *arguments, tables.data_ptr(), tables.shape[1], lengths.data_ptr(), rows, heads, k.shape[1], head_dim,
-        scale, logit_softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
-    if status:
-        raise ValueError(f"rotary and decode attention: {_STATUS.get(status, f'status {status}')}")
+    _checked(LIBRARY.loaded().library.rotary_and_decode_attention(
+        *arguments, *tables, rows, heads, k.shape[1], head_dim, scale, *limits, out.data_ptr(),
+        torch.get_num_threads()), "rotary and decode attention")
     return out
