@@ -9,9 +9,10 @@ Greedy tokens may part from the lone ones only on a tie: where the lone run's be
 batch's pick by at most two rounding steps of the compute dtype (GREEDY_TIE_MARGINS), as a batch's other
 summation order can move a logit by one, or where the batch's pick is what the backend alone picks, within
 that margin, reading the request's tokens so far as one prompt (preemption by recompute and a prefix-cache
-hit read them so, where the lone run decoded them one by one; a mixture-of-experts layer routing a token
-at a near tie of its experts can part the two paths by more than a rounding step); the case passes and its
-detail names the request and step.
+hit read them so, where the lone run decoded them one by one), or where the position that picked it routes
+within the dtype's rounding of an expert tie (asked of transformers' model of the checkpoint, where torch is
+installed: expert_ties.py), as a mixture-of-experts layer routing a token at such a tie can part the two
+paths by more than a rounding step; the case passes and its detail names the request and step.
 
 The cases named "...-kv-int8" run two of the checks again with every engine keeping an int8 KV cache
 (where the backend declares one): a quantized cache changes the tokens from the float cache's, but a
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from candelabra.conformance.expert_ties import CheckpointExpertTies, coarsest
 from candelabra.conformance.harness import NOT_SUPPORTED
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.ops import OpNotSupported
@@ -191,6 +193,7 @@ class _Harness:
     """Fresh engines over one loaded model, and requests run to completion on them."""
 
     kv_cache_dtype: str | None = None  # the caches' dtype, when not the model's
+    expert_ties: CheckpointExpertTies | None = None  # for a model that routes experts
 
     def __init__(self, backend: Backend, folder: Path, dtype: str) -> None:
         from candelabra.core.engine.tokenizer import Tokenizer
@@ -274,10 +277,12 @@ def run_engine_case(backend, case: EngineCase, seed: int, dtype: str = "float32"
             h.kv_cache_dtype = case.kv_cache_dtype  # every engine the case makes
         except OpNotSupported as exc:
             return EngineResult(case.name, NOT_SUPPORTED, "", seed, str(exc))
-    try:
-        return _run_case(h, case, seed)
-    finally:
-        h.close()
+        if case.moe:
+            h.expert_ties = CheckpointExpertTies(Path(folder), dtype, coarsest(dtype, case.kv_cache_dtype))
+        try:
+            return _run_case(h, case, seed)
+        finally:
+            h.close()
 
 
 def _run_case(h: _Harness, case: EngineCase, seed: int) -> EngineResult:
@@ -428,8 +433,10 @@ def _differ_but_for_ties(h: _Harness, got: list, prompts: list, params, ties: li
 def parting_tie(h: _Harness, prompt: list[int], params, got: list[int], expected: list[int], margin: float,
                 alone_options: dict) -> int | None:
     """The step where greedy tokens `got` first part from `expected`, the prompt's tokens alone, when
-    `got`'s token there was within `margin` of the best logprob of the lone run, scored again;
-    None when they part otherwise, or the lone run does not repeat itself."""
+    `got`'s token there was within `margin` of the best logprob of the lone run, scored again, or of the
+    prompt and `got`'s tokens before it read as one prompt (`prefix_read_agrees`), or when the position
+    that chose it routes at an expert tie (where the harness's model routes experts and torch is here to
+    ask transformers); None when they part otherwise, or the lone run does not repeat itself."""
     step = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), None)
     if step is None:
         return None
@@ -438,7 +445,11 @@ def parting_tie(h: _Harness, prompt: list[int], params, got: list[int], expected
         return None
     if _within_margin(dict(scored.logprobs[step].top), got[step], margin):
         return step
-    return step if prefix_read_agrees(h, prompt, params, got, step, margin, alone_options) else None
+    if prefix_read_agrees(h, prompt, params, got, step, margin, alone_options):
+        return step
+    # The tiny MoE checkpoint's one sparse layer is its last, after that layer's attention: a token's experts
+    # change its own logits and never a cache entry, so only the position that picked the token can part them.
+    return step if h.expert_ties and h.expert_ties.newest_at_tie(prompt + got[:step]) else None
 
 
 def prefix_read_agrees(h: _Harness, prompt: list[int], params, got: list[int], step: int, margin: float,

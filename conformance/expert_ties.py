@@ -68,3 +68,53 @@ def positions_near_expert_ties(model, forward: Callable[[], np.ndarray], positio
         for handle in handles:
             handle.remove()
     return result, tied
+
+
+class CheckpointExpertTies:
+    """Whether the newest position of a token sequence routes within `dtype`'s rounding of an expert
+    tie, asked of transformers' model of the checkpoint in `folder` (its weights rounded to `weights_dtype`,
+    computing in float32). The model loads on the first question, while the folder must still exist;
+    without torch there is no model to ask, and the answer is None."""
+
+    def __init__(self, folder, weights_dtype: str, dtype: str) -> None:
+        self.folder, self.weights_dtype, self.dtype = folder, weights_dtype, dtype
+        self._model = None
+
+    def newest_at_tie(self, tokens: list[int]) -> bool | None:
+        try:
+            import torch
+        except ImportError:
+            return None
+        model = self._model or self._load()
+        ids = torch.tensor([tokens], dtype=torch.long)
+        with torch.no_grad():
+            _, tied = positions_near_expert_ties(model, lambda: model(ids), len(tokens), self.dtype)
+        return bool(tied[-1])
+
+    def _load(self):
+        import json
+        import warnings
+
+        import torch
+        import transformers
+
+        from candelabra.conformance.compare import round_to
+
+        config = json.loads((self.folder / "config.json").read_text())
+        model_class = getattr(transformers, config["architectures"][0])
+        transformers.logging.set_verbosity_error()
+        bar = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # a conformance report has no room for one
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = model_class.from_pretrained(self.folder, config=model_class.config_class(**config),
+                                                    torch_dtype=torch.float32, attn_implementation="eager")
+        finally:
+            if bar:
+                transformers.utils.logging.enable_progress_bar()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(torch.from_numpy(round_to(parameter.numpy(), self.weights_dtype)))
+        self._model = model.eval()
+        return self._model

@@ -1,6 +1,10 @@
-"""The models level's expert-tie finder: it flags a position whose router choice a dtype's rounding can
-flip, never one whose margin no such rounding can cross, and the MoE cases that failed CI on a flip
-pass."""
+"""The expert-tie finder of the models and engine levels: it flags a position whose router choice a dtype's
+rounding can flip, never one whose margin no such rounding can cross, and the MoE cases that failed CI on a
+flip pass."""
+
+import json
+import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +14,20 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 from candelabra.backends.cpu.backend import CpuBackend
 from candelabra.backends.torch.backend import TorchBackend
-from candelabra.conformance.expert_ties import NUDGE_UNITS, UNIT_ROUNDOFF, coarsest, positions_near_expert_ties
+from candelabra.conformance.engine_cases import (
+    ENGINE_CASES,
+    _Harness,
+    parting_tie,
+    run_engine_case,
+    write_tiny_checkpoint,
+)
+from candelabra.conformance.expert_ties import (
+    NUDGE_UNITS,
+    UNIT_ROUNDOFF,
+    CheckpointExpertTies,
+    coarsest,
+    positions_near_expert_ties,
+)
 from candelabra.conformance.harness import case_seed
 from candelabra.conformance.model_cases import (
     GREEDY_TIE_MARGINS,
@@ -21,6 +38,7 @@ from candelabra.conformance.model_cases import (
     make_reference,
     run_model_case,
 )
+from candelabra.core.requests.sampling_params import SamplingParams
 
 HIDDEN = 64
 
@@ -158,3 +176,82 @@ def test_greedy_tokens_that_part_where_the_reference_routes_at_an_expert_tie_par
                                routes_experts=True)
 
     assert parted == ("0/16, then an expert tie" if tie else "0/16")
+
+
+def deepseek_checkpoint_routed_at(folder, tokens: list[int], tie: bool) -> None:
+    """The engine level's tiny DeepSeek-V3 checkpoint, its sparse layer's router changed so that at the last of
+    `tokens` the two groups of experts tie exactly (`tie`), or one leads by far: expert 2's router row is expert
+    0's negated, experts 1 and 3 share one, and expert 0's row is orthogonal to that position's router input
+    (an exact tie of sigmoids, 0.5 each) or that input itself."""
+    from safetensors.numpy import load_file, save_file
+
+    write_tiny_checkpoint(folder, seed=23, moe=True)
+    config = json.loads((folder / "config.json").read_text())
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        folder, config=transformers.DeepseekV3Config(**config), torch_dtype=torch.float32).eval()
+    seen = []
+    handle = model.model.layers[1].mlp.gate.register_forward_hook(
+        lambda module, inputs, output: seen.append(inputs[0].reshape(-1, inputs[0].shape[-1])[-1].double()))
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    handle.remove()
+    h = seen[0].numpy()
+    rng = np.random.default_rng(6)
+    v = h
+    if tie:
+        v = rng.standard_normal(len(h))
+        v -= (v @ h) / (h @ h) * h
+    shared = rng.standard_normal(len(h)) * 0.5
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate.weight"] = np.stack([v, shared, -v, shared]).astype(np.float32)
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = np.zeros(4, dtype=np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_engine_level_asks_a_checkpoints_model_whether_a_position_routes_at_an_expert_tie(tmp_path, tie):
+    tokens = np.random.default_rng(7).integers(2, 160, 20).tolist()
+    deepseek_checkpoint_routed_at(tmp_path, tokens, tie)
+
+    ties = CheckpointExpertTies(tmp_path, "float32", "bfloat16")
+
+    assert ties.newest_at_tie(tokens) == tie
+    if not tie:
+        # the 4th position routes within bfloat16's rounding of a tie here, and counts where it is the newest
+        assert ties.newest_at_tie(tokens[:4])
+        assert not CheckpointExpertTies(tmp_path, "float32", "float32").newest_at_tie(tokens[:4])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_greedy_tokens_part_in_the_engine_level_where_the_picking_position_routes_at_an_expert_tie(tmp_path, tie):
+    prompt = np.random.default_rng(8).integers(2, 160, 20).tolist()
+    deepseek_checkpoint_routed_at(tmp_path, prompt, tie)
+    h = _Harness(CpuBackend(), tmp_path, "float32")
+    h.expert_ties = CheckpointExpertTies(tmp_path, "float32", "bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    lone = h.alone([prompt], replace(params, logprobs=2))[0].outputs[0]
+    (best, _), (second, _) = lone.logprobs[0].top[:2]
+    parted = [second] + lone.token_ids[1:]
+
+    # a margin of 0 excuses no tie of logits: what excuses the parting is the prompt's last position alone
+    assert parting_tie(h, prompt, params, parted, lone.token_ids, 0.0, {}) == (0 if tie else None)
+
+
+def test_without_torch_no_expert_tie_excuses_a_parting(tmp_path, monkeypatch):
+    prompt = np.random.default_rng(8).integers(2, 160, 20).tolist()
+    deepseek_checkpoint_routed_at(tmp_path, prompt, tie=True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now raises ImportError
+
+    assert CheckpointExpertTies(tmp_path, "float32", "bfloat16").newest_at_tie(prompt) is None
+
+
+@pytest.mark.slow
+def test_the_moe_swap_case_ci_parted_on_an_expert_tie_passes():
+    # Seed 1873261416 in bfloat16 on torch: request 1 (40 prompt tokens) parted at its 14th token, 11 against
+    # 139 alone, where the position that picked it routes at a tie of its experts; float32's reference picks 11.
+    case = next(case for case in ENGINE_CASES if case.name == "moe-preempt-swap")
+
+    result = run_engine_case(TorchBackend(), case, case_seed(1873261416, case.name), "bfloat16")
+
+    assert result.status == "passed", result.message
+    assert "request 1 at token 14" in result.detail
