@@ -382,17 +382,18 @@ def llama3_rope_factors(arch):
     return np.array(factors, dtype=np.float32)
 
 
-def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata=None):
+def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata=None, others=None):
     """`model` written as llama.cpp's converter writes it: tensors named by gguf's own table,
     q/k rows permuted (llama and Mixtral), norms + 1 (Gemma), StableLM's per-head norms stacked,
     experts as 3-D [experts, rows, columns] gate, up and down tensors, DeepSeek's kv_b_proj split
     where SPLIT_KV_B says; 2-D and 3-D weights stored as `ggml_type`, routers float32; with
     `fuse_qkv`, q/k/v fused into attn_qkv. `metadata` adds to (or overrides) the hyperparameters,
-    e.g. a tokenizer's keys."""
+    e.g. a tokenizer's keys. `others` stores the weights of some projections in other types, by
+    transformers' projection name ({"v_proj": Q.Q8_0})."""
     s, gguf_arch = settings_of(arch), gguf_architecture(arch)
     arch_enum = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch]
     name_map = gguf.get_tensor_name_map(arch_enum, s["num_hidden_layers"])
-    tensors, stacked_norms = {}, {}
+    tensors, stacked_norms, types = {}, {}, {}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -421,6 +422,7 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata
         gguf_name = name_map.get_name(module)
         assert gguf_name is not None, f"gguf has no GGUF name for {module}"
         tensors[f"{gguf_name}.{suffix}"] = data
+        types[f"{gguf_name}.{suffix}"] = (others or {}).get(module.rsplit(".", 1)[-1], ggml_type)
     for module, heads in stacked_norms.items():
         tensors[f"{name_map.get_name(module)}.weight"] = np.stack([heads[head] for head in sorted(heads)])
     if fuse_qkv:
@@ -435,7 +437,8 @@ def convert_to_gguf(model, arch, path, ggml_type=Q.F32, fuse_qkv=False, metadata
         tensors["rope_factors_long.weight"] = np.array(s["rope_scaling"]["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(s["rope_scaling"]["short_factor"], dtype=np.float32)
     stored = {
-        name: encoded(data, ggml_type) if data.ndim >= 2 and not name.startswith("rope_") and ROUTER not in name
+        name: encoded(data, types.get(name, ggml_type)) if data.ndim >= 2 and not name.startswith("rope_")
+        and ROUTER not in name
         else data
         for name, data in tensors.items()
     }

@@ -138,21 +138,33 @@ GGUF_DEEPSEEK_TYPES = ("F16", "Q8_0")
 @dataclass(frozen=True)
 class GGUFModelCase:
     """A tiny model written as llama.cpp writes GGUF, 2-D weights (and experts) in `ggml_type`, checked
-    against transformers running the same weights quantized and dequantized by gguf."""
+    against transformers running the same weights quantized and dequantized by gguf. `others` stores some
+    projections in other types, as llama.cpp's mixed quantizations (Q4_K_M) do: (transformers' projection
+    name, GGML type) pairs."""
 
     arch: str  # a case of gguf_models.CASES
     ggml_type: str
+    others: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
-        return f"gguf-{self.arch}-{self.ggml_type.lower()}"
+        return "-".join([f"gguf-{self.arch}-{self.ggml_type.lower()}",
+                         *(f"{projection}-{kind.lower()}" for projection, kind in self.others)])
+
+    def type_of(self, parameter: str) -> str:
+        """The GGML type the case stores transformers' 2-D parameter `parameter` in."""
+        return next((kind for projection, kind in self.others if f".{projection}." in parameter), self.ggml_type)
 
     @property
     def routes_experts(self) -> bool:
         return self.arch in GGUF_MOE_ARCHITECTURES + GGUF_DEEPSEEK_ARCHITECTURES
 
 
+# A mixed quantization, as Q4_K_M files mix them: q and k in one format and v in another, gate and up apart too,
+# so that both fused projections join parts of two formats.
+GGUF_MIXED_CASE = GGUFModelCase("qwen2", "Q5_0", (("v_proj", "Q8_0"), ("up_proj", "Q4_0")))
 GGUF_MODEL_CASES = [GGUFModelCase(arch, kind) for arch in GGUF_ARCHITECTURES for kind in GGUF_TYPES] + [
+    GGUF_MIXED_CASE] + [
     GGUFModelCase(arch, kind) for arch in GGUF_MOE_ARCHITECTURES for kind in GGUF_MOE_TYPES] + [
     GGUFModelCase(arch, kind) for arch in GGUF_DEEPSEEK_ARCHITECTURES for kind in GGUF_DEEPSEEK_TYPES]
 
@@ -398,11 +410,13 @@ def _gguf_reference(case: GGUFModelCase, seed: int, folder: str):
     kind = GGMLQuantizationType[case.ggml_type]
     model = tiny_model(case.arch, seed)
     path = f"{folder}/{case.name}.gguf"
-    convert_to_gguf(model, case.arch, path, kind)
+    others = {projection: GGMLQuantizationType[other] for projection, other in case.others}
+    convert_to_gguf(model, case.arch, path, kind, others=others)
     with torch.no_grad():  # what the file stores: every 2-D weight and the experts through the quantizer
         for name, parameter in model.named_parameters():
             if quantized_by_converter(name, parameter.ndim):
-                parameter.copy_(torch.from_numpy(stored_parameter(name, parameter.numpy(), kind, case.arch)))
+                stored = stored_parameter(name, parameter.numpy(), GGMLQuantizationType[case.type_of(name)], case.arch)
+                parameter.copy_(torch.from_numpy(stored))
     return model, path
 
 

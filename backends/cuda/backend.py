@@ -35,6 +35,8 @@ class CudaBackend(TorchBackend):
     # Its embedding op reads a dense table; int4 experts are kept one by one for the int4 GEMM, as linear
     # weights are (the torch backend's `upload_quantized_experts` over this `upload_quantized`).
     quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EXPERTS}
+    # A fused projection of parts in different formats arrives dense: its int4 GEMM takes one format a weight.
+    keeps_row_stacks = False
     device_type = "cpu" if interpreting() else "cuda"
     dtypes = INTERPRETER_DTYPES if interpreting() else GPU_DTYPES
     distributed_backend = "gloo" if interpreting() else "nccl"  # the interpreter's tensors are CPU tensors

@@ -23,7 +23,7 @@ from candelabra.core.contract.executor import StepExecutor, StepInputs, TokenFee
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
-from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QUANTIZED_FORMATS, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QUANTIZED_FORMATS, QuantizedTensor, RowStack, WeightRole
 
 try:
     import torch
@@ -55,6 +55,8 @@ class TorchBackend(Backend):
     # model's table is 136 MB as int8 rows against 272 as bfloat16, on top of its LM head's 136. A MoE
     # layer's experts are kept one by one as linear weights are (`upload_quantized_experts`).
     quantized_roles = QUANTIZABLE_ROLES | {WeightRole.EMBEDDING, WeightRole.EXPERTS}
+    # A fused projection of parts in different formats is kept part by part (`upload_row_stack`), not dense.
+    keeps_row_stacks = True
     # The torch.distributed process-group backend its communicator uses: Gloo sums CPU tensors.
     distributed_backend: ClassVar[str] = "gloo"
 
@@ -173,6 +175,8 @@ class TorchBackend(Backend):
             tensor = self.upload_quantized_experts(name, weight, dtype)
         elif isinstance(weight, QuantizedTensor):
             tensor = self.upload_quantized(name, weight, dtype, role)
+        elif isinstance(weight, RowStack):
+            tensor = self.upload_row_stack(name, weight, dtype)
         else:
             tensor = self.to_device(weight, dtype)
         if role is WeightRole.EMBEDDING:
@@ -197,6 +201,16 @@ class TorchBackend(Backend):
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
+
+    def upload_row_stack(self, name: str, stack: RowStack, dtype: str):
+        """A fused projection of parts in different formats: each part kept as a linear weight of its format
+        and shape is (`upload_quantized`), multiplied in turn; one dense tensor where every part came back dense."""
+        from candelabra.backends.torch.row_stack import RowStackWeight
+
+        kept = [self.upload_quantized(f"{name}[{index}]", part, dtype) for index, part in enumerate(stack.parts)]
+        if all(isinstance(part, torch.Tensor) for part in kept):
+            return torch.cat(kept)
+        return RowStackWeight(kept)
 
     def upload_quantized_experts(self, name: str, experts: QuantizedTensor, dtype: str):
         """A MoE layer's stacked experts still in a quantized format: each expert kept as a linear weight of its

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, native_attention, sampling
 from candelabra.backends.torch.quantized_kv import is_quantized, quantize_rows
+from candelabra.backends.torch.row_stack import RowStackWeight
 from candelabra.backends.torch.weight_forms import KeptWeight
 from candelabra.core.contract.ops import (
     KVCache,
@@ -38,7 +39,7 @@ class TorchOps(Ops):
         return x.index_select(0, rows)
 
     def linear(self, x, weight, bias=None):
-        if isinstance(weight, KeptWeight):
+        if isinstance(weight, (KeptWeight, RowStackWeight)):
             out = weight.matmul(x)
             return out + bias if bias is not None else out
         return F.linear(x, weight, bias)

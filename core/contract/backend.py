@@ -37,7 +37,7 @@ from candelabra.core.contract.executor import StepExecutor
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache, Ops, Tensor
 from candelabra.core.contract.step_metadata import SamplingMetadata, StepMetadata
-from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor, WeightRole
+from candelabra.core.contract.weights import QUANTIZABLE_ROLES, QuantizedTensor, RowStack, WeightRole
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,10 @@ class Backend(ABC):
     # quantized handle adds WeightRole.EMBEDDING, and one whose `Ops.moe_experts` multiplies by its own
     # handles of quantized experts WeightRole.EXPERTS.
     quantized_roles: ClassVar[frozenset[WeightRole]] = QUANTIZABLE_ROLES
+    # Whether `upload_weight` takes a linear weight fused from parts stored in different formats it keeps
+    # (q and k in Q5_0, v in Q8_0) as a `RowStack`, each part still quantized; without, the core joins them
+    # dequantized to float32.
+    keeps_row_stacks: ClassVar[bool] = False
     # Set by the engine before it asks for a step executor (`--disable-cuda-graph`): run every step
     # op by op, capturing and compiling nothing. A backend that never captures ignores it.
     eager_steps: bool = False
@@ -263,14 +267,16 @@ class Backend(ABC):
 
     # weights
 
-    def upload_weight(self, name: str, role: WeightRole, weight: np.ndarray | QuantizedTensor,
+    def upload_weight(self, name: str, role: WeightRole, weight: np.ndarray | QuantizedTensor | RowStack,
                       dtype: DType) -> Tensor:
         """The model's weight `name` (its checkpoint name, e.g. "model.layers.0.mlp.down_proj.weight";
         a fused projection carries the fused name, "...qkv_proj.weight") for the op its `role` feeds.
 
         `weight` is a float32 host array, or a `QuantizedTensor` when the role is in
         `quantized_roles` and its format is in `quantized_formats` (for role experts, the 3-D stack
-        of a MoE layer's experts). What this returns is what the op receives: `Ops.linear` takes
+        of a MoE layer's experts), or with `keeps_row_stacks` a `RowStack` (role linear): a fused
+        projection whose parts are in different such formats, which multiplies as its parts' products
+        side by side. What this returns is what the op receives: `Ops.linear` takes
         whatever came back for roles linear and lm_head, and `Ops.moe_experts` for role experts,
         so a backend may keep its own layout or a packed handle there; `Ops.embedding` takes the
         embedding role's table (a tensor of `dtype`, or the backend's own handle where embedding is
@@ -281,8 +287,9 @@ class Backend(ABC):
         embedding's handle again. The backend may keep `weight` itself: the caller does not change
         it afterwards.
         """
-        if isinstance(weight, QuantizedTensor):
-            raise TypeError(f"backend {self.name!r} got {name} as {weight.format} blocks, but its upload_weight "
+        if isinstance(weight, (QuantizedTensor, RowStack)):
+            kind = weight.format if isinstance(weight, QuantizedTensor) else " and ".join(weight.formats)
+            raise TypeError(f"backend {self.name!r} got {name} as {kind} blocks, but its upload_weight "
                             "takes dense weights only; override upload_weight to keep quantized_formats")
         return self.to_device(weight, dtype)
 

@@ -157,6 +157,58 @@ class QuantizedTensor:
         return [QuantizedTensor(self.format, blocks, self.shape[1:], self.column_order) for blocks in self.blocks]
 
 
+@dataclass(frozen=True, eq=False)
+class RowStack:
+    """A fused projection whose parts are quantized in different formats, each part kept in its own: the
+    parts' rows one after another. llama.cpp's Q4_K_M files store such projections (attn_v in Q6_K or
+    Q8_0 beside attn_q and attn_k in Q4_K or Q5_0), which joined dense would take four to eight times
+    the memory. It reaches a backend only where `Backend.keeps_row_stacks` and every part's format is
+    among its `quantized_formats`; anywhere else the core joins the parts dequantized.
+
+    `parts` are 2-D, of one width and one column order, neighbours in different formats (`of` joins
+    neighbours alike); x @ W.T is the parts' products side by side."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(self.parts)
+        if len(parts) < 2 or any(len(part.shape) != 2 for part in parts) or len({part.shape[1] for part in parts}) != 1:
+            raise ValueError("a row stack is two or more 2-D quantized weights of one width, got shapes "
+                             f"{[part.shape for part in parts]}")
+        if any(a.format == b.format for a, b in zip(parts, parts[1:])):
+            raise ValueError("a row stack's neighbouring parts differ in format, got "
+                             f"{[part.format for part in parts]}: join them with RowStack.of")
+        _check_same_order(parts)
+        object.__setattr__(self, "parts", parts)
+
+    @classmethod
+    def of(cls, parts: Sequence[QuantizedTensor]) -> QuantizedTensor | RowStack:
+        """The parts' rows one after another, neighbours of one format joined: one `QuantizedTensor` where
+        they all share it, else a row stack."""
+        if not parts:
+            raise ValueError("a row stack is made of one or more quantized weights, got none")
+        runs: list[list[QuantizedTensor]] = []
+        for part in parts:
+            if runs and runs[-1][0].format == part.format:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        joined = [run[0] if len(run) == 1 else QuantizedTensor.concatenate(run) for run in runs]
+        return joined[0] if len(joined) == 1 else cls(tuple(joined))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(part.format for part in self.parts)
+
+    def dequantize(self) -> np.ndarray:
+        """The weight's values, float32 [rows, in_features], as the parts' dequantized rows joined."""
+        return np.concatenate([part.dequantize() for part in self.parts])
+
+
 def _check_alike(parts: Sequence[QuantizedTensor], action: str, kind) -> None:
     kinds = {kind(part) for part in parts}
     if not parts or len(kinds) != 1 or len(parts[0].shape) != 2:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from candelabra.core.contract.backend import Backend
 from candelabra.core.contract.communicator import Communicator
 from candelabra.core.contract.dtypes import DType
-from candelabra.core.contract.weights import QuantizedTensor, WeightRole, same_column_order, stays_quantized
+from candelabra.core.contract.weights import QuantizedTensor, RowStack, WeightRole, same_column_order, stays_quantized
 from candelabra.core.models.base import DecoderModel
 from candelabra.core.models.config import ConfigError, ModelConfig
 from candelabra.core.models.layer_weights import DecoderWeights, Experts, LatentAttention, Layer, Norm
@@ -228,8 +228,21 @@ class _Loader:
 
     def _host(self, names: list[str], role: WeightRole) -> HostWeight:
         """The tensors `names`, their rows one after another, as the backend takes them for `role`:
-        still quantized when they share a format it keeps, else dequantized to float32."""
-        return self._read(names, self._kept_format(names, role))
+        still quantized when they share a format it keeps, a `RowStack` when they are a linear weight's
+        parts in formats it keeps and it keeps row stacks, else dequantized to float32."""
+        kept = self._kept_format(names, role)
+        if kept is None and len(names) > 1 and self._keeps_row_stack(names, role):
+            quantized = [self._checkpoint.load_quantized(name) for name in names]
+            self._progress.update(len(names))
+            return _in_one_column_order(quantized, RowStack.of, np.concatenate,
+                                        f"{' and '.join(names)}: dequantized to float32 at load to be fused")
+        return self._read(names, kept)
+
+    def _keeps_row_stack(self, names: list[str], role: WeightRole) -> bool:
+        backend = self.backend
+        return (backend.keeps_row_stacks and role is WeightRole.LINEAR
+                and all(stays_quantized(role, self._checkpoint.quantized_format(name), backend.quantized_formats,
+                                        backend.quantized_roles) for name in names))
 
     def _read(self, names: list[str], kept_format: str | None) -> HostWeight:
         """The tensors `names`, their rows one after another: dequantized to float32 where `kept_format`

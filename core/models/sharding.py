@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor
+from candelabra.core.contract.weights import INT4_GROUP_FORMATS, QuantizedTensor, RowStack
 
-HostWeight = np.ndarray | QuantizedTensor
+HostWeight = np.ndarray | QuantizedTensor | RowStack
 
 # How the LM head is split over the ranks: each rank holding the whole head, or the rows of its share
 # of the vocabulary.
@@ -135,7 +135,10 @@ def quantization_block(format: str | None) -> int:
 
 def take_rows(weight: HostWeight, ranges: Sequence[range]) -> HostWeight:
     """The rows of `weight` (2-D, or a 1-D bias) in `ranges`, one range after another; exact for
-    quantized weights, whose rows are independent (and share their column order)."""
+    quantized weights, whose rows are independent (and share their column order). A row stack's rows
+    stay in their parts' formats."""
+    if isinstance(weight, RowStack):
+        return RowStack.of([take_rows(part, [piece]) for r in ranges for part, piece in _pieces(weight, r)])
     if isinstance(weight, QuantizedTensor):
         blocks = _rows(weight.blocks, ranges)
         return QuantizedTensor(weight.format, blocks, (blocks.shape[0], weight.shape[1]), weight.column_order)
@@ -155,8 +158,13 @@ def take_columns(weight: HostWeight, columns: range) -> HostWeight:
     where both ends of `columns` lie on its block boundaries; otherwise the blocks covering them are
     dequantized and the result is a float32 array of exactly those columns' values. So is a weight
     whose columns are stored permuted (act-order GPTQ): the columns of a range are spread over all
-    its blocks."""
+    its blocks. A row stack's parts are each taken so, and stay a row stack where all stay quantized."""
     start, stop = columns.start, columns.stop
+    if isinstance(weight, RowStack):
+        parts = [take_columns(part, columns) for part in weight.parts]
+        if all(isinstance(part, QuantizedTensor) for part in parts):
+            return RowStack.of(parts)
+        return np.concatenate([part if isinstance(part, np.ndarray) else part.dequantize() for part in parts])
     if isinstance(weight, QuantizedTensor) and weight.column_order is not None:
         weight = weight.dequantize()
     if not isinstance(weight, QuantizedTensor):
@@ -177,6 +185,9 @@ def pad_rows(weight: HostWeight, rows: int) -> HostWeight:
     missing = rows - weight.shape[0]
     if missing <= 0:
         return weight
+    if isinstance(weight, RowStack):
+        *first, last = weight.parts
+        return RowStack.of([*first, pad_rows(last, last.shape[0] + missing)])
     if isinstance(weight, QuantizedTensor):
         zeros = np.zeros((missing, weight.blocks.shape[1]), dtype=np.uint8)
         return QuantizedTensor(weight.format, np.concatenate([weight.blocks, zeros]), (rows, weight.shape[1]),
@@ -199,6 +210,17 @@ def _share(units: int, rank: int, world_size: int, unit: int) -> range:
 def _times(heads: range, head_dim: int, offset: int = 0) -> range:
     """The rows of `heads`, `head_dim` rows each, starting at row `offset`."""
     return range(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+
+
+def _pieces(stack: RowStack, rows: range) -> list[tuple[QuantizedTensor, range]]:
+    """The parts of `stack` that `rows` (of the whole) cross, each with the range of its own rows taken."""
+    pieces, offset = [], 0
+    for part in stack.parts:
+        start, stop = max(rows.start, offset), min(rows.stop, offset + part.shape[0])
+        if start < stop:
+            pieces.append((part, range(start - offset, stop - offset)))
+        offset += part.shape[0]
+    return pieces
 
 
 def _rows(array: np.ndarray, ranges: Sequence[range]) -> np.ndarray:
