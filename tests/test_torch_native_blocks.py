@@ -229,3 +229,65 @@ def test_blocks_of_the_wrong_size_are_refused_before_any_kernel_reads_them():
     short = torch.from_numpy(weight.blocks.reshape(-1)[:-1].copy())
     with pytest.raises(ValueError, match="Q6_K blocks of a 8 x 256 weight"):
         NativeBlocksWeight("Q6_K", short, (8, 256), torch.float32)
+
+
+def set_kernel(kept: NativeBlocksWeight, kernel: str) -> None:
+    from candelabra.backends.torch.kernel_choice import ROW_BANDS, Choice
+
+    kept.choice = Choice(kept.form, tuple(kernel for _ in ROW_BANDS))
+
+
+def normed_reference(x, residual, norm_weight, eps, offset, values, dtype):
+    """float64 RMS norm of x (+ residual, rounded to `dtype` as the sum is kept) times the weight's values."""
+    summed = x.double() if residual is None else (x.double() + residual.double()).to(dtype).double()
+    normed = summed / torch.sqrt(summed.square().mean(-1, keepdim=True) + eps) * (norm_weight.double() + offset)
+    return normed.numpy() @ values.T, summed.to(dtype)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "blocks_float"), (torch.bfloat16, "blocks_float"),
+                                           (torch.float16, "blocks_float"), (torch.bfloat16, "blocks_int8")])
+def test_the_norm_done_as_x_is_prepared_gives_the_normed_product_and_the_sum(dtype, kernel, rows, with_residual):
+    kept, values = weight_and_values("Q5_0", seed=rows, dtype=dtype)
+    set_kernel(kept, kernel)
+    x = random_x(200 + rows, rows, kept.shape[1], dtype) * 3
+    residual = random_x(300 + rows, rows, kept.shape[1], dtype) if with_residual else None
+    norm_weight = (torch.rand(kept.shape[1], generator=torch.Generator().manual_seed(rows)) + 0.5).to(dtype)
+    expected, expected_sum = normed_reference(x, residual, norm_weight, 1e-5, 1.0, values, dtype)
+
+    out, joined = kept.normed_matmul(x, residual, norm_weight, 1e-5, offset=1.0)
+
+    limit = FLOAT32_NMSE if dtype == torch.float32 else (
+        QUANTIZED_NMSE_THRESHOLDS["Q5_0"] if kernel == "blocks_int8" else ROUNDED_NMSE[dtype])
+    assert out.dtype == dtype and nmse(out, expected) <= limit
+    assert torch.equal(joined, expected_sum if with_residual else x)
+
+
+def test_the_normed_product_in_float32_is_the_torch_ops_product_to_rounding():
+    from candelabra.backends.torch.ops import TorchOps
+    from candelabra.core.contract.ops import Ops
+
+    ops = TorchOps(torch.device("cpu"))
+    kept, _ = weight_and_values("Q4_K", seed=5)
+    set_kernel(kept, "blocks_float")
+    x, residual = random_x(6, 4, kept.shape[1]), random_x(7, 4, kept.shape[1])
+    norm_weight = torch.rand(kept.shape[1]) + 0.5
+
+    fused = ops.rms_norm_linear(x, residual, norm_weight, 1e-6, kept)
+    in_turn = Ops.rms_norm_linear(ops, x, residual, norm_weight, 1e-6, kept)
+
+    assert torch.equal(fused[1], in_turn[1])
+    assert torch.allclose(fused[0], in_turn[0], rtol=1e-5, atol=1e-5)
+
+
+def test_no_norm_is_fused_where_another_kernel_was_chosen_or_the_inputs_do_not_fit():
+    kept, _ = weight_and_values("Q5_0", seed=9)
+    x, weight = random_x(1, 2, kept.shape[1]), torch.ones(kept.shape[1])
+    set_kernel(kept, "blocks_rebuild")
+    assert kept.normed_matmul(x, None, weight, 1e-6) is None
+    set_kernel(kept, "blocks_float")
+    assert kept.normed_matmul(x.to(torch.bfloat16), None, weight, 1e-6) is None
+    assert kept.normed_matmul(x, x[:1], weight, 1e-6) is None
+    assert kept.normed_matmul(x, None, weight[:-1], 1e-6) is None
+    assert kept.normed_matmul(x, None, weight, 1e-6) is not None

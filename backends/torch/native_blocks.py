@@ -60,6 +60,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, pointer = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     library.gguf_blocks_matmul.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, i64, i32, i32]
     library.gguf_blocks_matmul.restype = i32
+    library.gguf_blocks_matmul_normed.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, pointer, pointer,
+                                                  ctypes.c_float, ctypes.c_float, pointer, i64, i32, i32]
+    library.gguf_blocks_matmul_normed.restype = i32
     library.gguf_blocks_decode.argtypes = [i32, pointer, i64, i64, pointer, i64, i64, pointer, i32, i32]
     library.gguf_blocks_decode.restype = i32
     library.gguf_blocks_describe.argtypes = []
@@ -112,6 +115,7 @@ class NativeBlocksWeight(KeptWeight):
         self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = dtype
         self._matmul = build.library.gguf_blocks_matmul
+        self._matmul_normed = build.library.gguf_blocks_matmul_normed
         self._decode = build.library.gguf_blocks_decode
         self._codes = (_FORMAT_CODES[format], _DTYPE_CODES[dtype])
 
@@ -157,6 +161,35 @@ class NativeBlocksWeight(KeptWeight):
         if status:
             _checked(status, f"{self.format} matmul")
         return out
+
+    def normed_matmul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Ops.rms_norm_linear` in one call, where the kernel chosen for x's rows reads the blocks (the norm is
+        then part of preparing x's rows, and the normalised values stay float32): (x' @ W.T, s) for s = x +
+        residual (or x) and x' = s / rms(s) * (norm_weight + offset). None where another kernel was chosen, or x,
+        residual and norm_weight are not all CPU tensors of the compute dtype."""
+        rows, columns = self.shape
+        flat = x.reshape(-1, columns)
+        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
+        given = [x, norm_weight] + ([] if residual is None else [residual])
+        if (kernel is None or x.shape[-1] != columns or norm_weight.shape != (columns,)
+                or (residual is not None and residual.shape != x.shape)
+                or any(t.dtype != self.dtype or t.device.type != "cpu" for t in given)):
+            return None
+        # held here until the call returns: each pointer below is into one of these
+        flat, norm_weight = flat.contiguous(), norm_weight.contiguous()
+        added = None if residual is None else residual.reshape(-1, columns).contiguous()
+        summed = None if residual is None else torch.empty_like(flat)
+        out = torch.empty((flat.shape[0], rows), dtype=self.dtype)
+        format, dtype = self._codes
+        status = self._matmul_normed(
+            format, kernel, self.blocks.data_ptr(), rows, columns, flat.data_ptr(),
+            None if added is None else added.data_ptr(), None if summed is None else summed.data_ptr(),
+            norm_weight.data_ptr(), eps, offset, out.data_ptr(), flat.shape[0], dtype, torch.get_num_threads())
+        if status:
+            _checked(status, f"{self.format} matmul")
+        joined = x if summed is None else summed.reshape(x.shape)
+        return out.reshape(*x.shape[:-1], rows), joined
 
     def dense(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows start:stop of the weight's values [stop - start, K] in the compute dtype, or written into

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from candelabra.backends.torch import attention, native_attention, sampling
+from candelabra.backends.torch.native_blocks import NativeBlocksWeight
 from candelabra.backends.torch.quantized_kv import is_quantized, quantize_rows
 from candelabra.backends.torch.row_stack import RowStackWeight
 from candelabra.backends.torch.weight_forms import KeptWeight
@@ -43,6 +44,16 @@ class TorchOps(Ops):
             out = weight.matmul(x)
             return out + bias if bias is not None else out
         return F.linear(x, weight, bias)
+
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, weight_offset=0.0):
+        # Where the weight's blocks are read by the chosen kernel, the norm is done as x's rows are prepared for
+        # it: one call instead of some ten small torch ops, each slow after the product has swept the caches.
+        fused = (weight.normed_matmul(x, residual, norm_weight, eps, weight_offset)
+                 if isinstance(weight, NativeBlocksWeight) else None)
+        if fused is None:
+            return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias, weight_offset)
+        out, joined = fused
+        return (out + bias if bias is not None else out), joined
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         x32 = x.float()

@@ -774,9 +774,18 @@ static void chunk_sums(const float *x, int64_t K, float *sum) {
 /* ---- rows of the output, one format at a time ---- */
 
 /* What a call multiplies: the weight, x as the kernel reads it, and where the output goes. */
+/* An RMS norm the rows of x go through before the product (`gguf_blocks_matmul_normed`). */
+typedef struct {
+    const void *residual;  /* [M, K], added to x first, or NULL */
+    void *summed;          /* [M, K]: x + residual, rounded to the dtype, where residual is given */
+    const void *weight;    /* [K]: each normalised value times weight + offset */
+    float eps, offset;
+} pre_norm;
+
 typedef struct {
     const uint8_t *blocks;
     int64_t N, K, row_bytes, M;
+    const pre_norm *norm;  /* or NULL */
     const float *x;  /* float kernel: float32 [M, K] */
     const int8_t *xq;  /* int8 kernel: [M, K], with scales and sums [M, K / 32] */
     const float *x_scale, *x_sum;
@@ -870,12 +879,35 @@ INLINE void rows_of(const int f, const int kernel, const product *p, int64_t fir
     }
 }
 
-/* Rows m0..m1-1 of x as the kernel reads them: in float32, with each chunk's sum, and for the int8
-   kernel rounded to int8 blocks. */
+/* Row m of x plus the residual (rounded to the dtype, as the sum is written out), divided by its root mean
+   square and times the norm's weight (plus offset), into `out` in float32. The steps round as torch's
+   elementwise ops do; the mean of squares is summed in double. */
+static void normalise_row(const product *p, const void *x, int64_t m, float *out) {
+    const pre_norm *n = p->norm;
+    const int64_t K = p->K;
+    const int dtype = p->in_dtype;
+    double squares = 0.0;
+    for (int64_t k = 0; k < K; k++) {
+        float v = read_value(x, dtype, m * K + k);
+        if (n->residual) {
+            write_value(n->summed, dtype, m * K + k, v + read_value(n->residual, dtype, m * K + k));
+            v = read_value(n->summed, dtype, m * K + k);
+        }
+        out[k] = v;
+        squares += (double)v * v;
+    }
+    const float scale = 1.0f / sqrtf((float)(squares / (double)K) + n->eps);
+    for (int64_t k = 0; k < K; k++) out[k] = (out[k] * scale) * (read_value(n->weight, dtype, k) + n->offset);
+}
+
+/* Rows m0..m1-1 of x as the kernel reads them: in float32 (normalised first where the product has a
+   norm), with each chunk's sum, and for the int8 kernel rounded to int8 blocks. */
 static void prepare_rows(const product *p, const void *x, int64_t m0, int64_t m1) {
     const int64_t K = p->K;
     for (int64_t m = m0; m < m1; m++) {
-        if (p->in_dtype != D_F32) {
+        if (p->norm) {
+            normalise_row(p, x, m, (float *)p->x + m * K);
+        } else if (p->in_dtype != D_F32) {
             float *converted = (float *)p->x + m * K;
             for (int64_t k = 0; k < K; k++) converted[k] = read_value(x, p->in_dtype, m * K + k);
         }
@@ -929,21 +961,20 @@ static int threads_for(int threads, int64_t values) {
     return threads > 1 && values >= PARALLEL_FROM_VALUES ? threads : 1;
 }
 
-/* y [M, N] = x [M, K] @ W.T for W [N, K] in `format`'s blocks; x and y in `dtype` (D_F32, D_BF16,
-   D_F16), both contiguous. kernel: KERNEL_FLOAT or KERNEL_INT8. Returns OK or a negative code. */
-int gguf_blocks_matmul(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K,
-                       const void *x, void *y, int64_t M, int dtype, int threads) {
+/* gguf_blocks_matmul's product, of x's rows through `norm` where it is given. */
+static int multiply(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K, const void *x,
+                    const pre_norm *norm, void *y, int64_t M, int dtype, int threads) {
     int status = check_shape(format, N, K);
     if (status != OK) return status;
     if (dtype < D_F32 || dtype > D_F16) return BAD_DTYPE;
     if (kernel != KERNEL_FLOAT && kernel != KERNEL_INT8) return BAD_KERNEL;
     if (M <= 0 || N == 0) return OK;
-    product p = {blocks, N, K, K / VALUES_PER_BLOCK[format] * BYTES_PER_BLOCK[format], M,
+    product p = {blocks, N, K, K / VALUES_PER_BLOCK[format] * BYTES_PER_BLOCK[format], M, norm,
                  (const float *)x, NULL, NULL, NULL, y, dtype, dtype};
-    /* scratch: x in float32 where it comes in another dtype; each chunk's sum of x; for the int8
-       kernel, x as int8 blocks and their scales */
+    /* scratch: x in float32 where it comes in another dtype or goes through a norm; each chunk's sum of
+       x; for the int8 kernel, x as int8 blocks and their scales */
     const int64_t chunks = M * K / 32;
-    const size_t converted = dtype != D_F32 ? aligned(sizeof(float) * (size_t)(M * K)) : 0;
+    const size_t converted = dtype != D_F32 || norm ? aligned(sizeof(float) * (size_t)(M * K)) : 0;
     const size_t sums = aligned(sizeof(float) * (size_t)chunks);
     const size_t quantized = kernel == KERNEL_INT8 ? aligned((size_t)(M * K)) + sums : 0;
     char *scratch = NULL;  /* each part on its own cache lines: loads that split lines are slower */
@@ -981,6 +1012,23 @@ int gguf_blocks_matmul(int format, int kernel, const uint8_t *blocks, int64_t N,
     }
     free(scratch);
     return OK;
+}
+
+/* y [M, N] = x [M, K] @ W.T for W [N, K] in `format`'s blocks; x and y in `dtype` (D_F32, D_BF16,
+   D_F16), both contiguous. kernel: KERNEL_FLOAT or KERNEL_INT8. Returns OK or a negative code. */
+int gguf_blocks_matmul(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K,
+                       const void *x, void *y, int64_t M, int dtype, int threads) {
+    return multiply(format, kernel, blocks, N, K, x, NULL, y, M, dtype, threads);
+}
+
+/* The same product of x's rows after an RMS norm: with `residual` (else NULL), x + residual first, written
+   to `summed`; each row divided by its root mean square (plus eps) and times norm_weight [K] + offset.
+   residual, summed and norm_weight in `dtype` too; the normalised rows stay float32. */
+int gguf_blocks_matmul_normed(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K,
+                              const void *x, const void *residual, void *summed, const void *norm_weight,
+                              float eps, float offset, void *y, int64_t M, int dtype, int threads) {
+    const pre_norm norm = {residual, summed, norm_weight, eps, offset};
+    return multiply(format, kernel, blocks, N, K, x, &norm, y, M, dtype, threads);
 }
 
 INLINE void decode_row(const int f, const uint8_t *row, int64_t K, void *y, int dtype) {
