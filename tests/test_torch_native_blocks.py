@@ -291,3 +291,35 @@ def test_no_norm_is_fused_where_another_kernel_was_chosen_or_the_inputs_do_not_f
     assert kept.normed_matmul(x, x[:1], weight, 1e-6) is None
     assert kept.normed_matmul(x, None, weight[:-1], 1e-6) is None
     assert kept.normed_matmul(x, None, weight, 1e-6) is not None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "blocks_float"), (torch.bfloat16, "blocks_float"),
+                                           (torch.float16, "blocks_float"), (torch.bfloat16, "blocks_int8")])
+def test_the_gate_done_as_x_is_prepared_gives_the_gated_product(dtype, kernel, rows):
+    kept, values = weight_and_values("Q4_K", seed=rows, dtype=dtype)
+    set_kernel(kept, kernel)
+    x = random_x(400 + rows, rows, 2 * kept.shape[1], dtype) * 4  # gates from -16 to 16: silu's both ends
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = (gate * torch.sigmoid(gate) * up).numpy() @ values.T
+
+    out = kept.gated_matmul(x)
+
+    limit = FLOAT32_NMSE if dtype == torch.float32 else (
+        QUANTIZED_NMSE_THRESHOLDS["Q4_K"] if kernel == "blocks_int8" else ROUNDED_NMSE[dtype])
+    assert out.dtype == dtype and out.shape == (rows, kept.shape[0]) and nmse(out, expected) <= limit
+
+
+def test_the_gated_product_in_float32_is_the_torch_ops_product_to_rounding_and_others_are_not_fused():
+    from candelabra.backends.torch.ops import TorchOps
+    from candelabra.core.contract.ops import Ops
+
+    ops = TorchOps(torch.device("cpu"))
+    kept, _ = weight_and_values("Q6_K", seed=11)
+    set_kernel(kept, "blocks_float")
+    x = random_x(12, 5, 2 * kept.shape[1])
+
+    assert torch.allclose(ops.gated_linear(x, kept), Ops.gated_linear(ops, x, kept), rtol=1e-5, atol=1e-5)
+    assert kept.gated_matmul(x[:, 1:]) is None and kept.gated_matmul(x.to(torch.bfloat16)) is None
+    set_kernel(kept, "blocks_rebuild")
+    assert kept.gated_matmul(x) is None

@@ -63,6 +63,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_blocks_matmul_normed.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, pointer, pointer,
                                                   ctypes.c_float, ctypes.c_float, pointer, i64, i32, i32]
     library.gguf_blocks_matmul_normed.restype = i32
+    library.gguf_blocks_matmul_gated.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, i64, i32, i32]
+    library.gguf_blocks_matmul_gated.restype = i32
     library.gguf_blocks_decode.argtypes = [i32, pointer, i64, i64, pointer, i64, i64, pointer, i32, i32]
     library.gguf_blocks_decode.restype = i32
     library.gguf_blocks_describe.argtypes = []
@@ -116,6 +118,7 @@ class NativeBlocksWeight(KeptWeight):
         self.dtype = dtype
         self._matmul = build.library.gguf_blocks_matmul
         self._matmul_normed = build.library.gguf_blocks_matmul_normed
+        self._matmul_gated = build.library.gguf_blocks_matmul_gated
         self._decode = build.library.gguf_blocks_decode
         self._codes = (_FORMAT_CODES[format], _DTYPE_CODES[dtype])
 
@@ -190,6 +193,26 @@ class NativeBlocksWeight(KeptWeight):
             _checked(status, f"{self.format} matmul")
         joined = x if summed is None else summed.reshape(x.shape)
         return out.reshape(*x.shape[:-1], rows), joined
+
+    def gated_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`Ops.gated_linear` with the silu activation in one call, where the kernel chosen for x's rows reads the
+        blocks: (silu(gate) * up) @ W.T for x = [gate | up] [..., 2K], the gated values kept float32. None where
+        another kernel was chosen, or x is not a CPU tensor of the compute dtype and that width."""
+        rows, columns = self.shape
+        flat = x.reshape(-1, 2 * columns) if x.shape[-1] == 2 * columns else None
+        if flat is None or x.dtype != self.dtype or x.device.type != "cpu":
+            return None
+        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
+        if kernel is None:
+            return None
+        flat = flat.contiguous()
+        out = torch.empty((flat.shape[0], rows), dtype=self.dtype)
+        format, dtype = self._codes
+        status = self._matmul_gated(format, kernel, self.blocks.data_ptr(), rows, columns, flat.data_ptr(),
+                                    out.data_ptr(), flat.shape[0], dtype, torch.get_num_threads())
+        if status:
+            _checked(status, f"{self.format} matmul")
+        return out.reshape(*x.shape[:-1], rows)
 
     def dense(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows start:stop of the weight's values [stop - start, K] in the compute dtype, or written into

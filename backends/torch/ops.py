@@ -55,6 +55,13 @@ class TorchOps(Ops):
         out, joined = fused
         return (out + bias if bias is not None else out), joined
 
+    def gated_linear(self, x, weight, bias=None, activation="silu"):
+        # silu(gate) * up done as x's rows are prepared for a block kernel, as rms_norm_linear's norm is
+        fused = weight.gated_matmul(x) if isinstance(weight, NativeBlocksWeight) and activation == "silu" else None
+        if fused is None:
+            return super().gated_linear(x, weight, bias, activation)
+        return fused + bias if bias is not None else fused
+
     def rms_norm(self, x, weight, eps, weight_offset=0.0):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)

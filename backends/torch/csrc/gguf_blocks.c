@@ -786,6 +786,7 @@ typedef struct {
     const uint8_t *blocks;
     int64_t N, K, row_bytes, M;
     const pre_norm *norm;  /* or NULL */
+    int gated;  /* x is a gated MLP's [gate | up] rows, [M, 2K]: the product reads silu(gate) * up */
     const float *x;  /* float kernel: float32 [M, K] */
     const int8_t *xq;  /* int8 kernel: [M, K], with scales and sums [M, K / 32] */
     const float *x_scale, *x_sum;
@@ -900,13 +901,24 @@ static void normalise_row(const product *p, const void *x, int64_t m, float *out
     for (int64_t k = 0; k < K; k++) out[k] = (out[k] * scale) * (read_value(n->weight, dtype, k) + n->offset);
 }
 
+/* Row m of a gated MLP's [gate | up] values, 2K wide, as silu(gate) * up in float32 into `out`. */
+static void gate_row(const product *p, const void *x, int64_t m, float *out) {
+    const int64_t K = p->K;
+    for (int64_t k = 0; k < K; k++) {
+        const float gate = read_value(x, p->in_dtype, m * 2 * K + k), up = read_value(x, p->in_dtype, m * 2 * K + K + k);
+        out[k] = gate / (1.0f + expf(-gate)) * up;
+    }
+}
+
 /* Rows m0..m1-1 of x as the kernel reads them: in float32 (normalised first where the product has a
-   norm), with each chunk's sum, and for the int8 kernel rounded to int8 blocks. */
+   norm, gated where it is gated), with each chunk's sum, and for the int8 kernel rounded to int8 blocks. */
 static void prepare_rows(const product *p, const void *x, int64_t m0, int64_t m1) {
     const int64_t K = p->K;
     for (int64_t m = m0; m < m1; m++) {
         if (p->norm) {
             normalise_row(p, x, m, (float *)p->x + m * K);
+        } else if (p->gated) {
+            gate_row(p, x, m, (float *)p->x + m * K);
         } else if (p->in_dtype != D_F32) {
             float *converted = (float *)p->x + m * K;
             for (int64_t k = 0; k < K; k++) converted[k] = read_value(x, p->in_dtype, m * K + k);
@@ -963,18 +975,18 @@ static int threads_for(int threads, int64_t values) {
 
 /* gguf_blocks_matmul's product, of x's rows through `norm` where it is given. */
 static int multiply(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K, const void *x,
-                    const pre_norm *norm, void *y, int64_t M, int dtype, int threads) {
+                    const pre_norm *norm, int gated, void *y, int64_t M, int dtype, int threads) {
     int status = check_shape(format, N, K);
     if (status != OK) return status;
     if (dtype < D_F32 || dtype > D_F16) return BAD_DTYPE;
     if (kernel != KERNEL_FLOAT && kernel != KERNEL_INT8) return BAD_KERNEL;
     if (M <= 0 || N == 0) return OK;
-    product p = {blocks, N, K, K / VALUES_PER_BLOCK[format] * BYTES_PER_BLOCK[format], M, norm,
+    product p = {blocks, N, K, K / VALUES_PER_BLOCK[format] * BYTES_PER_BLOCK[format], M, norm, gated,
                  (const float *)x, NULL, NULL, NULL, y, dtype, dtype};
     /* scratch: x in float32 where it comes in another dtype or goes through a norm; each chunk's sum of
        x; for the int8 kernel, x as int8 blocks and their scales */
     const int64_t chunks = M * K / 32;
-    const size_t converted = dtype != D_F32 || norm ? aligned(sizeof(float) * (size_t)(M * K)) : 0;
+    const size_t converted = dtype != D_F32 || norm || gated ? aligned(sizeof(float) * (size_t)(M * K)) : 0;
     const size_t sums = aligned(sizeof(float) * (size_t)chunks);
     const size_t quantized = kernel == KERNEL_INT8 ? aligned((size_t)(M * K)) + sums : 0;
     char *scratch = NULL;  /* each part on its own cache lines: loads that split lines are slower */
@@ -1018,7 +1030,14 @@ static int multiply(int format, int kernel, const uint8_t *blocks, int64_t N, in
    D_F16), both contiguous. kernel: KERNEL_FLOAT or KERNEL_INT8. Returns OK or a negative code. */
 int gguf_blocks_matmul(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K,
                        const void *x, void *y, int64_t M, int dtype, int threads) {
-    return multiply(format, kernel, blocks, N, K, x, NULL, y, M, dtype, threads);
+    return multiply(format, kernel, blocks, N, K, x, NULL, 0, y, M, dtype, threads);
+}
+
+/* The down projection of a gated MLP: y [M, N] = (silu(gate) * up) @ W.T for x = [gate | up] [M, 2K], the
+   gated values kept float32. */
+int gguf_blocks_matmul_gated(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K,
+                             const void *x, void *y, int64_t M, int dtype, int threads) {
+    return multiply(format, kernel, blocks, N, K, x, NULL, 1, y, M, dtype, threads);
 }
 
 /* The same product of x's rows after an RMS norm: with `residual` (else NULL), x + residual first, written
@@ -1028,7 +1047,7 @@ int gguf_blocks_matmul_normed(int format, int kernel, const uint8_t *blocks, int
                               const void *x, const void *residual, void *summed, const void *norm_weight,
                               float eps, float offset, void *y, int64_t M, int dtype, int threads) {
     const pre_norm norm = {residual, summed, norm_weight, eps, offset};
-    return multiply(format, kernel, blocks, N, K, x, &norm, y, M, dtype, threads);
+    return multiply(format, kernel, blocks, N, K, x, &norm, 0, y, M, dtype, threads);
 }
 
 INLINE void decode_row(const int f, const uint8_t *row, int64_t K, void *y, int dtype) {
