@@ -290,6 +290,7 @@ def test_no_norm_is_fused_where_another_kernel_was_chosen_or_the_inputs_do_not_f
     assert kept.normed_matmul(x.to(torch.bfloat16), None, weight, 1e-6) is None
     assert kept.normed_matmul(x, x[:1], weight, 1e-6) is None
     assert kept.normed_matmul(x, None, weight[:-1], 1e-6) is None
+    assert kept.normed_matmul(random_x(2, 3, kept.shape[1] + 5), None, weight, 1e-6) is None
     assert kept.normed_matmul(x, None, weight, 1e-6) is not None
 
 

@@ -172,12 +172,14 @@ class NativeBlocksWeight(KeptWeight):
         residual (or x) and x' = s / rms(s) * (norm_weight + offset). None where another kernel was chosen, or x,
         residual and norm_weight are not all CPU tensors of the compute dtype."""
         rows, columns = self.shape
-        flat = x.reshape(-1, columns)
-        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
         given = [x, norm_weight] + ([] if residual is None else [residual])
-        if (kernel is None or x.shape[-1] != columns or norm_weight.shape != (columns,)
+        if (x.shape[-1] != columns or norm_weight.shape != (columns,)
                 or (residual is not None and residual.shape != x.shape)
                 or any(t.dtype != self.dtype or t.device.type != "cpu" for t in given)):
+            return None
+        flat = x.reshape(-1, columns)
+        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
+        if kernel is None:
             return None
         # held here until the call returns: each pointer below is into one of these
         flat, norm_weight = flat.contiguous(), norm_weight.contiguous()
