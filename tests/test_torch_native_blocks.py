@@ -179,11 +179,20 @@ def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, describ
     for format in sorted(NATIVE_FORMATS):
         kept, values = weight_and_values(format, seed=13)
         kept._matmul, kept._decode = build.library.gguf_blocks_matmul, build.library.gguf_blocks_decode
+        kept._matmul_normed, kept._matmul_gated = (build.library.gguf_blocks_matmul_normed,
+                                                   build.library.gguf_blocks_matmul_gated)
         x = random_x(14, 13, kept.shape[1])  # tiles of 8, 4 and 1 rows
         reference = x.double().numpy() @ values.T
         assert nmse(kept.kernels()["blocks_float"](x), reference) <= FLOAT32_NMSE, format
         assert nmse(kept.kernels()["blocks_int8"](x), reference) <= QUANTIZED_NMSE_THRESHOLDS[format], format
         assert torch.equal(kept.dense(), torch.from_numpy(values.astype(np.float32))), format
+        set_kernel(kept, "blocks_float")
+        residual, norm_weight = random_x(15, 13, kept.shape[1]), torch.rand(kept.shape[1]) + 0.5
+        normed, _ = normed_reference(x, residual, norm_weight, 1e-6, 0.0, values, torch.float32)
+        assert nmse(kept.normed_matmul(x, residual, norm_weight, 1e-6)[0], normed) <= FLOAT32_NMSE, format
+        gate, up = torch.cat([x, residual], dim=-1).double().chunk(2, dim=-1)
+        gated = (gate * torch.sigmoid(gate) * up).numpy() @ values.T
+        assert nmse(kept.gated_matmul(torch.cat([x, residual], dim=-1)), gated) <= FLOAT32_NMSE, format
 
 
 @pytest.fixture
