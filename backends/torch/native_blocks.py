@@ -178,7 +178,7 @@ class NativeBlocksWeight(KeptWeight):
                 or any(t.dtype != self.dtype or t.device.type != "cpu" for t in given)):
             return None
         flat = x.reshape(-1, columns)
-        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
+        kernel = self._block_kernel(flat.shape[0])
         if kernel is None:
             return None
         # held here until the call returns: each pointer below is into one of these
@@ -204,7 +204,7 @@ class NativeBlocksWeight(KeptWeight):
         flat = x.reshape(-1, 2 * columns) if x.shape[-1] == 2 * columns else None
         if flat is None or x.dtype != self.dtype or x.device.type != "cpu":
             return None
-        kernel = _KERNEL_CODES.get(self.choice.kernel_for(flat.shape[0]))
+        kernel = self._block_kernel(flat.shape[0])
         if kernel is None:
             return None
         flat = flat.contiguous()
@@ -215,6 +215,11 @@ class NativeBlocksWeight(KeptWeight):
         if status:
             _checked(status, f"{self.format} matmul")
         return out.reshape(*x.shape[:-1], rows)
+
+    def _block_kernel(self, rows: int) -> int | None:
+        """The code of the kernel chosen for `rows` rows of x where it reads the blocks (the norm and the gate
+        can then be done as it prepares x), else None."""
+        return _KERNEL_CODES.get(self.choice.kernel_for(rows))
 
     def dense(self, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows start:stop of the weight's values [stop - start, K] in the compute dtype, or written into

@@ -773,7 +773,6 @@ static void chunk_sums(const float *x, int64_t K, float *sum) {
 
 /* ---- rows of the output, one format at a time ---- */
 
-/* What a call multiplies: the weight, x as the kernel reads it, and where the output goes. */
 /* An RMS norm the rows of x go through before the product (`gguf_blocks_matmul_normed`). */
 typedef struct {
     const void *residual;  /* [M, K], added to x first, or NULL */
@@ -782,6 +781,7 @@ typedef struct {
     float eps, offset;
 } pre_norm;
 
+/* What a call multiplies: the weight, x as the kernel reads it, and where the output goes. */
 typedef struct {
     const uint8_t *blocks;
     int64_t N, K, row_bytes, M;
@@ -905,8 +905,8 @@ static void normalise_row(const product *p, const void *x, int64_t m, float *out
 static void gate_row(const product *p, const void *x, int64_t m, float *out) {
     const int64_t K = p->K;
     for (int64_t k = 0; k < K; k++) {
-        const float gate = read_value(x, p->in_dtype, m * 2 * K + k), up = read_value(x, p->in_dtype, m * 2 * K + K + k);
-        out[k] = gate / (1.0f + expf(-gate)) * up;
+        const float gate = read_value(x, p->in_dtype, m * 2 * K + k);
+        out[k] = gate / (1.0f + expf(-gate)) * read_value(x, p->in_dtype, m * 2 * K + K + k);
     }
 }
 
@@ -973,7 +973,7 @@ static int threads_for(int threads, int64_t values) {
     return threads > 1 && values >= PARALLEL_FROM_VALUES ? threads : 1;
 }
 
-/* gguf_blocks_matmul's product, of x's rows through `norm` where it is given. */
+/* gguf_blocks_matmul's product, of x's rows through `norm` where it is given, or gated where `gated`. */
 static int multiply(int format, int kernel, const uint8_t *blocks, int64_t N, int64_t K, const void *x,
                     const pre_norm *norm, int gated, void *y, int64_t M, int dtype, int threads) {
     int status = check_shape(format, N, K);
