@@ -173,6 +173,7 @@ def chooser(tmp_path, stopwatch, budget_s=60.0, dtype="bfloat16", busy_elsewhere
             machine_cpus=2, **kwargs) -> KernelChooser:
     """A chooser of 2 threads on a machine of `machine_cpus` whose other processes keep `busy_elsewhere` CPUs
     busy while it measures."""
+    kwargs.setdefault("int8_activations", False)
     return KernelChooser(dtype, 2, budget_s=budget_s, folder=tmp_path, stopwatch=stopwatch,
                          watch_others=lambda: lambda: busy_elsewhere, machine_cpus=machine_cpus, **kwargs)
 
@@ -297,6 +298,82 @@ def test_a_table_kept_for_another_key_is_ignored(tmp_path, field, value):
     data["key"][field] = value
     measuring.path.write_text(json.dumps(data))
     assert chooser(tmp_path, FakeTimes(ALL_FAST)).timings == []
+
+
+def rounding_candidates(bits: int = 8) -> list[Candidate]:
+    """The int8 form with one more kernel, `int8_rounded`, that rounds each row of x to `bits` bits per block
+    of 32 before the product, as the GGUF blocks' int8 kernel does with 8."""
+    candidates = int8_and_dense_candidates()
+    build = candidates[0].build
+    largest = 2 ** (bits - 1) - 1
+
+    def rounding() -> Int8Weight:
+        kept = build()
+        real = kept.kernels()
+
+        def rounded(x):
+            blocks = x.float().reshape(x.shape[0], -1, 32)
+            scale = blocks.abs().amax(-1, keepdim=True) / largest
+            return real["int8_mm"]((torch.round(blocks / scale) * scale).reshape(x.shape).to(x.dtype))
+        kept.kernels = lambda: {**real, "int8_rounded": rounded}
+        kept.rounds_activations = frozenset({"int8_rounded"})
+        return kept
+    candidates[0].build = rounding
+    return candidates
+
+
+ROUNDED_FASTEST = {**ALL_FAST, ("int8", "int8_rounded"): 0.5}
+
+
+def test_a_kernel_that_rounds_activations_is_a_candidate_only_when_allowed(tmp_path):
+    exact = chooser(tmp_path, FakeTimes(ROUNDED_FASTEST))
+    kept = exact.keep("Q5_0", SHAPE, rounding_candidates())
+    assert "int8_rounded" not in kept.choice.kernels
+    assert {t.dropped for t in exact.timings if t.kernel == "int8_rounded"} == {
+        f"rounds activations to 8 bits: a candidate with {kernel_choice.INT8_ACTIVATIONS_VARIABLE}=1 only"}
+
+    rounding = chooser(tmp_path, FakeTimes(ROUNDED_FASTEST), int8_activations=True)
+    kept = rounding.keep("Q5_0", SHAPE, rounding_candidates())
+    assert kept.choice == Choice("int8", ("int8_rounded",) * 5)
+    assert "x rounded to int8" in rounding.report()
+
+
+def test_a_kernel_that_rounds_activations_too_coarsely_is_dropped_as_wrong(tmp_path):
+    measuring = chooser(tmp_path, FakeTimes(ROUNDED_FASTEST), int8_activations=True)
+    kept = measuring.keep("Q5_0", SHAPE, rounding_candidates(bits=3))
+    assert "int8_rounded" not in kept.choice.kernels
+    dropped = [t for t in measuring.timings if t.kernel == "int8_rounded"]
+    assert dropped and all(t.dropped.startswith("wrong: NMSE") for t in dropped)
+    assert all(kernel_choice.ROUNDED_ACTIVATIONS_NMSE_BUDGET < t.nmse < 0.1 for t in dropped)
+
+
+def test_tables_measured_with_and_without_rounded_activations_are_kept_apart(tmp_path):
+    rounding = chooser(tmp_path, FakeTimes(ROUNDED_FASTEST), int8_activations=True)
+    rounding.keep("Q5_0", SHAPE, rounding_candidates())
+    again = FakeTimes(ROUNDED_FASTEST)
+    exact = chooser(tmp_path, again)
+    kept = exact.keep("Q5_0", SHAPE, rounding_candidates())
+    assert again.calls and exact.path != rounding.path and "int8-activations" in rounding.path.name
+    assert "int8_rounded" not in kept.choice.kernels
+    machine = f"2 threads, {exact.key['cpu']}, torch {torch.__version__}"
+    described = [d.split(":")[0] for d in describe_cached(tmp_path)]
+    assert described == [f"bfloat16, {machine}", f"bfloat16, x rounded to int8, {machine}"]
+
+
+@pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_int8_activations_are_allowed_by_the_environment(monkeypatch, value, allowed):
+    if value is None:
+        monkeypatch.delenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, value)
+    assert kernel_choice.int8_activations_from_environment() is allowed
+    assert KernelChooser("float32", 2, folder=None).int8_activations is allowed
+
+
+def test_an_int8_activations_value_that_is_not_0_or_1_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="CANDELABRA_INT8_ACTIVATIONS='yes'"):
+        kernel_choice.int8_activations_from_environment()
 
 
 def test_an_unreadable_table_is_measured_again(tmp_path):

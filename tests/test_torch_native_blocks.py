@@ -9,6 +9,7 @@ import torch
 
 from candelabra.backends.torch import native_blocks, native_build
 from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.kernel_choice import INT8_ACTIVATIONS_VARIABLE
 from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
@@ -225,8 +226,15 @@ def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, 
     assert native_blocks_available() == (False, reason)
 
 
-@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "blocks_float"), (torch.bfloat16, "blocks_int8")])
-def test_matmul_runs_the_kernel_within_the_dtypes_budget_until_kernels_are_measured(dtype, kernel):
+@pytest.mark.parametrize("dtype, rounded, kernel", [
+    (torch.float32, None, "blocks_float"), (torch.bfloat16, None, "blocks_float"),
+    (torch.bfloat16, "0", "blocks_float"), (torch.float32, "1", "blocks_int8"), (torch.bfloat16, "1", "blocks_int8")])
+def test_matmul_runs_the_exact_kernel_until_kernels_are_measured_unless_int8_activations_are_allowed(
+        dtype, rounded, kernel, monkeypatch):
+    if rounded is None:
+        monkeypatch.delenv(INT8_ACTIVATIONS_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(INT8_ACTIVATIONS_VARIABLE, rounded)
     kept, _ = weight_and_values("Q5_0", seed=17, dtype=dtype)
     x = random_x(18, 6, kept.shape[1], dtype).reshape(2, 3, -1)
     assert kept.choice.kernel_for(1) == kernel and kept.choice.kernels[-1].startswith("blocks_rebuild")

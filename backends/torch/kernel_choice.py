@@ -76,11 +76,13 @@ TIMED_CALLS = 3
 KERNEL_NMSE_BUDGET = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
 # A kernel that rounds x to 8 bits per block of 32 first, as llama.cpp multiplies, measures about 3e-5 on
 # random inputs and 1.5e-4 with a few channels 100 times the rest, within what the conformance suite
-# allows llama.cpp's own rounding. It is not a candidate in any dtype for now: in bfloat16 it turned
-# Gemma 3 270M's greedy "0 degrees" into "0°C" (tests/test_real_models.py), so its effect on real
-# models is to be measured (bench/quality_vs_reference.py) before it serves by default. Per dtype, the
-# NMSE such a kernel may reach.
-ROUNDED_ACTIVATIONS_NMSE_BUDGET: dict[str, float] = {}
+# allows llama.cpp's own rounding. It is a candidate only where the user asks for it
+# (`INT8_ACTIVATIONS_VARIABLE`): in bfloat16 it turned Gemma 3 270M's greedy "0 degrees" into "0°C"
+# (tests/test_real_models.py), and docs/torch-backend.md gives its distance from the float32 reference
+# on the default model (bench/quality_vs_reference.py). The NMSE such a kernel may reach, in any dtype:
+# ten times the outlier case, a hundredth of a wrong kernel's.
+ROUNDED_ACTIVATIONS_NMSE_BUDGET = 1e-3
+INT8_ACTIVATIONS_VARIABLE = "CANDELABRA_INT8_ACTIVATIONS"
 # Output features of a weight whose products are checked against float64: a wrong kernel is wrong on
 # thousands of them.
 CHECKED_OUTPUTS = 4096
@@ -263,12 +265,13 @@ class Stopwatch:
 
 def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate], dtype: str,
             stopwatch: Callable[[str, str, Kernel, object], float], seconds_left: Callable[[], float],
-            repeats: int = TIMED_CALLS, seed: int = 0) -> tuple[list[Timing], dict[str, object]]:
+            repeats: int = TIMED_CALLS, seed: int = 0, int8_activations: bool = False,
+            ) -> tuple[list[Timing], dict[str, object]]:
     """Every candidate form built and every kernel of it timed at one row, then at the other bands in
     MEASURING_ORDER while `seconds_left()` is positive (a band begun is finished); with the forms that
     were built. A kernel is timed `repeats` times, the first call's
     output checked, and its best time kept; where that is INVERSION_RATIO above its time over more rows, it
-    is timed again."""
+    is timed again. Kernels that round x to 8 bits are candidates only with `int8_activations`."""
     import torch
 
     from candelabra.backends.torch.backend import torch_dtype
@@ -293,11 +296,12 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
         values = (candidate.values or kept.dense)()[checked].double().numpy()
         for name, kernel in kept.kernels().items():
             rounding = name in getattr(kept, "rounds_activations", ())
-            if rounding and dtype not in ROUNDED_ACTIVATIONS_NMSE_BUDGET:
+            if rounding and not int8_activations:
                 timings.append(Timing(format, shape, ROW_BANDS[0], candidate.form, name,
-                                      dropped=f"rounds activations to 8 bits: not a candidate in {dtype}"))
+                                      dropped=f"rounds activations to 8 bits: a candidate with "
+                                              f"{INT8_ACTIVATIONS_VARIABLE}=1 only"))
                 continue
-            budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET[dtype] if rounding else KERNEL_NMSE_BUDGET[dtype]
+            budget = ROUNDED_ACTIVATIONS_NMSE_BUDGET if rounding else KERNEL_NMSE_BUDGET[dtype]
             kernels.append((candidate.form, name, kernel, values, budget))
     slow: dict[str, int] = {}  # kernel name: the rows it was found too slow at, not timed at more
     inputs: dict[int, object] = {}  # x of each band timed
@@ -378,8 +382,9 @@ def last_level_cache_bytes() -> int:
 # the table kept per machine
 
 
-def cache_key(dtype: str, threads: int) -> dict[str, str]:
-    """What a measured table holds for: this CPU, its flags, this torch, the threads and the dtype."""
+def cache_key(dtype: str, threads: int, int8_activations: bool = False) -> dict[str, str]:
+    """What a measured table holds for: this CPU, its flags, this torch, the threads, the dtype and whether
+    kernels that round x to int8 were candidates."""
     import torch
 
     from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
@@ -392,6 +397,7 @@ def cache_key(dtype: str, threads: int) -> dict[str, str]:
         "threads": str(threads),
         "dtype": dtype,
         "candidates": str(CANDIDATES_VERSION),
+        "activations": "int8" if int8_activations else "exact",
     }
 
 
@@ -408,7 +414,8 @@ def tables_folder() -> Path:
 
 def cache_file(key: dict[str, str], folder: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return (folder or tables_folder()) / f"{key['dtype']}-{digest}.json"
+    rounded = "-int8-activations" if key.get("activations") == "int8" else ""
+    return (folder or tables_folder()) / f"{key['dtype']}{rounded}-{digest}.json"
 
 
 Entry = tuple[str, tuple[int, int]]  # a weight's format and shape [N, K]
@@ -453,12 +460,15 @@ class KernelChooser:
                  stopwatch: Callable[[str, str, Kernel, object], float] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  watch_others: Callable[[], Callable[[], float | None]] = cpu_load.watch_others,
-                 machine_cpus: int | None = None) -> None:
+                 machine_cpus: int | None = None, int8_activations: bool | None = None) -> None:
         """`watch_others` starts watching the rest of the machine and returns what gives the CPUs other
         processes kept busy since; a look is quiet while they stay within the `machine_cpus` (default: all
-        of the machine's) this process's `threads` leave free, plus QUIET_MARGIN_CPUS."""
+        of the machine's) this process's `threads` leave free, plus QUIET_MARGIN_CPUS. Kernels that round x to
+        int8 are candidates where `int8_activations` (default: $CANDELABRA_INT8_ACTIVATIONS) says so, and are
+        measured into a table of their own."""
         self.dtype = dtype
-        self.key = cache_key(dtype, threads)
+        self.int8_activations = int8_activations_from_environment() if int8_activations is None else int8_activations
+        self.key = cache_key(dtype, threads, self.int8_activations)
         self.path = cache_file(self.key, folder)
         self.timings, self.looks = read_table(self.path, self.key)
         self.budget_s = budget_from_environment() if budget_s is None else budget_s
@@ -500,7 +510,8 @@ class KernelChooser:
             spent = self._clock() - started
             return min(self.budget_s - self.spent_s - spent, ENTRY_SHARE * self.budget_s - spent)
 
-        timings, built = measure(*entry, candidates, self.dtype, stopwatch, seconds_left)
+        timings, built = measure(*entry, candidates, self.dtype, stopwatch, seconds_left,
+                                 int8_activations=self.int8_activations)
         self.spent_s += self._clock() - started
         busy = busy_elsewhere()
         busy = None if busy is None else round(busy, 3)
@@ -559,7 +570,9 @@ class KernelChooser:
         if contended:
             source += (f"; {len(contended)} measured while other processes kept up to {max(contended):.1f} CPUs "
                        f"busy, to be measured again by the next start")
-        return f"kernels for {self.dtype} on {self.key['cpu']} ({source}):\n{table}"
+        rounded = f", x rounded to int8 where a kernel does ({INT8_ACTIVATIONS_VARIABLE}=1)" \
+            if self.int8_activations else ""
+        return f"kernels for {self.dtype} on {self.key['cpu']}{rounded} ({source}):\n{table}"
 
     def log_once(self) -> None:
         if self.used and not self._logged:
@@ -578,6 +591,15 @@ def budget_from_environment() -> float:
     if not value >= 0:
         raise ValueError(f"{BUDGET_VARIABLE}={text!r}: give the seconds kernel measuring may take, e.g. 4")
     return value
+
+
+def int8_activations_from_environment() -> bool:
+    """Whether $CANDELABRA_INT8_ACTIVATIONS lets kernels that round x to int8 serve: 1 yes, 0 or unset no."""
+    text = os.environ.get(INT8_ACTIVATIONS_VARIABLE, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{INT8_ACTIVATIONS_VARIABLE}={text!r}: 1 lets kernels that round activations to int8 "
+                         "serve (as llama.cpp multiplies), 0 or unset keeps every product exact to the dtype")
+    return text == "1"
 
 
 def format_choices(timings: Sequence[Timing], entries: Iterable[tuple[str, tuple[int, int]]]) -> str:
@@ -614,9 +636,9 @@ def _shown_ms(timing: Timing) -> str:
 
 
 def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list[Timing]]]:
-    """Every table cached for this CPU, flags and torch (any dtype or thread count)."""
+    """Every table cached for this CPU, flags and torch (any dtype, thread count or activation rounding)."""
     folder = folder or tables_folder()
-    mine = {k: v for k, v in cache_key("-", 0).items() if k not in ("dtype", "threads")}
+    mine = {k: v for k, v in cache_key("-", 0).items() if k not in ("dtype", "threads", "activations")}
     tables = []
     for path in sorted(folder.glob("*.json")):
         try:
@@ -629,16 +651,16 @@ def cached_tables(folder: Path | None = None) -> list[tuple[dict[str, str], list
     return tables
 
 
-_CHOOSERS: dict[tuple[str, int, Path], KernelChooser] = {}
+_CHOOSERS: dict[tuple[str, int, Path, bool], KernelChooser] = {}
 
 
 def chooser_for(dtype: str, threads: int) -> KernelChooser:
-    """One chooser per compute dtype, thread count and cache folder in a process, so that its budget is
-    spent once."""
-    folder = tables_folder()
-    if (dtype, threads, folder) not in _CHOOSERS:
-        _CHOOSERS[(dtype, threads, folder)] = KernelChooser(dtype, threads, folder=folder)
-    return _CHOOSERS[(dtype, threads, folder)]
+    """One chooser per compute dtype, thread count, cache folder and activation rounding in a process, so
+    that its budget is spent once."""
+    key = (dtype, threads, tables_folder(), int8_activations_from_environment())
+    if key not in _CHOOSERS:
+        _CHOOSERS[key] = KernelChooser(dtype, threads, folder=key[2], int8_activations=key[3])
+    return _CHOOSERS[key]
 
 
 def log_choices() -> None:
@@ -652,6 +674,7 @@ def describe_cached(folder: Path | None = None) -> list[str]:
     described = []
     for key, timings in cached_tables(folder):
         entries = list(dict.fromkeys((t.format, t.shape) for t in timings))
-        described.append(f"{key['dtype']}, {key['threads']} threads, {key['cpu']}, torch {key['torch']}:\n"
+        rounded = ", x rounded to int8" if key.get("activations") == "int8" else ""
+        described.append(f"{key['dtype']}{rounded}, {key['threads']} threads, {key['cpu']}, torch {key['torch']}:\n"
                          f"{format_choices(timings, entries)}")
     return described

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from candelabra.backends.torch.kernel_choice import Choice
+from candelabra.backends.torch.kernel_choice import Choice, int8_activations_from_environment
 from candelabra.backends.torch.native_build import NativeLibrary
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
@@ -84,11 +84,11 @@ def _checked(status: int, call: str) -> None:
 
 def default_choice(dtype: torch.dtype) -> Choice:
     """What a blocks weight runs at kernel_choice's bands (1, 4, 16, 64, 256 rows) until they are measured:
-    the kernel within the dtype's own error budget (int8 activations in bfloat16 and float16, the exact
-    float kernel in float32) up to 64 rows, and slices rebuilt for a float32 GEMM at 256. Medians on 2
-    cores of an AMD EPYC (Zen 3, AVX2), ms, blocks_int8 / blocks_float / dense float32 GEMM:
+    the exact float kernel (int8 activations where $CANDELABRA_INT8_ACTIVATIONS allows them) up to 64 rows,
+    and slices rebuilt for a float32 GEMM at 256. Medians on 2 cores of an AMD EPYC (Zen 3, AVX2), ms,
+    blocks_int8 / blocks_float / dense float32 GEMM:
     896 x 4864 Q6_K  1 row 0.22 / 0.49 / 1.0, 64 rows 5.2 / 9.0 / 5.4, 256 rows 33 / 50 / 17 (rebuilt: 24)."""
-    kernel = "blocks_float" if dtype == torch.float32 else "blocks_int8"
+    kernel = "blocks_int8" if int8_activations_from_environment() else "blocks_float"
     rebuild = "blocks_rebuild" if dtype == torch.float32 else "blocks_rebuild_f32"
     return Choice("blocks", (kernel,) * 4 + (rebuild,))
 

@@ -56,7 +56,7 @@ class KeptWeight(ABC):
     shape: tuple[int, int]
     dtype: torch.dtype
     # Kernels that round x to 8 bits per block first, as llama.cpp multiplies: their error is that
-    # rounding's, which kernel_choice allows only where ROUNDED_ACTIVATIONS_NMSE_BUDGET names the dtype.
+    # rounding's, which kernel_choice allows only with $CANDELABRA_INT8_ACTIVATIONS=1.
     rounds_activations: frozenset[str] = frozenset()
 
     def default_choice(self) -> Choice:
