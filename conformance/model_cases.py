@@ -33,6 +33,7 @@ from candelabra.conformance.compare import (
     MODEL_NMSE_THRESHOLDS,
     MOE_MODEL_NMSE_THRESHOLDS,
     QUANTIZED_KV_MODEL_NMSE_THRESHOLDS,
+    ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD,
     nmse,
     round_to,
 )
@@ -238,6 +239,7 @@ class ModelResult:
     seed: int
     message: str = ""
     tied_positions: int = 0  # prompt positions left out of the NMSE, routed within rounding of an expert tie
+    activations: str | None = None  # what the backend may round x to before quantized products ("int8"), if it said
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -349,6 +351,14 @@ def _greedy_agreement(backend, runner, reference, prompt, first_token: int, bloc
     return f"{GREEDY_TOKENS}/{GREEDY_TOKENS}"
 
 
+def quantized_checkpoint(case) -> bool:
+    """Whether the case's linear weights reach the backend quantized (a GGUF file's F16 weights do not), so
+    that a backend's activation rounding applies to them."""
+    if isinstance(case, GGUFModelCase):
+        return case.ggml_type not in ("F16", "F32") or bool(case.others)
+    return isinstance(case, (Int4ModelCase, ISQModelCase))
+
+
 def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4ModelCase | ISQModelCase, seed: int,
                    dtype: str = "float32") -> ModelResult:
     from candelabra.core.loading.model import load_model
@@ -385,8 +395,11 @@ def run_model_case(backend: Backend, case: ModelCase | GGUFModelCase | Int4Model
     threshold = (MOE_MODEL_NMSE_THRESHOLDS if case.routes_experts else MODEL_NMSE_THRESHOLDS)[dtype]
     if kv_dtype is not None:
         threshold = max(threshold, QUANTIZED_KV_MODEL_NMSE_THRESHOLDS[kv_dtype])
+    activations = backend.activation_rounding() if quantized_checkpoint(case) else None
+    if activations is not None:
+        threshold = max(threshold, ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD)
     return _compare(backend, case.name, _rounded(reference, dtype), model, prompt, seed, dtype, threshold, kv_dtype,
-                    case.routes_experts)
+                    case.routes_experts, activations)
 
 
 def _rounded(reference, dtype: str):
@@ -438,8 +451,12 @@ def _isq_reference(case: ISQModelCase, seed: int, folder: str):
     return model, checkpoint
 
 
-def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int,
-             dtype: str, threshold: float, kv_dtype: str | None = None, routes_experts: bool = False) -> ModelResult:
+def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, seed: int, dtype: str,
+             threshold: float, kv_dtype: str | None = None, routes_experts: bool = False,
+             activations: str | None = None) -> ModelResult:
+    """The model's logits over `prompt` and its greedy tokens against transformers'. A quantized KV cache
+    (`kv_dtype`) or activations rounded before quantized products (`activations`) may tip a close pair of
+    logits: greedy tokens are then reported, not required, and expert ties looked for at that rounding."""
     architecture = type(reference).__name__
     total = len(prompt) + GREEDY_TOKENS
     blocks = np.random.default_rng(seed + 1).permutation(2 * -(-total // BLOCK_SIZE)).tolist()
@@ -449,20 +466,22 @@ def _compare(backend: Backend, name: str, reference, model, prompt: np.ndarray, 
                                  logits_rows=np.arange(len(prompt)))
     logits = backend.to_host(runner.logits(prompt, prefill))
     if routes_experts:
-        # an int8 cache moves a router's input by more than float32 rounds it: look for ties at the cache's rounding
+        # an int8 cache or int8 activations move a router's input by more than float32 rounds it: look for ties
+        # at the coarsest rounding
         expected, tied = positions_near_expert_ties(reference, lambda: reference_logits(reference, prompt),
-                                                    len(prompt), coarsest(dtype, kv_dtype))
+                                                    len(prompt), coarsest(dtype, kv_dtype, activations))
     else:
         expected, tied = reference_logits(reference, prompt), np.zeros(len(prompt), dtype=bool)
     error = nmse(logits[~tied], expected[~tied])
 
     greedy = _greedy_agreement(backend, runner, reference, prompt, int(np.argmax(logits[-1])), blocks, dtype,
                                routes_experts, prompt_at_tie=bool(tied[-1]))
-    passed_greedy = greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie") or kv_dtype is not None
+    passed_greedy = (greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie") or kv_dtype is not None
+                     or activations is not None)
     passed_nmse = error <= threshold
     problems = ([] if passed_nmse else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]) + (
         [] if passed_greedy else [f"greedy tokens diverged after {greedy}"])
     if 2 * tied.sum() > len(prompt):  # too few positions left to tell a backend's error from ties
         problems.append(f"{tied.sum()} of {len(prompt)} prompt positions route within rounding of an expert tie")
     return ModelResult(name, architecture, "passed" if not problems else "failed", error, greedy, seed,
-                       "; ".join(problems), int(tied.sum()))
+                       "; ".join(problems), int(tied.sum()), activations)

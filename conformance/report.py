@@ -67,11 +67,14 @@ def model_table(results: list[dict]) -> str:
 
 
 def nmse_cell(result: dict) -> str:
-    """A models-level NMSE, and how many prompt positions it left out as routed at an expert tie."""
+    """A models-level NMSE, how many prompt positions it left out as routed at an expert tie, and what the
+    backend may round activations to, where it said so."""
     if result["nmse"] is None:
         return ""
     tied = result.get("tied_positions", 0)
-    return f"{result['nmse']:.2e}" + (f" ({tied} at an expert tie left out)" if tied else "")
+    rounded = result.get("activations")
+    return (f"{result['nmse']:.2e}" + (f" ({tied} at an expert tie left out)" if tied else "")
+            + (f" (x may be rounded to {rounded})" if rounded else ""))
 
 
 ENGINE_HEADERS = ("engine case", "status", "detail")

@@ -16,6 +16,7 @@ from candelabra.conformance.compare import (
     QUANTIZED_KV_NMSE_THRESHOLDS,
     QUANTIZED_KV_SCALE_RTOL,
     QUANTIZED_NMSE_THRESHOLDS,
+    ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD,
     ROUNDING_FLIP_SHARE,
 )
 from candelabra.conformance.engine_cases import (
@@ -82,6 +83,10 @@ def threshold_table() -> str:
         f"largest value; their input nudged by up to {NUDGE_UNITS} such units changes no choice in {NUDGES} draws); "
         "at the others a correct backend may choose other experts. For the "
         "same reason its greedy tokens may part from transformers' where transformers' newest position routes so.",
+        "Where a backend says its kernels round x to int8 before a quantized product (Backend.activation_rounding, "
+        "which the user allows), the models level's quantized checkpoints (GGUF, GPTQ and AWQ, --isq) hold their "
+        f"logits to the larger of the dtype's limit and {ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD:.0e}, look for "
+        "expert ties at 2^-8 as for an int8 cache, and report greedy tokens without requiring them.",
         "engine level: a request's greedy tokens among others (arriving at random steps, prefilled in chunks, read "
         "from the prefix cache, preempted by recompute or swap, scheduled ahead) equal the ones it gets alone on the "
         "same backend, over a quantized KV cache alone at that cache dtype; its prompt logprobs lie within "

@@ -70,6 +70,31 @@ class QuantizedRoundsActivations(QuantizedCpuBackend):
     name = "cpu-quantized-int8"
     ops_class = _RoundsActivations
 
+    def activation_rounding(self):
+        return "int8"
+
+
+class _RoundsAndSwapsHalves(_RoundsActivations):
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedTensor):
+            values = weight.dequantize()
+            weight = values.reshape(values.shape[0], -1, 2, 16)[:, :, ::-1].reshape(values.shape)
+            return NumpyOps.linear(self, x, weight, bias)
+        return super().linear(x, weight, bias)
+
+
+class RoundsActivationsSwapsHalves(QuantizedRoundsActivations):
+    """Rounds activations, as it says, and reads each block's two halves of 16 values in the wrong order."""
+
+    ops_class = _RoundsAndSwapsHalves
+
+
+class RoundsActivationsUnsaid(QuantizedRoundsActivations):
+    """The same kernels, without saying that they round activations."""
+
+    def activation_rounding(self):
+        return None
+
 
 class _DropsBiasOnQuantized(_DequantizingOps):
     def linear(self, x, weight, bias=None):

@@ -1,8 +1,9 @@
 """`candelabra serve` serves a tiny GPTQ checkpoint (act-order, v1 zero points), a tiny AWQ checkpoint
 and a dense checkpoint quantized at load (`--isq q4k`, and candle-vllm's spelling `--quant q4k`), each
 on the numpy reference backend (which dequantizes at load) and on the torch backend (which keeps the
-formats), and the real `openai` client gets a chat completion and a streamed completion from each.
-The six servers start at once and serve the module."""
+formats; once more with activations rounded to int8, `CANDELABRA_INT8_ACTIVATIONS=1`), and the real
+`openai` client gets a chat completion and a streamed completion from each. The seven servers start at
+once and serve the module."""
 
 import json
 
@@ -20,6 +21,9 @@ SERVED = {
     ("awq", "cpu"): ("--quant", "awq"), ("awq", "torch"): (),
     ("dense", "cpu"): ("--isq", "q4k"), ("dense", "torch"): ("--quant", "q4k"),
 }
+# The dense checkpoint quantized at load on the torch backend, its kernels free to round x to int8
+INT8 = ("dense", "torch", "int8 activations")
+SERVERS = [*SERVED, INT8]
 # The in-situ quantization case's shapes as a Llama: transformers reads a word-level tokenizer beside a
 # Qwen2 config as Qwen2's byte-pair tokenizer, which finds no words in it.
 SERVED_MODEL = ModelCase("llama-isq", "LlamaConfig", ISQ_MODEL.settings)
@@ -41,20 +45,29 @@ def write_checkpoints(root):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(checkpoint, backend) -> its LiveServer."""
+def int8_tables(tmp_path_factory):
+    """The kernel tables folder of the server whose kernels may round x to int8."""
+    return tmp_path_factory.mktemp("int8-tables")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, int8_tables):
+    """(checkpoint, backend) -> its LiveServer, and INT8 -> the torch server with int8 activations allowed."""
     checkpoints = write_checkpoints(tmp_path_factory.mktemp("quantized-served"))
     servers = {
         (name, backend): LiveServer("--weight-path", str(checkpoints[name]), "--backend", backend, *flags,
                                     "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0")
         for (name, backend), flags in SERVED.items()}
+    servers[INT8] = LiveServer("--weight-path", str(checkpoints["dense"]), "--backend", "torch",
+                               *SERVED["dense", "torch"], "--kvcache-mem-gpu", "2", "--kvcache-mem-cpu", "0",
+                               env={"CANDELABRA_INT8_ACTIVATIONS": "1", "CANDELABRA_KERNEL_TABLES": str(int8_tables)})
     with started_together(servers):
         yield servers
 
 
-@pytest.mark.parametrize("name, backend", SERVED)
-def test_a_served_quantized_checkpoint_answers_a_chat(servers, name, backend):
-    server = servers[name, backend]
+@pytest.mark.parametrize("served", SERVERS, ids="-".join)
+def test_a_served_quantized_checkpoint_answers_a_chat(servers, served):
+    server = servers[served]
     reply = openai_client(server).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "w20 w21 w22"}], **GREEDY)
     choice = reply.choices[0]
@@ -62,9 +75,9 @@ def test_a_served_quantized_checkpoint_answers_a_chat(servers, name, backend):
     assert choice.message.role == "assistant" and len(choice.message.content.split()) == 6
 
 
-@pytest.mark.parametrize("name, backend", SERVED)
-def test_a_served_quantized_checkpoint_streams_the_completion_it_gives_whole(servers, name, backend):
-    server = servers[name, backend]
+@pytest.mark.parametrize("served", SERVERS, ids="-".join)
+def test_a_served_quantized_checkpoint_streams_the_completion_it_gives_whole(servers, served):
+    server = servers[served]
     client = openai_client(server)
     whole = client.completions.create(model=server.model, prompt="w5 w30 w31 w6", **GREEDY)
     stream = client.completions.create(model=server.model, prompt="w5 w30 w31 w6", stream=True, **GREEDY)
@@ -77,3 +90,14 @@ def test_the_start_up_log_says_how_the_weights_were_quantized(servers):
     isq = servers["dense", "cpu"].startup + servers["dense", "torch"].startup
     assert isq.count("in-situ quantization to Q4_K") == 2, isq
     assert "GPTQ" in servers["gptq", "cpu"].startup and "AWQ" in servers["awq", "torch"].startup
+
+
+def test_int8_activations_are_said_at_start_up_and_timed_as_candidates(servers, int8_tables):
+    from candelabra.backends.torch.native_blocks import native_blocks_available
+
+    assert "x rounded to int8 before quantized products" in servers[INT8].startup
+    assert "rounded to int8" not in servers["dense", "torch"].startup
+    (table,) = int8_tables.glob("*-int8-activations-*.json")
+    timings = json.loads(table.read_text())["timings"]
+    timed = [t for t in timings if t["kernel"] == "blocks_int8" and t["dropped"] is None]
+    assert timed or not native_blocks_available()[0], "blocks_int8 was a candidate and timed"

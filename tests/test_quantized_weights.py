@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from candelabra.backends.cpu import CpuBackend
 from candelabra.conformance import oracle
-from candelabra.conformance.compare import nmse
+from candelabra.conformance.compare import MODEL_NMSE_THRESHOLDS, ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD, nmse
 from candelabra.conformance.gguf_models import (
     convert_to_gguf,
     gguf_metadata,
@@ -36,6 +36,8 @@ from quantized_backends import (
     QuantizedLinearDropsBias,
     QuantizedRoundsActivations,
     RecordingCpuBackend,
+    RoundsActivationsSwapsHalves,
+    RoundsActivationsUnsaid,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +303,29 @@ def test_quantized_thresholds_allow_activations_rounded_to_8_bits_per_block():
     results = [run_case(backend, case, seed) for seed, case in enumerate(_quantized_cases("linear"))]
     assert {r.status for r in results} == {PASSED}, [r.message for r in results if r.status != PASSED]
     assert min(r.worst_nmse for r in results) > 1e-6, "activations were rounded"
+
+
+@pytest.mark.parametrize("case", [GGUFModelCase("qwen2", "Q5_0"), GGUFModelCase("llama", "Q4_1"),
+                                  GGUFModelCase("qwen3moe", "Q4_0")], ids=lambda case: case.name)
+def test_the_models_level_holds_a_backend_that_says_it_rounds_activations_to_the_rounded_limit(case):
+    said = run_model_case(QuantizedRoundsActivations(), case, seed=3)
+    assert said.status == PASSED and said.activations == "int8", said.message
+    assert said.nmse > MODEL_NMSE_THRESHOLDS["float32"], "activations were rounded"
+    unsaid = run_model_case(RoundsActivationsUnsaid(), case, seed=3)
+    assert unsaid.status == FAILED and unsaid.activations is None and "logits NMSE" in unsaid.message
+    assert unsaid.nmse == pytest.approx(said.nmse, rel=0.5)
+
+
+@pytest.mark.parametrize("case", [GGUFModelCase("qwen2", "Q5_0"), GGUFModelCase("llama", "Q4_1")],
+                         ids=lambda case: case.name)
+def test_a_backend_that_rounds_activations_and_decodes_blocks_wrongly_still_fails(case):
+    result = run_model_case(RoundsActivationsSwapsHalves(), case, seed=3)
+    assert result.status == FAILED and result.nmse > 100 * ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD
+
+
+def test_a_dense_model_is_held_to_the_dtypes_limit_whatever_the_backend_says_of_activations():
+    result = run_model_case(QuantizedRoundsActivations(), GGUFModelCase("qwen2", "F16"), seed=3)
+    assert result.status == PASSED and result.activations is None
 
 
 def test_quantized_linear_is_not_supported_where_no_format_is_kept():

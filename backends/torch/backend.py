@@ -224,6 +224,12 @@ class TorchBackend(Backend):
             return torch.stack(kept)
         return ExpertWeights(kept, experts.shape)
 
+    def activation_rounding(self) -> str | None:
+        """"int8" on a CPU where $CANDELABRA_INT8_ACTIVATIONS=1 lets kernels that round x to int8 serve."""
+        from candelabra.backends.torch.kernel_choice import int8_activations_from_environment
+
+        return "int8" if self.runs_on() == "cpu" and int8_activations_from_environment() else None
+
     def kernel_chooser(self, dtype: str):
         """The choices of this process for `dtype` and this backend's share of the cores."""
         from candelabra.backends.torch.kernel_choice import chooser_for

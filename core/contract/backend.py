@@ -212,6 +212,13 @@ class Backend(ABC):
         host's own cores (numpy, torch on the CPU), where scheduling ahead overlaps nothing."""
         return False
 
+    def activation_rounding(self) -> str | None:
+        """"int8" where this backend's kernels for quantized weights may round x to 8-bit integers (per block
+        along K, as llama.cpp multiplies) before the product, as a user may allow for speed; None where every
+        product is exact to the compute dtype. The conformance suite's models level then holds quantized
+        checkpoints to limits that admit that rounding. Default: None."""
+        return None
+
     def kv_cache_committed_on_write(self) -> bool:
         """Whether the KV cache's memory is taken from the system only where a block is first
         written (host RAM, allocated untouched). The engine then reuses written blocks, the prefix

@@ -436,7 +436,7 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
     lines = [
         f"backend   {llm.backend.name} on {probe.detail}",
         f"model     {served.name} ({model.architecture}, {model.num_layers} layers) from {_weights_source(llm)}",
-        f"dtype     {llm.model.dtype}",
+        f"dtype     {llm.model.dtype}{_rounding(llm.backend)}",
         f"KV cache  {config.num_blocks * config.block_size} tokens ({config.num_blocks} blocks of "
         f"{config.block_size}, {kv.bytes_per_block * kv.num_blocks / 2**20:.0f} MiB in {kv.dtype}); "
         f"swap space {config.num_host_blocks} blocks",
@@ -450,6 +450,11 @@ def _print_start_up(served, url: str, args: argparse.Namespace) -> None:
     if not getattr(args, "no_ui", False):
         lines.append(f"chat page {url}/")
     print("\n".join(lines), flush=True)
+
+
+def _rounding(backend) -> str:
+    rounding = backend.activation_rounding()
+    return "" if rounding is None else f"; x rounded to {rounding} before quantized products, where faster"
 
 
 def _experts_line(model) -> list[str]:
