@@ -25,8 +25,8 @@ values and scales; packed int4 with scales and zeros; dense values) over the med
 
 --float-tiles 4 16: blocks_float in float32 also as the library builds it with those rows of x a tile
 (`FLOAT_TILE`; the package's build is the candidate without a tile named), each build kept in a folder
-of its own for the run. --build-flags=-mno-avx512f (repeatable): the same, built with those extra
-compiler flags (that one: the AVX2 code a CPU without AVX-512 runs, timed on this one).
+of its own for the run, blocks_int8 in float32 with it. --build-flags=-mno-avx512f (repeatable): the same,
+built with those extra compiler flags (that one: the AVX2 code a CPU without AVX-512 runs, timed on this one).
 
 --overhead: microseconds per call on a tiny weight (64 x 256, M = 1): the fixed cost a decode step
 pays about 100 times.
@@ -132,6 +132,7 @@ def candidates(weights: list[QuantizedTensor], variants: dict[str, object]) -> l
         pool = pooled(lambda w, build=build: on_library(NativeBlocksWeight.from_quantized(w, torch.float32), build),
                       weights, blocks)
         found.append(Candidate(f"blocks_float f32 {variant}", torch.float32, pool, blocks, lambda w, x: w._float(x)))
+        found.append(Candidate(f"blocks_int8 f32 {variant}", torch.float32, pool, blocks, lambda w, x: w._int8(x)))
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         pool = pooled(lambda w, dtype=dtype: NativeBlocksWeight.from_quantized(w, dtype), weights, blocks)
         found.append(Candidate(f"blocks_float {tag}", dtype, pool, blocks, lambda w, x: w._float(x)))

@@ -80,8 +80,11 @@ KERNEL_NMSE_BUDGET = {"float32": 1e-9, "float16": 1e-5, "bfloat16": 1e-4}
 # (`INT8_ACTIVATIONS_VARIABLE`): in bfloat16 it turned Gemma 3 270M's greedy "0 degrees" into "0°C"
 # (tests/test_real_models.py), and docs/torch-backend.md gives its distance from the float32 reference
 # on the default model (bench/quality_vs_reference.py). The NMSE such a kernel may reach, in any dtype:
-# ten times the outlier case, a hundredth of a wrong kernel's.
-ROUNDED_ACTIVATIONS_NMSE_BUDGET = 1e-3
+# three times the outlying channels' case, below the 8.5e-4 that wrongly decoded blocks measured at the least
+# (conformance/compare.py). At real widths (K of 896 and more) blocks_int8 measured at most 8.1e-5; the formats
+# with an offset (Q4_1, Q5_1) at K = 64, two blocks, up to 1.7e-3 on the conformance suite's tiny models, whose
+# weights of that width then keep the exact kernel.
+ROUNDED_ACTIVATIONS_NMSE_BUDGET = 5e-4
 INT8_ACTIVATIONS_VARIABLE = "CANDELABRA_INT8_ACTIVATIONS"
 # Output features of a weight whose products are checked against float64: a wrong kernel is wrong on
 # thousands of them.
@@ -90,8 +93,9 @@ CHECKED_OUTPUTS = 4096
 # them, makes every cached table stale (6: tables before it may hold timings taken under contention; 7:
 # blocks_float decodes a chunk for 8 rows of x, not 4, and is faster from 8 rows; 8: with AVX-512,
 # blocks_float takes 4 weight rows at a time and is faster from 16 rows; 9: blocks_float prefetches the
-# weight and is faster at one row).
-CANDIDATES_VERSION = 9
+# weight and is faster at one row; 10: blocks_int8 is a candidate where the user allows it, within
+# ROUNDED_ACTIVATIONS_NMSE_BUDGET).
+CANDIDATES_VERSION = 10
 # A weight measured under contention is measured again by later starts until one look runs quiet or it has
 # had this many: the best of three contended looks is close to a quiet one, and each costs budget.
 MAX_LOOKS = 3

@@ -94,6 +94,9 @@ enum { OK = 0, BAD_FORMAT = -1, BAD_SHAPE = -2, BAD_DTYPE = -3, BAD_ROW = -4, NO
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
+#ifndef INT8_PREFETCH_BYTES
+#define INT8_PREFETCH_BYTES PREFETCH_BYTES
+#endif
 
 static const int VALUES_PER_BLOCK[FORMAT_COUNT] = {32, 32, 32, 32, 32, 256, 256, 256};
 static const int BYTES_PER_BLOCK[FORMAT_COUNT] = {34, 18, 20, 22, 24, 144, 176, 210};
@@ -115,6 +118,12 @@ INLINE uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); retur
 INLINE void prefetch_ahead(const uint8_t *b, int bytes) {
     if (PREFETCH_BYTES > 0)
         for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + PREFETCH_BYTES + l, 0, 3);
+}
+
+/* The same for the int8 kernel, INT8_PREFETCH_BYTES ahead. */
+INLINE void prefetch_ahead_int8(const uint8_t *b, int bytes) {
+    if (INT8_PREFETCH_BYTES > 0)
+        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + INT8_PREFETCH_BYTES + l, 0, 3);
 }
 
 INLINE float half_to_float(uint16_t h) {
@@ -609,6 +618,8 @@ INLINE void int8_tile(const int f, const int rows, const uint8_t *w_row, const i
     for (; j + 4 <= chunks; j += 4) {
         const uint8_t *b = w_row + (j / per_block) * BYTES_PER_BLOCK[f];
         const int c = (int)(j % per_block);
+        if (per_block == 1) prefetch_ahead_int8(b, 4 * BYTES_PER_BLOCK[f]);
+        else if (c == 0) prefetch_ahead_int8(b, BYTES_PER_BLOCK[f]);
         __m128 scale, scale_hi, offset = _mm_setzero_ps();
         if (per_block == 1) {
             scale = scale_hi = four_halves(b, BYTES_PER_BLOCK[f]);
