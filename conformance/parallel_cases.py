@@ -12,7 +12,10 @@ of the model, and rank 0 the whole model too. Rank 0's tensor-parallel logits fo
 position must match the whole model's within the models level's NMSE threshold for the dtype (its
 mixture-of-experts one for a MoE case, whose ranks each run a share of the experts), and
 16 greedy tokens decoded through the paged cache must be the same (a step where the whole model's
-two best logits tie, as the models level counts ties, ends the comparison without failing it).
+two best logits tie, as the models level counts ties, ends the comparison without failing it). Where the
+backend says it may round x to int8 before quantized products, a quantized checkpoint's shard may take
+another kernel than the whole model's: its logits are held to the models level's limit for that rounding,
+and its greedy tokens reported, not required.
 
 Independent of the serving runtime: the processes are started here (rank r on device r modulo the
 backend's device count, and on its share of this process's CPU cores), and each runs its model
@@ -39,6 +42,7 @@ from candelabra.conformance.compare import (
     MODEL_NMSE_THRESHOLDS,
     MOE_MODEL_NMSE_THRESHOLDS,
     NMSE_THRESHOLDS,
+    ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD,
     nmse,
     round_to,
 )
@@ -55,6 +59,7 @@ from candelabra.conformance.model_cases import (
     ModelCase,
     _gguf_reference,
     make_reference,
+    quantized_checkpoint,
 )
 from candelabra.conformance.quantized_checkpoints import write_int4_checkpoint
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -271,7 +276,11 @@ def _run_case(backend, communicator, case, base_seed: int, dtype: str, lm_head_l
     expected = greedy_decode(backend, whole, prompt, blocks.tolist()) if rank == 0 else None
     actual = greedy_decode(backend, sharded, prompt, blocks.tolist(), communicator)
     thresholds = MOE_MODEL_NMSE_THRESHOLDS if getattr(case, "routes_experts", False) else MODEL_NMSE_THRESHOLDS
-    return _compared(case.name, world_size, dtype, seed, expected, actual, thresholds[dtype]) if rank == 0 else None
+    # a shard's products may take other kernels than the whole model's, one rounding x where the other does not
+    rounded = backend.activation_rounding() if quantized_checkpoint(case) else None
+    threshold = max(thresholds[dtype], ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD if rounded else 0.0)
+    return (_compared(case.name, world_size, dtype, seed, expected, actual, threshold, greedy_required=rounded is None)
+            if rank == 0 else None)
 
 
 def _written_checkpoint(case, seed: int, folder: str) -> tuple[str | None, str | None]:
@@ -340,11 +349,11 @@ def greedy_decode(backend, model, prompt: np.ndarray, blocks: list[int], communi
 
 
 def _compared(name: str, world_size: int, dtype: str, seed: int, expected: Decoded, actual: Decoded,
-              threshold: float) -> ParallelResult:
+              threshold: float, greedy_required: bool = True) -> ParallelResult:
     error = nmse(actual.prompt_logits, expected.prompt_logits)
     greedy = _greedy_agreement(expected, actual, dtype)
     problems = [] if error <= threshold else [f"logits NMSE {error:.3g} > {threshold:.0e} ({dtype})"]
-    if not (greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie")):
+    if greedy_required and not (greedy.startswith(f"{GREEDY_TOKENS}/") or greedy.endswith("tie")):
         problems.append(f"greedy tokens diverged after {greedy}")
     return ParallelResult(name, world_size, "failed" if problems else "passed", error, greedy, seed,
                           "; ".join(problems))

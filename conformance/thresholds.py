@@ -86,7 +86,8 @@ def threshold_table() -> str:
         "Where a backend says its kernels round x to int8 before a quantized product (Backend.activation_rounding, "
         "which the user allows), the models level's quantized checkpoints (GGUF, GPTQ and AWQ, --isq) hold their "
         f"logits to the larger of the dtype's limit and {ROUNDED_ACTIVATIONS_MODEL_NMSE_THRESHOLD:.0e}, look for "
-        "expert ties at 2^-8 as for an int8 cache, and report greedy tokens without requiring them.",
+        "expert ties at 2^-8 as for an int8 cache, and report greedy tokens without requiring them; so does the "
+        "parallel level, comparing shards with the whole model.",
         "engine level: a request's greedy tokens among others (arriving at random steps, prefilled in chunks, read "
         "from the prefix cache, preempted by recompute or swap, scheduled ahead) equal the ones it gets alone on the "
         "same backend, over a quantized KV cache alone at that cache dtype; its prompt logprobs lie within "

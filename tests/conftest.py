@@ -18,6 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # to a folder of the suite's own, not to the one `candelabra serve` reads (kernel_choice.tables_folder).
 os.environ.setdefault("CANDELABRA_KERNEL_TABLES", str(default_cache_dir() / "kernels-tests"))
 
+# The suite measures the exact kernels unless a test allows int8 activations itself: a developer's own
+# CANDELABRA_INT8_ACTIVATIONS=1 would otherwise change what float32 tests hold to 1e-9.
+os.environ.pop("CANDELABRA_INT8_ACTIVATIONS", None)
+
 # Files in order of their time on 2 cores, longest first (pytest --durations), collected before the
 # rest so that under README's `-n auto --dist loadfile --no-loadscope-reorder` each worker takes a long
 # one while the short ones fill the end: with test_cuda_backend.py's 8 minutes started last (xdist's

@@ -247,11 +247,14 @@ def test_without_torch_no_expert_tie_excuses_a_parting(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_moe_swap_case_ci_parted_on_an_expert_tie_passes():
-    # Seed 1873261416 in bfloat16 on torch: request 1 (40 prompt tokens) parted at its 14th token, 11 against
-    # 139 alone, where the position that picked it routes at a tie of its experts; float32's reference picks 11.
+    # Seed 1873261416 in bfloat16 on torch, on CI's machine and an Intel Xeon VM (AVX-512, no AMX): request 1
+    # (40 prompt tokens) parted at its 14th token, 11 against 139 alone, where the position that picked it routes
+    # at a tie of its experts; float32's reference picks 11. On an AMD EPYC (Zen 3, AVX2) the batch and the lone
+    # run agree there (29 November, at b0296a4 as since): the same arithmetic rounds otherwise on another CPU.
+    # Wherever it parts, it is there.
     case = next(case for case in ENGINE_CASES if case.name == "moe-preempt-swap")
 
     result = run_engine_case(TorchBackend(), case, case_seed(1873261416, case.name), "bfloat16")
 
     assert result.status == "passed", result.message
-    assert "request 1 at token 14" in result.detail
+    assert "parted" not in result.detail or "parted on a tie: request 1 at token 14" in result.detail, result.detail
