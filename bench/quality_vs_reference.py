@@ -12,7 +12,8 @@ every window comes from
               transformers
   tested      --backend (default torch) in --dtype (default: the backend's first, as `candelabra serve`
               picks), its weights kept as serve keeps them (quantized where the backend keeps them)
-  llama.cpp   with --llama-server URL: a running llama-server on the same GGUF, asked for each position
+  llama.cpp   with --llama-server URL: a running llama-server on the same GGUF (a slot's context longer
+              than --window: `-np 1 -c 4096` for 512), asked for each position
               in turn (/completion, the window's token ids up to it as the prompt, n_predict 1, n_probs
               --top-n); its prompt cache holds the earlier tokens, so each answer is one decode step
 The reference computes a window in one prefill step, the logits of every position at once. The tested
@@ -190,6 +191,9 @@ class LlamaServerScorer:
         body = {"prompt": prompt.tolist(), "n_predict": 1, "n_probs": self.n, "temperature": 0.0,
                 "cache_prompt": True, "post_sampling_probs": False}
         response = self.client.post("/completion", json=body)
+        if response.status_code == 400:
+            raise RuntimeError(f"llama-server refused a prompt of {len(prompt)} tokens: {response.text[:300]} "
+                               "(start it with one slot whose context holds a window: -np 1 -c 4096)")
         response.raise_for_status()
         top = response.json()["completion_probabilities"][0]["top_logprobs"]
         if len(top) < self.n:
