@@ -167,3 +167,23 @@ def test_a_window_run_in_steps_through_the_cache_scores_as_one_prefill_step_does
     assert in_steps.shape == whole.shape == (37, 160)
     np.testing.assert_allclose(in_steps, whole, atol=1e-4)
     assert quality.kl_divergence(whole, in_steps).max() < 1e-8
+
+
+def test_a_llama_server_whose_slot_is_shorter_than_the_window_is_named_with_the_fix():
+    import json
+
+    import httpx
+
+    refusal = "request (512 tokens) exceeds the available context size (512 tokens), try increasing it"
+    top = [{"id": token, "logprob": -1.0 - token} for token in range(4)]
+
+    def answer(request):  # as llama-server with -np 16 -c 8192 answers: 512 tokens a slot
+        if len(json.loads(request.content)["prompt"]) >= 512:
+            return httpx.Response(400, json={"error": {"code": 400, "message": refusal}})
+        return httpx.Response(200, json={"completion_probabilities": [{"top_logprobs": top}]})
+
+    scorer = quality.LlamaServerScorer("http://llama-server.test", n=4)
+    scorer.client = httpx.Client(base_url="http://llama-server.test", transport=httpx.MockTransport(answer))
+    assert scorer.top_logprobs(np.arange(3))[0].tolist() == [[0, 1, 2, 3]] * 3
+    with pytest.raises(RuntimeError, match=r"refused a prompt of 512 tokens: .*exceeds the available context.*-np 1"):
+        scorer.top_logprobs(np.arange(512))
