@@ -15,6 +15,7 @@ from candelabra.backends.cuda import availability
 from candelabra.backends.cuda.backend import CudaBackend
 from candelabra.backends.cuda.graphs import capture_size
 from candelabra.backends.cuda.quantized import INT4_FORMATS
+from candelabra.backends.torch.backend import TorchBackend
 from candelabra.core.contract.ops import OP_NAMES
 from support import run_candelabra
 
@@ -57,6 +58,12 @@ def test_the_interpreter_runs_in_float32_and_float16_and_auto_never_picks_it():
     assert probe.priority < 10 and "interpreter" in probe.detail
     assert CudaBackend.dtypes == ("float32", "float16")
     assert all(CudaBackend().ops.supports(op) for op in OP_NAMES)
+
+
+def test_the_cuda_backend_never_says_it_rounds_activations_though_the_cpu_kernels_may(monkeypatch):
+    monkeypatch.setenv("CANDELABRA_INT8_ACTIVATIONS", "1")
+    assert CudaBackend().activation_rounding() is None
+    assert TorchBackend().activation_rounding() == "int8"
 
 
 # The interpreter runs one Python thread: the level is run as two processes at once, paged_attention

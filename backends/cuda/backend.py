@@ -113,6 +113,11 @@ class CudaBackend(TorchBackend):
             return Int4CudaWeight.from_quantized(weight, torch_dtype(dtype), self.torch_device)
         return self.to_device(weight.dequantize(), dtype)
 
+    def activation_rounding(self) -> None:
+        """None: the Triton kernels multiply x as given (and under the interpreter too, on CPU tensors, where the
+        torch backend's CPU kernels that may round it are never chosen)."""
+        return None
+
     # the step
 
     def step_executor(self, model: Any) -> StepExecutor:
