@@ -215,7 +215,7 @@ class Backend(ABC):
     def activation_rounding(self) -> str | None:
         """"int8" where this backend's kernels for quantized weights may round x to 8-bit integers (per block
         along K, as llama.cpp multiplies) before the product, as a user may allow for speed; None where every
-        product is exact to the compute dtype. The conformance suite's models level then holds quantized
+        product is exact to the compute dtype. The conformance suite's models and parallel levels then hold quantized
         checkpoints to limits that admit that rounding. Default: None."""
         return None
 
