@@ -74,13 +74,16 @@ class QuantizedRoundsActivations(QuantizedCpuBackend):
         return "int8"
 
 
-class _RoundsAndSwapsHalves(_RoundsActivations):
+class _SwapsHalves(_DequantizingOps):
     def linear(self, x, weight, bias=None):
         if isinstance(weight, QuantizedTensor):
             values = weight.dequantize()
             weight = values.reshape(values.shape[0], -1, 2, 16)[:, :, ::-1].reshape(values.shape)
-            return NumpyOps.linear(self, x, weight, bias)
         return super().linear(x, weight, bias)
+
+
+class _RoundsAndSwapsHalves(_RoundsActivations, _SwapsHalves):
+    """x rounded (_RoundsActivations), then multiplied by the halves-swapped values (_SwapsHalves)."""
 
 
 class RoundsActivationsSwapsHalves(QuantizedRoundsActivations):

@@ -113,17 +113,11 @@ INLINE float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 INLINE uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 INLINE uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-/* Ask for the weight bytes PREFETCH_BYTES past a block of `bytes` at `b` (a prefetch never faults,
+/* Ask for the weight bytes `ahead` past a block of `bytes` at `b` (0: nothing; a prefetch never faults,
    past the end of the weight included). */
-INLINE void prefetch_ahead(const uint8_t *b, int bytes) {
-    if (PREFETCH_BYTES > 0)
-        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + PREFETCH_BYTES + l, 0, 3);
-}
-
-/* The same for the int8 kernel, INT8_PREFETCH_BYTES ahead. */
-INLINE void prefetch_ahead_int8(const uint8_t *b, int bytes) {
-    if (INT8_PREFETCH_BYTES > 0)
-        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + INT8_PREFETCH_BYTES + l, 0, 3);
+INLINE void prefetch_ahead(const uint8_t *b, int bytes, const int ahead) {
+    if (ahead > 0)
+        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + ahead + l, 0, 3);
 }
 
 INLINE float half_to_float(uint16_t h) {
@@ -468,7 +462,7 @@ INLINE void float_tile(const int f, const int R, const int T, const uint8_t *w_r
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w_row + r * row_bytes + i * BYTES_PER_BLOCK[f];
                 const __m512 d = _mm512_set1_ps(scale[r][i]), o = _mm512_set1_ps(offset[r][i]);
-                prefetch_ahead(b, BYTES_PER_BLOCK[f]);
+                prefetch_ahead(b, BYTES_PER_BLOCK[f], PREFETCH_BYTES);
                 chunk_weights(f, b, 0, d, d, o, w[r]);
             }
             multiply_chunk(R, T, w, x + 32 * i, K, acc);
@@ -477,7 +471,7 @@ INLINE void float_tile(const int f, const int R, const int T, const uint8_t *w_r
         for (int64_t i = 0; i < blocks; i++) {
             block_scales s[WIDE_W_ROWS];
             for (int r = 0; r < R; r++) {
-                prefetch_ahead(w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], BYTES_PER_BLOCK[f]);
+                prefetch_ahead(w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], BYTES_PER_BLOCK[f], PREFETCH_BYTES);
                 read_scales(f, w_row + r * row_bytes + i * BYTES_PER_BLOCK[f], &s[r]);
             }
             for (int c = 0; c < chunks_per_block(f); c++) {
@@ -513,7 +507,7 @@ INLINE void float_tile(const int f, const int rows, const uint8_t *w_row, const 
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = w_row + i * BYTES_PER_BLOCK[f];
         block_scales s;
-        prefetch_ahead(b, BYTES_PER_BLOCK[f]);
+        prefetch_ahead(b, BYTES_PER_BLOCK[f], PREFETCH_BYTES);
         read_scales(f, b, &s);
         for (int c = 0; c < chunks_per_block(f); c++) {
             __m256 q[4];
@@ -618,8 +612,8 @@ INLINE void int8_tile(const int f, const int rows, const uint8_t *w_row, const i
     for (; j + 4 <= chunks; j += 4) {
         const uint8_t *b = w_row + (j / per_block) * BYTES_PER_BLOCK[f];
         const int c = (int)(j % per_block);
-        if (per_block == 1) prefetch_ahead_int8(b, 4 * BYTES_PER_BLOCK[f]);
-        else if (c == 0) prefetch_ahead_int8(b, BYTES_PER_BLOCK[f]);
+        if (per_block == 1) prefetch_ahead(b, 4 * BYTES_PER_BLOCK[f], INT8_PREFETCH_BYTES);
+        else if (c == 0) prefetch_ahead(b, BYTES_PER_BLOCK[f], INT8_PREFETCH_BYTES);
         __m128 scale, scale_hi, offset = _mm_setzero_ps();
         if (per_block == 1) {
             scale = scale_hi = four_halves(b, BYTES_PER_BLOCK[f]);
