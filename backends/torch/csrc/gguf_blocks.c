@@ -820,25 +820,31 @@ INLINE void weight_rows_tile(const int f, const int T, int64_t R, const uint8_t 
         float_tile(f, 1, T, w_row, row_bytes, x, K, result);
 }
 
-/* Weight rows first..last-1 against every tile of x rows, weight_rows_beside(tile) at a time and the
+/* Weight rows first..last-1 against the T rows of x from m0, weight_rows_beside(T) at a time and the
    rows left over one by one. */
-INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
+INLINE void float_rows_of_tile(const int f, const int T, const product *p, int64_t m0, int64_t first,
+                               int64_t last) {
     float result[WIDE_W_ROWS * FLOAT_TILE];
+    const float *x = p->x + m0 * p->K;
+    for (int64_t n = first, R; n < last; n += R) {
+        R = last - n >= weight_rows_beside(T) ? weight_rows_beside(T) : 1;
+        weight_rows_tile(f, T, R, p->blocks + n * p->row_bytes, p->row_bytes, x, p->K, result);
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < R; r++) write_value(p->out, p->out_dtype, (m0 + t) * p->N + n + r, result[t * R + r]);
+    }
+}
+
+/* Weight rows first..last-1 against every tile of x rows. The switch picks a whole loop per tile size:
+   with the switch inside the loop over weight rows, GCC 12 at -O2 and -O3 (its jump threading and tail
+   merging) ran one row of x through the two-row code, reading past x and writing past y. */
+INLINE void float_rows(const int f, const product *p, int64_t first, int64_t last) {
     for (int64_t m0 = 0, rows; m0 < p->M; m0 += rows) {
         rows = tile_rows(KERNEL_FLOAT, p->M - m0, p->K);
-        const float *x = p->x + m0 * p->K;
-        const int beside = weight_rows_beside((int)rows);
-        for (int64_t n = first, R; n < last; n += R) {
-            R = last - n >= beside ? beside : 1;
-            const uint8_t *w_row = p->blocks + n * p->row_bytes;
-            switch (rows) {
-            case 1: weight_rows_tile(f, 1, R, w_row, p->row_bytes, x, p->K, result); break;
-            case 2: weight_rows_tile(f, 2, R, w_row, p->row_bytes, x, p->K, result); break;
-            case 4: weight_rows_tile(f, 4, R, w_row, p->row_bytes, x, p->K, result); break;
-            default: weight_rows_tile(f, FLOAT_TILE, R, w_row, p->row_bytes, x, p->K, result); break;
-            }
-            for (int t = 0; t < rows; t++)
-                for (int r = 0; r < R; r++) write_value(p->out, p->out_dtype, (m0 + t) * p->N + n + r, result[t * R + r]);
+        switch (rows) {
+        case 1: float_rows_of_tile(f, 1, p, m0, first, last); break;
+        case 2: float_rows_of_tile(f, 2, p, m0, first, last); break;
+        case 4: float_rows_of_tile(f, 4, p, m0, first, last); break;
+        default: float_rows_of_tile(f, FLOAT_TILE, p, m0, first, last); break;
         }
     }
 }
