@@ -5,7 +5,9 @@ one fails at once, before anything is queued) and hand it over with an abort, if
 command queue, so the event loop never waits for a step to end. `add_request()` returns a
 RequestStream, an async iterator of RequestOutputs (each with the text and tokens new since the
 previous one); closing it early (a client that disconnected, a cancelled task) aborts the request,
-which frees its blocks. The engine thread only steps the core; detokenizing and stop strings run
+which frees its blocks. `add_pooling()` hands over an embeddings request the same way and returns a
+PoolingStream, whose `result()` awaits its vectors; closing it first aborts the request between two
+of its slices. The engine thread only steps the core; detokenizing and stop strings run
 in the stream, on the consumer's event loop, which tells the core when a stop string ends a sample.
 A step that fails fails the requests in it, and the loop goes on serving, unless it raised an
 EngineFailure (or `fail()` was called): then every request fails, the loop ends, and `failure` says why.
@@ -18,15 +20,14 @@ import collections
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
 
 from candelabra.core.engine.engine import LLMEngine, RequestOutput
 from candelabra.core.engine.output_processor import OutputProcessor
+from candelabra.core.engine.pooling import PooledOutput, PoolingJob
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.worker.failure import EngineFailure
 
 log = logging.getLogger("candelabra")
-Result = TypeVar("Result")
 
 # An engine idle this long gives its backend's cached memory back (Backend.release_cached_memory), on
 # every tensor-parallel rank: long enough that back-to-back requests keep it, short enough to follow
@@ -67,6 +68,31 @@ class RequestStream:
             self.engine.finish_sample(self.request_id, index)
         self.finished = output.finished
         return output
+
+    def close(self) -> None:
+        """Abort the request unless it has finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class PoolingStream:
+    """One embeddings request's result, awaited on the consumer's side of the queue."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.finished = False
+
+    async def result(self) -> PooledOutput:
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        self.finished = True
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def close(self) -> None:
         """Abort the request unless it has finished; safe to call more than once."""
@@ -164,16 +190,16 @@ class AsyncEngine:
         self._commands.append(("finish_sample", request_id, index))
         self._work.set()
 
-    async def run_between_steps(self, work: Callable[[LLMEngine], Result]) -> Result:
-        """What `work(engine)` returns (or raises), run on the engine thread between two steps, so it
-        may use the model and the KV cache (the pooling forwards of embeddings) without racing a step."""
+    def add_pooling(self, request_id: str, job: PoolingJob) -> PoolingStream:
+        """Queue an embeddings request, to run a slice a step beside generation. Call from the event loop
+        that will await the stream."""
         if self.failure is not None or self._stopping:
             raise EngineStopping(f"the engine has stopped: {self.failure or 'the server is shutting down'}")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._commands.append(("call", work, loop, future))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._adds_handed += 1
+        self._commands.append(("pool", request_id, job, (asyncio.get_running_loop(), queue)))
         self._work.set()
-        return await future
+        return PoolingStream(self, request_id, queue)
 
     def stop_all(self, message: str = "the server is shutting down") -> None:
         """End every request in flight with EngineStopping(message); the engine keeps running."""
@@ -235,10 +261,12 @@ class AsyncEngine:
         self._work.clear()
 
     def _publish_counts(self) -> None:
-        scheduler = self.core.scheduler
+        """Requests running and waiting; of the embeddings requests, the oldest runs and the others wait."""
+        scheduler, pooling = self.core.scheduler, len(self.core.pooling)
         waiting = {seq.request_id for seq in scheduler.waiting}
         waiting.update(group[0].request_id for group in scheduler.swapped)
-        self._counts = (len({seq.request_id for seq in scheduler.running}), len(waiting))
+        self._counts = (len({seq.request_id for seq in scheduler.running}) + min(pooling, 1),
+                        len(waiting) + max(pooling - 1, 0))
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -256,19 +284,20 @@ class AsyncEngine:
             if command[0] == "stop_all":
                 self._fail_all(EngineStopping(command[1]))
                 continue
-            if command[0] == "call":
-                _settle(command, self.llm_engine)
-                continue
             if command[0] == "fail":
                 log.error("the engine cannot go on: %s", command[1])
                 self._stop_failed(command[1])
                 return
-            _, request_id, checked, stream = command
-            log.debug("add %s: %d prompt tokens, up to %d new", request_id, len(checked.prompt_token_ids),
-                      checked.max_tokens)
+            kind, request_id, work, stream = command
             self._adds_taken += 1
             try:
-                self.core.add_request(request_id, checked)
+                if kind == "pool":
+                    log.debug("pool %s: %d inputs, %d tokens", request_id, len(work.inputs), work.num_tokens)
+                    self.core.add_pooling(request_id, work)
+                else:
+                    log.debug("add %s: %d prompt tokens, up to %d new", request_id, len(work.prompt_token_ids),
+                              work.max_tokens)
+                    self.core.add_request(request_id, work)
             except Exception as exc:  # noqa: BLE001 - the error belongs to that request's caller
                 _deliver(stream, ValueError(str(exc)))
                 continue
@@ -278,8 +307,8 @@ class AsyncEngine:
         self.failure = reason
         self._fail_all(EngineFailure(reason))
         for command in self._commands:
-            if command[0] == "call":
-                _settle(command, None, EngineFailure(reason))
+            if command[0] in ("add", "pool"):
+                _deliver(command[3], EngineFailure(reason))
         self._commands.clear()
 
     def _fail_all(self, exc: Exception) -> None:
@@ -288,29 +317,6 @@ class AsyncEngine:
             self.core.abort_request(request_id)
             _deliver(stream, error)
         self._streams.clear()
-
-
-def _settle(command: tuple, engine: LLMEngine | None, failure: Exception | None = None) -> None:
-    """Run a "call" command's work on `engine` (unless `failure` already decides it) and resolve its
-    future, on the caller's event loop, with the result or the exception."""
-    _, work, loop, future = command
-    if failure is None and future.cancelled():  # the caller went away before its turn
-        return
-    try:
-        if failure is not None:
-            raise failure
-        outcome, failed = work(engine), False
-    except Exception as exc:  # noqa: BLE001 - the error belongs to the caller
-        outcome, failed = exc, True
-
-    def resolve() -> None:
-        if not future.done():  # the caller may have gone away
-            (future.set_exception if failed else future.set_result)(outcome)
-
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # that loop has closed
-        pass
 
 
 def _deliver(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> bool:

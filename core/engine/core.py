@@ -1,9 +1,12 @@
 """The engine's core: requests as token ids in, sampled tokens out, one scheduled step at a time.
 
 A step is three calls: the scheduler picks the batch, the model runner runs it and draws the
-tokens, the scheduler updates itself from them. Text (detokenizing, stop strings) is not the
-core's business: an `OutputProcessor` turns the core's outputs into text wherever the caller likes,
-and finishes a sample here when one of its stop strings appears.
+tokens, the scheduler updates itself from them. Then the oldest embeddings request in progress runs
+its next slice in the tokens the scheduler kept for it (core/engine/pooling.py).
+
+Text (detokenizing, stop strings) is not the core's business: an `OutputProcessor` turns the core's
+outputs into text wherever the caller likes, and finishes a sample here when one of its stop
+strings appears.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from candelabra.core.engine.pooling import PooledOutput, PoolingJob
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.sequence import Sequence, sample_rng
 from candelabra.core.requests.structured_output import Grammar
@@ -101,9 +105,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size, config.preemption)
         self.requests: dict[str, _Request] = {}
+        self.pooling: dict[str, PoolingJob] = {}  # embeddings requests in progress, oldest first
+        self._reserved = 0  # tokens the step just scheduled left for the next pooling slice
         self._arrivals = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "cached_prompt_tokens": 0, "steps": 0,
+                      "pooled_tokens": 0}
         self._in_flight: LaunchedStep | None = None
         runner.warm_up(config.max_num_seqs)
 
@@ -123,11 +130,24 @@ class EngineCore:
         self.stats["prompt_tokens"] += len(checked.prompt_token_ids)
         self.scheduler.add(seq)
 
+    def add_pooling(self, request_id: str, job: PoolingJob) -> None:
+        """Queue an embeddings request; its PooledOutput comes from the step that runs its last slice."""
+        if request_id in self.requests or request_id in self.pooling:
+            raise ValueError(f"request {request_id!r} already exists")
+        capacity = self.config.num_blocks * self.config.block_size
+        longest = max(len(tokens) for tokens in job.inputs)
+        if longest > capacity:
+            raise ValueError(f"an input of {longest} tokens is more than the KV cache holds ({capacity} tokens)")
+        self.pooling[request_id] = job
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request at any point; its blocks are freed at once."""
         if request_id in self.requests:
             self.scheduler.abort(request_id)
             del self.requests[request_id]
+        job = self.pooling.pop(request_id, None)
+        if job is not None:
+            job.release()
 
     def finish_sample(self, request_id: str, index: int, reason: str = "stop") -> None:
         """End one sample of a request (a stop string appeared in its text); its blocks are freed."""
@@ -141,15 +161,46 @@ class EngineCore:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.pooling)
 
-    def step(self) -> list[EngineOutput]:
-        """One step's outputs. With async scheduling, the outputs are those of the step launched by the
-        call before, and this call launches the next step before waiting for them."""
-        return self._step_ahead() if self.config.async_scheduling else self._step_in_turn()
+    def step(self) -> list[EngineOutput | PooledOutput]:
+        """One step's outputs, and the pooled output of an embeddings request that the step's pooling
+        slice finished. With async scheduling, the outputs are those of the step launched by the call
+        before, and this call launches the next step before waiting for them."""
+        outputs = self._step_ahead() if self.config.async_scheduling else self._step_in_turn()
+        return outputs + self._pool()
+
+    def _schedule(self):
+        plan = self.scheduler.schedule(self._pooling_demand())
+        self._reserved = plan.reserved
+        return plan
+
+    def _pooling_demand(self) -> int:
+        """Tokens the oldest embeddings request would run next: as many as a prompt's chunk at most."""
+        if not self.pooling:
+            return 0
+        job = next(iter(self.pooling.values()))
+        return min(job.remaining_tokens, self.config.prefill_chunk_size or self.config.max_num_batched_tokens)
+
+    def _pool(self) -> list[PooledOutput]:
+        """The oldest embeddings request's next slice, in the tokens the step left for it; its output
+        when that was its last."""
+        if not self.pooling or not self._reserved:
+            return []
+        request_id, job = next(iter(self.pooling.items()))
+        config = self.config
+        ran = job.advance(self.runner, self.blocks, self._reserved, config.max_num_seqs,
+                          config.prefill_chunk_size or config.max_num_batched_tokens)
+        self._reserved = 0
+        self.stats["pooled_tokens"] += ran
+        if not job.done:
+            return []
+        del self.pooling[request_id]
+        job.release()
+        return [PooledOutput(request_id, job.result(), job.num_tokens)]
 
     def _step_in_turn(self) -> list[EngineOutput]:
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         output = self.runner.execute(plan)  # block moves happen even when nothing runs
         if not plan.scheduled:
             self._check_progress(plan)
@@ -168,7 +219,7 @@ class EngineCore:
         previous, self._in_flight, outputs = self._in_flight, None, []
         if previous is not None and _next_step_needs_its_tokens(previous):
             outputs, previous = self._resolved(previous), None
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         launched = self.runner.launch(plan, previous)
         if plan.scheduled:
             self.scheduler.commit(plan)
@@ -183,8 +234,9 @@ class EngineCore:
         return outputs
 
     def _check_progress(self, plan) -> None:
-        """A plan that runs nothing while requests wait, and moves no blocks to make room, never will."""
-        if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in:
+        """A plan that runs nothing while requests wait, and moves no blocks to make room, never will; unless
+        an embeddings request runs, whose blocks come back as its inputs finish."""
+        if self.scheduler.has_unfinished() and not plan.preempted and not plan.swap_in and not self.pooling:
             raise RuntimeError("no request can be scheduled: the KV cache cannot hold the waiting prompt")
 
     def _resolved(self, launched: LaunchedStep) -> list[EngineOutput]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from candelabra.core.engine.core import CheckedRequest, EngineConfig, EngineCore, EngineOutput
 from candelabra.core.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
+from candelabra.core.engine.pooling import PooledOutput
 from candelabra.core.engine.tokenizer import Tokenizer
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.structured_output import GrammarCompiler
@@ -101,9 +102,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PooledOutput]:
+        """Each request's output from one step: text for a generation, vectors for an embeddings request
+        the step finished (`core.add_pooling`)."""
         results = []
         for output in self.core.step():
+            if isinstance(output, PooledOutput):
+                results.append(output)
+                continue
             processor = self.processors[output.request_id]
             result, stopped = processor.process(output)
             for index in stopped:

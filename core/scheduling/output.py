@@ -31,3 +31,4 @@ class SchedulerOutput:
     sampled: list[tuple[int, Sequence]] = field(default_factory=list)
     forked: list[Sequence] = field(default_factory=list)  # samples 1 .. n-1 born in this step
     block_tables: list[np.ndarray] = field(default_factory=list)  # int32, of each scheduled sequence
+    reserved: int = 0  # tokens of the step's budget kept for work beside it (pooling), not scheduled here

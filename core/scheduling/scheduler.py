@@ -1,9 +1,10 @@
 """Chooses each step's batch: continuous batching under a token budget, with chunked prefill.
 
 Per step: running sequences first, oldest first (a decode is one token, an unfinished prefill
-continues with its next chunk); then swapped-out requests come back when there is room; then
-waiting requests are admitted first come, first served, while the token budget, the sequence
-limit and the KV blocks allow. When a running sequence needs a block and none is left, the
+continues with its next chunk); then the tokens reserved for work run beside the step (an
+embeddings request's next slice) come out of what is left; then swapped-out requests come back
+when there is room; then waiting requests are admitted first come, first served, while the token
+budget, the sequence limit and the KV blocks allow. When a running sequence needs a block and none is left, the
 newest running request is preempted: swapped out to host memory if there is room there (and
 `preemption` allows it), else freed to be recomputed later.
 """
@@ -90,7 +91,9 @@ class Scheduler:
 
     # scheduling
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, reserve: int = 0) -> SchedulerOutput:
+        """The next step's plan; up to `reserve` tokens of the budget the running sequences leave are kept
+        out of it for work beside the step (`out.reserved` says how many)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         queue = deque(self._running_requests())
@@ -112,6 +115,8 @@ class Scheduler:
                 budget -= tokens
             kept.append(group)
         self.running = [seq for group in kept for seq in group]
+        out.reserved = min(max(reserve, 0), budget)
+        budget -= out.reserved
         if not out.preempted:
             self._swap_in(out)
             self._admit(out, budget)

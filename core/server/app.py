@@ -68,8 +68,8 @@ def build_app(served: ServedModel, api_key: str | None = None, chat_page: bool =
         return await completion(served, body, request)
 
     @app.post("/v1/embeddings", dependencies=[authorized])
-    async def embeddings(body: EmbeddingRequest):
-        return await create_embeddings(served, body, embedding_pooling)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await create_embeddings(served, body, request, embedding_pooling)
 
     @app.post("/tokenize", dependencies=[authorized])
     async def tokenize_route(body: TokenizeRequest) -> dict:

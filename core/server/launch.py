@@ -20,6 +20,7 @@ import threading
 import uvicorn
 
 from candelabra.core.contract.dtypes import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
+from candelabra.core.server.limits import add_limit_arguments, limits_from_arguments
 from candelabra.core.worker.topology import DEFAULT_MASTER_PORT
 
 log = logging.getLogger("candelabra")
@@ -153,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--embedding-pooling", choices=("mean", "last"), default="mean",
                      help="how /v1/embeddings pools the hidden states where a request does not say: the mean "
                           "over the tokens, or the last token's (default mean)")
+    add_limit_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,6 +207,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if value is not None and value < least:
             why = " (a prompt token and a generated one)" if name == "max_model_len" else ""
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}{why}, not {value}")
+    limits_from_arguments(args)
     if not 0 <= args.shutdown_grace < math.inf:
         raise ValueError(f"--shutdown-grace must be 0 seconds or more, not {args.shutdown_grace:g}")
     if args.kvcache_mem_gpu is not None and not args.kvcache_mem_gpu > 0:
@@ -362,7 +365,8 @@ def _load(args: argparse.Namespace, backend: type, checkpoint):
              "repetition_penalty": args.penalty}
     chosen = {**recommended, **{key: value for key, value in flags.items() if value is not None}}
     defaults = ServerDefaults(**chosen, repeat_last_n=args.repeat_last_n, thinking=True if args.thinking else None)
-    return ServedModel(name, engine, ServerMetrics(engine, name), defaults, args.max_waiting, llm=llm)
+    return ServedModel(name, engine, ServerMetrics(engine, name), defaults, args.max_waiting,
+                       limits_from_arguments(args), llm=llm)
 
 
 def _model_name(args: argparse.Namespace, checkpoint) -> str:

@@ -39,6 +39,8 @@ class ServerMetrics:
         gauge("candelabra_kv_cache_used_blocks", "KV cache blocks held by sequences.",
               lambda: blocks.num_blocks - blocks.num_free_blocks)
         gauge("candelabra_kv_cache_total_blocks", "KV cache blocks in all.", lambda: blocks.num_blocks)
+        gauge("candelabra_pooled_tokens", "Tokens of embeddings inputs run so far.",
+              lambda: engine.core.stats["pooled_tokens"])
         gauge("candelabra_kv_cache_prefix_cached_blocks", "Free blocks still holding a reusable prompt prefix.",
               lambda: blocks.num_cached_blocks)
 

@@ -61,7 +61,7 @@ class GenerationRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)  # at most the server's --max-n
     stop: list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
@@ -107,8 +107,6 @@ class GenerationRequest(BaseModel):
     def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
-        if value is not None and len(value) > 16:
-            raise ValueError(f"at most 16 stop strings are allowed, got {len(value)}")
         return value
 
     @model_validator(mode="after")

@@ -23,7 +23,9 @@ from candelabra.core.engine.tokenizer import ChatTemplateError
 from candelabra.core.requests.sampling_params import SamplingParams
 from candelabra.core.requests.structured_output import StructuredOutputError
 from candelabra.core.requests.tokens import SampledToken
+from candelabra.core.server.disconnect import ClientGone, unless_disconnected
 from candelabra.core.server.errors import APIError, bad_request, error_body
+from candelabra.core.server.limits import RequestLimits
 from candelabra.core.server.metrics import RequestTimer, ServerMetrics
 from candelabra.core.server.protocol import (
     ChatCompletionRequest,
@@ -64,6 +66,7 @@ class ServedModel:
     metrics: ServerMetrics
     defaults: ServerDefaults = field(default_factory=ServerDefaults)
     max_waiting: int | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     llm: object | None = None  # the LLM the engine came from, for start-up details
 
@@ -267,6 +270,7 @@ def check_model(served: ServedModel, name: str | None) -> None:
 
 async def chat_completion(served: ServedModel, request: ChatCompletionRequest, http: Request):
     check_model(served, request.model)
+    served.limits.check_generation(request)
     template_kwargs = {} if served.defaults.thinking is None else {"enable_thinking": served.defaults.thinking}
     template_kwargs.update(request.chat_template_kwargs or {})
     tokenizer = served.tokenizer
@@ -278,6 +282,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, h
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    served.limits.token_counter("messages").add(len(prompt_ids))
     params = sampling_params(request, served, request.max_new_tokens, request.num_logprobs,
                              request.num_prompt_logprobs)
     if plan.structured_output is not None:
@@ -440,8 +445,14 @@ def _chat_logprobs(tokenizer, preceding: list[int], entries: list[SampledToken] 
 
 async def completion(served: ServedModel, request: CompletionRequest, http: Request):
     check_model(served, request.model)
+    served.limits.check_generation(request)
     tokenizer = served.tokenizer
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
+    given = request.prompts()
+    served.limits.check_count(len(given), "max_inputs", "prompt", "prompts")
+    counter, prompts = served.limits.token_counter("prompt"), []
+    for position, prompt in enumerate(given):
+        prompts.append(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        counter.add(len(prompts[-1]), f"prompt[{position}]" if len(given) > 1 else None)
     # The engine samples at least one token per request: a prompt only to score runs with one, dropped.
     max_tokens = 1 if request.only_echoes else request.max_new_tokens
     params = sampling_params(request, served, max_tokens, request.num_logprobs, request.num_prompt_logprobs)
@@ -559,32 +570,17 @@ async def _until_done_or_disconnected(generation: Generation, http: Request) -> 
         async for _ in generation.outputs():
             pass
 
-    task = asyncio.create_task(drain())
-    gone = asyncio.create_task(_disconnected(http))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-            return
-        raise APIError(499, "the client disconnected")
+        await unless_disconnected(drain(), http)
+    except ClientGone:
+        generation.close()
+        raise APIError(499, "the client disconnected") from None
     except EngineStopping as exc:
         generation.close()
         raise APIError(503, str(exc)) from exc
     except RuntimeError as exc:  # the engine failed this request
         generation.close("error")
         raise APIError(500, str(exc)) from exc
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            generation.close()
-
-
-async def _disconnected(http: Request) -> None:
-    """Returns when the client disconnects. The body has been read, so the server's next message
-    for this request is its disconnect."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _event_stream(chunks: AsyncIterator[dict], generation: Generation) -> StreamingResponse:
