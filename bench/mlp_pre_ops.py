@@ -35,7 +35,8 @@ def main() -> None:
     model, ops = llm.model, llm.model.ops
     layers = [layer for layer in model.layers if layer.mlp_in is not None and layer.experts is None]
     hidden = model.config.hidden_size
-    x, residual = torch.randn(args.rows, hidden), torch.randn(args.rows, hidden)
+    dtype = getattr(torch, model.dtype)  # bfloat16 where the CPU has it in hardware
+    x, residual = torch.randn(args.rows, hidden, dtype=dtype), torch.randn(args.rows, hidden, dtype=dtype)
     eps, before_mlp = model.config.norm_eps, model.block.before_mlp
 
     def products(layer):
@@ -62,7 +63,7 @@ def main() -> None:
 
     base = seconds["the two products"]
     print(f"{cpu_model_name()} ({'AMX' if 'amx_tile' in cpu_flags() else 'no AMX'}), {torch.get_num_threads()} "
-          f"threads, {len(layers)} layers, {args.rows} row(s), medians of {args.rounds} rounds, us per layer")
+          f"threads, {model.dtype}, {len(layers)} layers, {args.rows} row(s), medians of {args.rounds} rounds, us per layer")
     print(format_table(("way", "MLP", "above the products (paired)"), [
         (name, f"{statistics.median(times) * 1e6:.0f}",
          f"{statistics.median(t - b for t, b in zip(times, base)) * 1e6:.0f}")
