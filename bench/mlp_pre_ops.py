@@ -63,7 +63,8 @@ def main() -> None:
 
     base = seconds["the two products"]
     print(f"{cpu_model_name()} ({'AMX' if 'amx_tile' in cpu_flags() else 'no AMX'}), {torch.get_num_threads()} "
-          f"threads, {model.dtype}, {len(layers)} layers, {args.rows} row(s), medians of {args.rounds} rounds, us per layer")
+          f"threads, {model.dtype}, {len(layers)} layers, {args.rows} row(s), medians of {args.rounds} rounds, "
+          "us per layer")
     print(format_table(("way", "MLP", "above the products (paired)"), [
         (name, f"{statistics.median(times) * 1e6:.0f}",
          f"{statistics.median(t - b for t, b in zip(times, base)) * 1e6:.0f}")
