@@ -65,6 +65,13 @@ def test_a_request_over_a_default_bound_names_it_and_its_flag(live_server, path,
     assert error["param"] == param and flag in error["message"], error
 
 
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(live_server):
+    refused = _post(live_server, "/v1/completions", {"prompt": ["w1"] * 1025, "max_tokens": 1})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "prompt" and "--max-waiting" in error["message"], error
+    assert "retry-after" not in refused.headers
+
+
 @pytest.fixture(scope="module")
 def bounded_server(tmp_path_factory):
     """A server whose every bound is set small by its flag."""

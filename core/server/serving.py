@@ -100,6 +100,9 @@ class Generation:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         engine = served.engine
+        if served.max_waiting is not None and len(prompts) > served.max_waiting:  # never, not only now
+            raise bad_request(f"prompt has {len(prompts)} prompts; this server queues at most {served.max_waiting} "
+                              "requests (--max-waiting sets it)", "prompt")
         if served.max_waiting is not None and engine.num_waiting + len(prompts) > served.max_waiting:
             raise APIError(503, f"the server is at capacity: {engine.num_waiting} requests are waiting "
                                 f"(--max-waiting {served.max_waiting}); retry later", code="server_busy",
