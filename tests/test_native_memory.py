@@ -21,9 +21,18 @@ def test_every_block_kernel_stays_inside_its_buffers(tmp_path):
     flags = [flag for flag in OPTIMIZE_FLAGS if flag != "-fPIC"]
     compiled = subprocess.run([compiler, *flags, "-fopenmp", "-fsanitize=address", "-fno-omit-frame-pointer",
                                *sources, "-lm", "-o", str(built)], capture_output=True, text=True, timeout=300)
-    if compiled.returncode and "sanitize" in compiled.stderr + compiled.stdout:
+    if compiled.returncode and not _builds_with_asan(compiler, tmp_path):
         pytest.skip(f"{compiler} cannot build with AddressSanitizer here: {compiled.stderr[-300:]}")
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     ran = subprocess.run([str(built)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"})
     assert ran.returncode == 0 and "all ran" in ran.stdout, (ran.stdout + ran.stderr)[-3000:]
+
+
+def _builds_with_asan(compiler: str, folder) -> bool:
+    """Whether `compiler` builds and links an empty program with AddressSanitizer (its runtime may be missing)."""
+    source = folder / "empty.c"
+    source.write_text("int main(void) { return 0; }\n")
+    done = subprocess.run([compiler, "-fsanitize=address", str(source), "-o", str(folder / "empty")],
+                          capture_output=True, timeout=120)
+    return done.returncode == 0
