@@ -12,7 +12,8 @@ import logging
 from typing import Any
 
 from candelabra.backends.cuda.availability import cuda_missing, interpreter_broken, interpreting, triton_missing
-from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, torch, torch_dtype
+from candelabra.backends.torch.backend import TorchBackend, TorchStepExecutor, torch
+from candelabra.backends.torch.dtypes import torch_dtype
 from candelabra.backends.torch.expert_weights import ExpertWeights
 from candelabra.core.contract.backend import Probe
 from candelabra.core.contract.dtypes import QUANTIZED_KV_DTYPES

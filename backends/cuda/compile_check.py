@@ -296,7 +296,7 @@ def launch_workload(workload: Workload, dtype: str, kv_dtypes: tuple[str, ...],
     from candelabra.backends.cuda.kernels.gemv_tilings import measured_tilings
     from candelabra.backends.cuda.kernels.int4_matmul import GROUP_SIZE, int4_matmul, normed_int4_gemv
     from candelabra.backends.cuda.kernels.paged_attention import DecodeRotary, fuses_rotary, paged_attention
-    from candelabra.backends.torch.backend import torch_dtype
+    from candelabra.backends.torch.dtypes import torch_dtype
 
     compute = torch_dtype(dtype)
     w = workload
@@ -423,7 +423,7 @@ def _cache(blocks: int, heads: int, dim: int, kv_dtype: str):
     """One layer's key (or value) cache in `kv_dtype`, as the backend allocates it."""
     import torch
 
-    from candelabra.backends.torch.backend import torch_dtype
+    from candelabra.backends.torch.dtypes import torch_dtype
 
     spec = KVCacheSpec(1, blocks, BLOCK_SIZE, heads, dim, kv_dtype)
     return torch.empty(spec.block_shape, dtype=torch_dtype(spec.storage_dtype))

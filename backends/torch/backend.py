@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
+from candelabra.backends.torch.dtypes import torch_dtype
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.executor import StepExecutor, StepInputs, TokenFeed
@@ -34,12 +35,6 @@ except Exception as exc:  # noqa: BLE001 - probe() reports why torch cannot be u
 log = logging.getLogger("candelabra")
 
 CPU_DTYPES = default_dtypes(has_native_bfloat16())
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """A compute dtype's torch dtype, or a quantized KV cache's storage dtype's ("int8", "uint8")."""
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
-            "uint8": torch.uint8}[name]
 
 
 class TorchBackend(Backend):

@@ -278,7 +278,7 @@ def measure(format: str, shape: tuple[int, int], candidates: Sequence[Candidate]
     is timed again. Kernels that round x to 8 bits are candidates only with `int8_activations`."""
     import torch
 
-    from candelabra.backends.torch.backend import torch_dtype
+    from candelabra.backends.torch.dtypes import torch_dtype
 
     rng = np.random.default_rng(seed)
     # outputs checked: a sample of a large weight's rows, whose float64 product costs a few percent of the
