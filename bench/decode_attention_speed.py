@@ -1,5 +1,5 @@
 """A decode step's attention on the torch backend (rotary embedding, cache write, attention: one layer's
-`rotary_and_paged_attention`) in torch ops against the C kernel of backends/torch/native_attention.py.
+`rotary_and_paged_attention`) in torch ops against the C kernel of backends/torch/cpu/decode_attention.py.
 
     python bench/decode_attention_speed.py [--batches 1 16 64] [--contexts 128 1024] [--rounds 21]
                                            [--heads 14 2] [--head-dim 64] [--dtype float32]
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from candelabra.backends.torch import attention, native_attention
+from candelabra.backends.torch import attention
 from candelabra.backends.torch.attention import TorchStep
-from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
+from candelabra.backends.torch.cpu import decode_attention
+from candelabra.backends.torch.cpu.features import cpu_flags, cpu_model_name
 from candelabra.backends.torch.ops import TorchOps
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata
@@ -45,17 +46,17 @@ def main() -> None:
     parser.add_argument("--build-flags", action="append", default=[],
                         help="extra compiler flags of one more build of the C kernel (repeatable)")
     args = parser.parse_args()
-    available, detail = native_attention.native_decode_attention_available()
+    available, detail = decode_attention.native_decode_attention_available()
     if not available:
         raise SystemExit(f"the C kernel is not available here: {detail}")
     dtype = getattr(torch, args.dtype)
     amx = "AMX" if "amx_tile" in cpu_flags() else "no AMX"
     print(f"{cpu_model_name()} ({amx}), {torch.get_num_threads()} threads, {args.dtype}, heads {args.heads[0]}/"
           f"{args.heads[1]} of {args.head_dim}; {detail}")
-    builds = {"C": native_attention.LIBRARY.loaded()}
+    builds = {"C": decode_attention.LIBRARY.loaded()}
     with tempfile.TemporaryDirectory() as folder:
         for index, flags in enumerate(args.build_flags):
-            build = native_attention.LIBRARY.build(tuple(flags.split()), Path(folder) / str(index))
+            build = decode_attention.LIBRARY.build(tuple(flags.split()), Path(folder) / str(index))
             if build.library is None:
                 raise SystemExit(f"the build with {flags} failed: {build.detail}")
             builds[f"C {flags}"] = build
@@ -98,21 +99,21 @@ def time_case(batch: int, context: int, args, dtype: torch.dtype, builds: dict) 
 
 
 def on_torch_ops(call) -> float:
-    saved = native_attention.reads_natively, attention.reads_natively
-    native_attention.reads_natively = attention.reads_natively = lambda cache: False
+    saved = decode_attention.reads_natively, attention.reads_natively
+    decode_attention.reads_natively = attention.reads_natively = lambda cache: False
     try:
         return timed(call)
     finally:
-        native_attention.reads_natively, attention.reads_natively = saved
+        decode_attention.reads_natively, attention.reads_natively = saved
 
 
 def on_build(call, build) -> float:
-    saved = native_attention.LIBRARY.loaded
-    native_attention.LIBRARY.loaded = lambda: build
+    saved = decode_attention.LIBRARY.loaded
+    decode_attention.LIBRARY.loaded = lambda: build
     try:
         return timed(call)
     finally:
-        native_attention.LIBRARY.loaded = saved
+        decode_attention.LIBRARY.loaded = saved
 
 
 def timed(call) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from candelabra.backends.torch.cpu_features import cpu_flags, parse_cpu_flags
+from candelabra.backends.torch.cpu.features import cpu_flags, parse_cpu_flags
 
 # ggml's cmake option for each /proc/cpuinfo flag it has a kernel path for
 GGML_OPTIONS = {

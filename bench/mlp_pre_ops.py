@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
+from candelabra.backends.torch.cpu.features import cpu_flags, cpu_model_name
 from candelabra.core.contract.ops import Ops
 from candelabra.core.llm import LLM
 from candelabra.core.text_table import format_table

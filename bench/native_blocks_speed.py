@@ -1,4 +1,4 @@
-"""GGUF weights multiplied as stored (backends/torch/native_blocks.py) against torch's CPU kernels, on
+"""GGUF weights multiplied as stored (backends/torch/cpu/block_products.py) against torch's CPU kernels, on
 the default model's real weights.
 
     python bench/native_blocks_speed.py [--rows 1 4 16 64] [--repeats 9] [--threads T]
@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from candelabra.backends.torch import native_blocks
-from candelabra.backends.torch.cpu_features import cpu_model_name
-from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+from candelabra.backends.torch.cpu import block_products
+from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+from candelabra.backends.torch.cpu.features import cpu_model_name
 from candelabra.backends.torch.quantized import int4_groupwise, int8_rowwise
 from candelabra.backends.torch.weight_forms import Int4Weight
 from candelabra.core.contract.weights import QuantizedTensor
@@ -110,7 +110,7 @@ def variant_builds(variants: dict[str, tuple[str, ...]], folder: str) -> dict[st
     """The kernel library built with each variant's extra compiler flags, each in a folder of `folder`."""
     builds = {}
     for index, (name, flags) in enumerate(variants.items()):
-        build = native_blocks.LIBRARY.build(flags, Path(folder) / str(index))
+        build = block_products.LIBRARY.build(flags, Path(folder) / str(index))
         if build.library is None:
             raise SystemExit(f"the library built with {' '.join(flags)} did not build: {build.detail}")
         builds[name] = build

@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.cpu.features import cpu_flags
 from candelabra.core.contract.step_metadata import StepMetadata
 from candelabra.core.llm import choose_backend, open_model
 from candelabra.core.loading.model import load_model

@@ -72,7 +72,7 @@ def main() -> None:
     if args.rounds < 1 or args.output_tokens < 2 or min(args.batches) < 1:
         parser.error("--rounds and --batches must be at least 1, --output-tokens at least 2")
 
-    from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
+    from candelabra.backends.torch.cpu.features import cpu_flags, cpu_model_name
 
     source = dict(model=args.model) if args.model else dict(model=str(args.config), load_format="dummy")
     llm = LLM(**source, backend=args.backend, dtype=args.dtype, kvcache_mem_gpu=args.kv_cache_mb, kvcache_mem_cpu=0,

@@ -283,7 +283,7 @@ def test_a_cached_table_is_reused_without_timing_anything(tmp_path):
 def test_a_changed_cpu_measures_again(tmp_path, monkeypatch):
     first = chooser(tmp_path, FakeTimes(ALL_FAST))
     first.keep("Q5_0", SHAPE, int8_and_dense_candidates())
-    monkeypatch.setattr("candelabra.backends.torch.cpu_features.cpu_model_name", lambda: "Another CPU")
+    monkeypatch.setattr("candelabra.backends.torch.cpu.features.cpu_model_name", lambda: "Another CPU")
     again = FakeTimes(ALL_FAST)
     other = chooser(tmp_path, again)
     other.keep("Q5_0", SHAPE, int8_and_dense_candidates())

@@ -93,7 +93,7 @@ def test_the_start_up_log_says_how_the_weights_were_quantized(servers):
 
 
 def test_int8_activations_are_said_at_start_up_and_timed_as_candidates(servers, int8_tables):
-    from candelabra.backends.torch.native_blocks import native_blocks_available
+    from candelabra.backends.torch.cpu.block_products import native_blocks_available
 
     assert "x rounded to int8 before quantized products" in servers[INT8].startup
     assert "rounded to int8" not in servers["dense", "torch"].startup

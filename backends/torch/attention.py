@@ -10,7 +10,7 @@ heads that share a KV head are stacked into one matmul with it, so no KV head is
 Every group runs two batched matmuls around a float32 softmax: with the fused
 `scaled_dot_product_attention` for prefills (which rounds the softmax weights to bfloat16), greedy
 tokens in bfloat16 diverged after a preemption by recompute, where a token decoded is read again in a
-prefill. On the CPU the decodes go to the C kernel of native_attention.py instead, also float32
+prefill. On the CPU the decodes go to the C kernel of decode_attention.py instead, also float32
 throughout: it and the matmuls differ only in the order they add in, a rounding step of float32,
 within the engine level's tie margins (in bfloat16 it parted on the same ties as before, on the four
 seeds tried).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from candelabra.backends.torch.native_attention import decode_attention, reads_natively
+from candelabra.backends.torch.cpu.decode_attention import decode_attention, reads_natively
 from candelabra.backends.torch.quantized_kv import dequantize_rows, is_quantized
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import StepMetadata

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from candelabra.backends.torch.cpu_features import default_dtypes, has_native_bfloat16, usable_cores
+from candelabra.backends.torch.cpu.features import default_dtypes, has_native_bfloat16, usable_cores
 from candelabra.backends.torch.dtypes import torch_dtype
 from candelabra.core.contract.backend import Backend, Probe
 from candelabra.core.contract.device import Device

@@ -391,7 +391,7 @@ def cache_key(dtype: str, threads: int, int8_activations: bool = False) -> dict[
     kernels that round x to int8 were candidates."""
     import torch
 
-    from candelabra.backends.torch.cpu_features import cpu_flags, cpu_model_name
+    from candelabra.backends.torch.cpu.features import cpu_flags, cpu_model_name
 
     return {
         "cpu": cpu_model_name(),

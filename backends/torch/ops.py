@@ -11,8 +11,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from candelabra.backends.torch import attention, native_attention, sampling
-from candelabra.backends.torch.native_blocks import NativeBlocksWeight
+from candelabra.backends.torch import attention, sampling
+from candelabra.backends.torch.cpu import decode_attention
+from candelabra.backends.torch.cpu.block_products import NativeBlocksWeight
 from candelabra.backends.torch.quantized_kv import is_quantized, quantize_rows
 from candelabra.backends.torch.row_stack import RowStackWeight
 from candelabra.backends.torch.weight_forms import KeptWeight
@@ -107,15 +108,15 @@ class TorchOps(Ops):
         return cache
 
     def rotary_and_write_kv(self, q, k, v, positions, cos_sin, cache, slot_mapping, style="neox"):
-        if native_attention.rotates_natively(q, k, v, cos_sin, cache):
-            return native_attention.rotary_and_write(q, k, v, positions, cos_sin, cache, slot_mapping, style), cache
+        if decode_attention.rotates_natively(q, k, v, cos_sin, cache):
+            return decode_attention.rotary_and_write(q, k, v, positions, cos_sin, cache, slot_mapping, style), cache
         return super().rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slot_mapping, style)
 
     def rotary_and_paged_attention(self, q, k, v, positions, cos_sin, cache, slot_mapping, step, scale,
                                    sliding_window=None, logit_softcap=None, style="neox"):
         decodes = attention.decodes_alone(step)
-        if decodes is not None and native_attention.rotates_natively(q, k, v, cos_sin, cache):
-            attended = native_attention.rotary_and_decode_attention(
+        if decodes is not None and decode_attention.rotates_natively(q, k, v, cos_sin, cache):
+            attended = decode_attention.rotary_and_decode_attention(
                 q, k, v, positions, cos_sin, cache, slot_mapping, decodes.block_tables, decodes.seq_lens, scale,
                 sliding_window, logit_softcap, style)
             return attended.to(q.dtype), cache

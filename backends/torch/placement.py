@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import torch
 
-from candelabra.backends.torch.cpu_features import has_native_bfloat16, take_share_of_cores, usable_cores
+from candelabra.backends.torch.cpu.features import has_native_bfloat16, take_share_of_cores, usable_cores
 from candelabra.backends.torch.dtypes import torch_dtype
 from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
 from candelabra.core.contract.device import Device

@@ -184,8 +184,8 @@ def _candidates(weight: QuantizedTensor, dtype: torch.dtype, readable: bool) -> 
 
 
 def _blocks_candidate(weight: QuantizedTensor, dtype: torch.dtype) -> list[Candidate]:
-    """The weight as the file stores it, for the C kernels of native_blocks.py, where they read its format."""
-    from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+    """The weight as the file stores it, for the C kernels of block_products.py, where they read its format."""
+    from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 
     if weight.format not in NATIVE_FORMATS:
         return []

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.cpu.features import cpu_flags
 
 log = logging.getLogger("candelabra")
 

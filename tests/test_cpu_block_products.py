@@ -1,4 +1,4 @@
-"""GGUF weights multiplied as stored by the C kernels of backends/torch/native_blocks.py, against a float64
+"""GGUF weights multiplied as stored by the C kernels of backends/torch/cpu/block_products.py, against a float64
 product of the weight gguf decodes."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch import native_blocks, native_build
-from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.cpu import block_products, kernel_library
+from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
+from candelabra.backends.torch.cpu.features import cpu_flags
 from candelabra.backends.torch.kernel_choice import INT8_ACTIVATIONS_VARIABLE
-from candelabra.backends.torch.native_blocks import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
 
-pytestmark = pytest.mark.skipif(native_build.find_compiler() is None,
+pytestmark = pytest.mark.skipif(kernel_library.find_compiler() is None,
                                 reason="no C compiler (cc, gcc or clang) to build the GGUF block kernels")
 
 # A float32 kernel's error is its rounding (about 1e-14 here); a wrong decode is far above this.
@@ -83,7 +83,7 @@ def test_both_kernels_take_and_give_the_compute_dtype(format, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rebuild_kernels_multiply_a_weight_decoded_slice_by_slice(dtype):
     kept, values = weight_and_values("Q6_K", seed=15, dtype=dtype, rows=1500)  # 1.2 Mi values: two slices
-    assert kept.shape[0] * kept.shape[1] > native_blocks.REBUILD_SLICE_ELEMENTS
+    assert kept.shape[0] * kept.shape[1] > block_products.REBUILD_SLICE_ELEMENTS
     x = random_x(16, 20, kept.shape[1], dtype)
     reference = x.double().numpy() @ values.T
     rebuilds = {name: kernel for name, kernel in kept.kernels().items() if name.startswith("blocks_rebuild")}
@@ -153,7 +153,7 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
     if "openmp" not in detail:
         pytest.skip(f"built without OpenMP here: {detail}")
     library = detail.rsplit(": ", 1)[1]
-    assert native_build.library_of_symbol(library, "GOMP_parallel") == native_build.torch_openmp_library()
+    assert kernel_library.library_of_symbol(library, "GOMP_parallel") == kernel_library.torch_openmp_library()
 
 
 def test_this_cpus_build_takes_its_widest_float_kernel():
@@ -174,7 +174,7 @@ OTHER_BUILDS = [pytest.param(("-mno-avx512f",), "avx2+fma", id="avx2"),
 def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, described):
     if described == "avx2+fma" and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 code")
-    build = native_blocks.LIBRARY.build(flags, folder=tmp_path)
+    build = block_products.LIBRARY.build(flags, folder=tmp_path)
     assert build.library is not None, build.detail
     assert build.detail.startswith(described), build.detail
     for format in sorted(NATIVE_FORMATS):
@@ -200,14 +200,14 @@ def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, describ
 def fresh_build(monkeypatch, tmp_path):
     """native_blocks_available() answering afresh, building into an empty cache; the real build after."""
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
-    native_blocks.LIBRARY.forget()
+    block_products.LIBRARY.forget()
     yield
     monkeypatch.undo()
-    native_blocks.LIBRARY.forget()
+    block_products.LIBRARY.forget()
 
 
 def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
-    monkeypatch.setattr(native_build, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(kernel_library, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
     available, reason = native_blocks_available()
     assert not available and "no-such-cc" in reason
     with pytest.raises(RuntimeError, match="no-such-cc"):
@@ -217,12 +217,12 @@ def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatc
 def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native_blocks.LIBRARY, "source", broken)
+    monkeypatch.setattr(block_products.LIBRARY, "source", broken)
     available, reason = native_blocks_available()
     assert not available and "did not compile" in reason and "error" in reason
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load
-    native_blocks.LIBRARY.forget()  # a later start remembers the failure instead of compiling again
-    monkeypatch.setattr(native_build, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
+    block_products.LIBRARY.forget()  # a later start remembers the failure instead of compiling again
+    monkeypatch.setattr(kernel_library, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
     assert native_blocks_available() == (False, reason)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from candelabra.backends.torch.native_build import NativeLibrary
+from candelabra.backends.torch.cpu.kernel_library import NativeLibrary
 from candelabra.core.contract.ops import KVCache
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"

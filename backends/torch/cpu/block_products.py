@@ -5,7 +5,7 @@ Decode at one request is bound by the bytes of weight read per token. torch has 
 module reads Q5_0 at 5.5 bits, Q6_K at 6.6, Q8_0 at 8.5 and the 4-bit formats at 4.5 to 5, in
 csrc/gguf_blocks.c (the layouts are described there).
 
-The library is compiled on first use (native_build.py: cached per source, compiler, flags and CPU,
+The library is compiled on first use (kernel_library.py: cached per source, compiler, flags and CPU,
 linked against torch's OpenMP runtime). Where it cannot be built `native_blocks_available()` says
 why, and nothing raises.
 
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from candelabra.backends.torch.cpu.kernel_library import NativeLibrary
 from candelabra.backends.torch.kernel_choice import Choice, int8_activations_from_environment
-from candelabra.backends.torch.native_build import NativeLibrary
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
 

@@ -1,4 +1,4 @@
-"""The torch backend's C decode attention and rotary cache write (native_attention.py) against the float64
+"""The torch backend's C decode attention and rotary cache write (decode_attention.py) against the float64
 oracle, against the torch ops they replace, and on bad input."""
 
 from __future__ import annotations
@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch import attention, native_attention, native_build
+from candelabra.backends.torch import attention
 from candelabra.backends.torch.attention import TorchStep
-from candelabra.backends.torch.cpu_features import cpu_flags
+from candelabra.backends.torch.cpu import decode_attention, kernel_library
+from candelabra.backends.torch.cpu.features import cpu_flags
 from candelabra.backends.torch.ops import TorchOps
 from candelabra.conformance import oracle
 from candelabra.core.contract.ops import KVCache
 from candelabra.core.contract.step_metadata import NO_SLOT, StepMetadata
 from candelabra.core.models.rope import cos_sin_table
 
-pytestmark = pytest.mark.skipif(not native_attention.native_decode_attention_available()[0],
-                                reason=native_attention.native_decode_attention_available()[1])
+pytestmark = pytest.mark.skipif(not decode_attention.native_decode_attention_available()[0],
+                                reason=decode_attention.native_decode_attention_available()[1])
 
 CPU = torch.device("cpu")
 # Worst elementwise error against float64 of attention computed in float32 over keys and values of about 1.
@@ -69,7 +70,7 @@ def test_decode_attention_agrees_with_the_oracle(dtype, heads, head_dim, window,
     q = torch.from_numpy(rng.standard_normal((len(seq_lens), heads[0], head_dim), dtype=np.float32))
     step = TorchStep.prepare(meta, CPU)
     group = attention.decodes_alone(step)
-    out = native_attention.decode_attention(q, cache, group.block_tables, group.seq_lens, head_dim**-0.5, window, cap)
+    out = decode_attention.decode_attention(q, cache, group.block_tables, group.seq_lens, head_dim**-0.5, window, cap)
     reference = attention_oracle(q, cache, meta, head_dim**-0.5, window, cap)
     assert out.dtype == torch.float32
     assert np.abs(out.numpy() - reference).max() <= FLOAT32_ERROR
@@ -98,9 +99,9 @@ def test_a_sequence_attends_the_same_whatever_shares_its_step():
     cache = random_cache(rng, blocks, 16, 2, 64, torch.float32)
     q = torch.from_numpy(rng.standard_normal((4, 14, 64), dtype=np.float32))
     step = attention.decodes_alone(TorchStep.prepare(meta, CPU))
-    together = native_attention.decode_attention(q, cache, step.block_tables, step.seq_lens, 0.125, None, None)
+    together = decode_attention.decode_attention(q, cache, step.block_tables, step.seq_lens, 0.125, None, None)
     for r in range(4):
-        alone = native_attention.decode_attention(q[r:r + 1], cache, step.block_tables[r:r + 1],
+        alone = decode_attention.decode_attention(q[r:r + 1], cache, step.block_tables[r:r + 1],
                                                   step.seq_lens[r:r + 1], 0.125, None, None)
         assert torch.equal(alone[0], together[r])
 
@@ -119,7 +120,7 @@ def rotary_inputs(rng, tokens, heads, head_dim, rotary_dim, dtype):
 
 def torch_path(monkeypatch):
     """TorchOps with the C kernels turned off, as on a machine where they cannot be built."""
-    monkeypatch.setattr(native_attention, "reads_natively", lambda cache: False)
+    monkeypatch.setattr(decode_attention, "reads_natively", lambda cache: False)
     monkeypatch.setattr(attention, "reads_natively", lambda cache: False)
 
 
@@ -133,7 +134,7 @@ def test_the_cache_holds_the_keys_torchs_rotary_writes(monkeypatch, dtype, style
     ops = TorchOps(CPU)
     native_cache = random_cache(rng, blocks, 16, 2, 64, dtype)
     torch_cache = KVCache(native_cache.key.clone(), native_cache.value.clone())
-    assert native_attention.rotates_natively(q, k, v, table, native_cache)
+    assert decode_attention.rotates_natively(q, k, v, table, native_cache)
     native_q, _ = ops.rotary_and_write_kv(q, k, v, step.rope_positions, table, native_cache, step.slot_mapping, style)
     torch_path(monkeypatch)
     torch_q, _ = ops.rotary_and_write_kv(q, k, v, step.rope_positions, table, torch_cache, step.slot_mapping, style)
@@ -153,8 +154,8 @@ def test_a_step_of_decodes_is_one_call_that_agrees_with_the_torch_ops(monkeypatc
     native_cache = random_cache(rng, blocks, 16, 2, 64, dtype)
     torch_cache = KVCache(native_cache.key.clone(), native_cache.value.clone())
     calls = []
-    fused = native_attention.rotary_and_decode_attention
-    monkeypatch.setattr(native_attention, "rotary_and_decode_attention", lambda *a: calls.append(1) or fused(*a))
+    fused = decode_attention.rotary_and_decode_attention
+    monkeypatch.setattr(decode_attention, "rotary_and_decode_attention", lambda *a: calls.append(1) or fused(*a))
     native = ops.rotary_and_paged_attention(q, k, v, step.rope_positions, table, native_cache, step.slot_mapping,
                                             step, 0.125, 50, None)[0]
     assert calls == [1]
@@ -226,17 +227,17 @@ def test_bad_input_is_refused_before_the_cache_changes():
     step = attention.decodes_alone(TorchStep.prepare(meta, CPU))
     rows = torch.tensor([19, 29])
     with pytest.raises(ValueError, match="slot is outside the cache"):
-        native_attention.rotary_and_write(q, k, v, rows, table, cache, torch.tensor([3, blocks * 16]), "neox")
+        decode_attention.rotary_and_write(q, k, v, rows, table, cache, torch.tensor([3, blocks * 16]), "neox")
     with pytest.raises(ValueError, match="position is outside the rotary table"):
-        native_attention.rotary_and_write(q, k, v, torch.tensor([19, 512]), table, cache, torch.tensor([3, 4]), "neox")
+        decode_attention.rotary_and_write(q, k, v, torch.tensor([19, 512]), table, cache, torch.tensor([3, 4]), "neox")
     with pytest.raises(ValueError, match="block the cache does not have"):
-        native_attention.decode_attention(q, cache, step.block_tables + blocks, step.seq_lens, 0.125, None, None)
+        decode_attention.decode_attention(q, cache, step.block_tables + blocks, step.seq_lens, 0.125, None, None)
     with pytest.raises(ValueError, match="does not fit its block table"):
-        native_attention.decode_attention(q, cache, step.block_tables, step.seq_lens + 16, 0.125, None, None)
+        decode_attention.decode_attention(q, cache, step.block_tables, step.seq_lens + 16, 0.125, None, None)
     with pytest.raises(ValueError, match="rotary style"):
-        native_attention.rotary_and_write(q, k, v, rows, table, cache, torch.tensor([3, 4]), "interleaved")
+        decode_attention.rotary_and_write(q, k, v, rows, table, cache, torch.tensor([3, 4]), "interleaved")
     with pytest.raises(ValueError, match="block the cache does not have"):  # the fused call writes nothing either
-        native_attention.rotary_and_decode_attention(q, k, v, rows, table, cache, torch.tensor([3, 4]),
+        decode_attention.rotary_and_decode_attention(q, k, v, rows, table, cache, torch.tensor([3, 4]),
                                                      step.block_tables + blocks, step.seq_lens, 0.125, None, None,
                                                      "neox")
     assert torch.equal(cache.key, before)
@@ -252,21 +253,21 @@ OTHER_BUILDS = [pytest.param(("-mno-avx512f",), {"avx2", "fma"}, id="avx2"),
 def test_the_code_other_cpus_run_agrees_with_the_oracle(monkeypatch, tmp_path, flags, needs):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
-    build = native_attention.LIBRARY.build(flags, folder=tmp_path)
+    build = decode_attention.LIBRARY.build(flags, folder=tmp_path)
     assert build.library is not None, build.detail
-    monkeypatch.setattr(native_attention.LIBRARY, "loaded", lambda: build)
+    monkeypatch.setattr(decode_attention.LIBRARY, "loaded", lambda: build)
     rng = np.random.default_rng(23)
     meta, blocks = random_step(rng, [3, 64, 100], 16)
     cache = random_cache(rng, blocks, 16, 2, 80, torch.bfloat16)
     q = torch.from_numpy(rng.standard_normal((3, 6, 80), dtype=np.float32))
     step = attention.decodes_alone(TorchStep.prepare(meta, CPU))
-    out = native_attention.decode_attention(q, cache, step.block_tables, step.seq_lens, 0.1, None, None)
+    out = decode_attention.decode_attention(q, cache, step.block_tables, step.seq_lens, 0.1, None, None)
     assert np.abs(out.numpy() - attention_oracle(q, cache, meta, 0.1)).max() <= FLOAT32_ERROR
 
 
 def test_the_library_runs_on_torchs_openmp_runtime():
-    available, detail = native_attention.native_decode_attention_available()
+    available, detail = decode_attention.native_decode_attention_available()
     if "openmp" not in detail:
         pytest.skip(f"built without OpenMP here: {detail}")
     library = detail.rsplit(": ", 1)[1]
-    assert native_build.library_of_symbol(library, "GOMP_parallel") == native_build.torch_openmp_library()
+    assert kernel_library.library_of_symbol(library, "GOMP_parallel") == kernel_library.torch_openmp_library()
