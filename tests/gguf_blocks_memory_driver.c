@@ -1,4 +1,4 @@
-/* Every entry point of backends/torch/cpu/csrc/gguf_blocks.c over every format, kernel, dtype and a spread
+/* Every entry point of backends/torch/cpu/csrc/block_products.c over every format, kernel, dtype and a spread
    of row counts, each buffer allocated to its exact size, so that a build with AddressSanitizer stops
    at the first byte read or written outside one. Prints "all ran" at the end. */
 #include <stdint.h>

@@ -17,7 +17,7 @@ def test_every_block_kernel_stays_inside_its_buffers(tmp_path):
     if compiler is None:
         pytest.skip("no C compiler here")
     built = tmp_path / "driver"
-    sources = [str(REPO / "tests" / "gguf_blocks_memory_driver.c"), str(REPO / "backends/torch/cpu/csrc/gguf_blocks.c")]
+    sources = [str(REPO / "tests" / "gguf_blocks_memory_driver.c"), str(REPO / "backends/torch/cpu/csrc/block_products.c")]
     flags = [flag for flag in OPTIMIZE_FLAGS if flag != "-fPIC"]
     compiled = subprocess.run([compiler, *flags, "-fopenmp", "-fsanitize=address", "-fno-omit-frame-pointer",
                                *sources, "-lm", "-o", str(built)], capture_output=True, text=True, timeout=300)

@@ -3,7 +3,7 @@
 Decode at one request is bound by the bytes of weight read per token. torch has no kernel for the
 5-, 6- and 8-bit GGUF formats, so quantized.py widens them to int8 rows (8 bits a weight); this
 module reads Q5_0 at 5.5 bits, Q6_K at 6.6, Q8_0 at 8.5 and the 4-bit formats at 4.5 to 5, in
-csrc/gguf_blocks.c (the layouts are described there).
+csrc/block_products.c (the layouts are described there).
 
 The library is compiled on first use (kernel_library.py: cached per source, compiler, flags and CPU,
 linked against torch's OpenMP runtime). Where it cannot be built `native_blocks_available()` says
@@ -38,7 +38,7 @@ from candelabra.backends.torch.kernel_choice import Choice, int8_activations_fro
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
 
-SOURCE = Path(__file__).parent / "csrc" / "gguf_blocks.c"
+SOURCE = Path(__file__).parent / "csrc" / "block_products.c"
 # Format codes, as the C file numbers them.
 _FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 NATIVE_FORMATS = frozenset(_FORMAT_CODES)
