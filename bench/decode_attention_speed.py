@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from candelabra.backends.torch import attention
 from candelabra.backends.torch.attention import TorchStep
-from candelabra.backends.torch.cpu import decode_attention
+from candelabra.backends.torch.cpu import decode_attention, kernel_library
 from candelabra.backends.torch.cpu.features import cpu_flags, cpu_model_name
 from candelabra.backends.torch.ops import TorchOps
 from candelabra.core.contract.ops import KVCache
@@ -43,8 +41,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=[14, 2], metavar=("Q_HEADS", "KV_HEADS"))
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--build-flags", action="append", default=[],
-                        help="extra compiler flags of one more build of the C kernel (repeatable)")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
+                        help="also time these installed ISA variants (avx512, avx2, portable) this CPU runs")
     args = parser.parse_args()
     available, detail = decode_attention.native_decode_attention_available()
     if not available:
@@ -53,20 +51,19 @@ def main() -> None:
     amx = "AMX" if "amx_tile" in cpu_flags() else "no AMX"
     print(f"{cpu_model_name()} ({amx}), {torch.get_num_threads()} threads, {args.dtype}, heads {args.heads[0]}/"
           f"{args.heads[1]} of {args.head_dim}; {detail}")
-    builds = {"C": decode_attention.LIBRARY.loaded()}
-    with tempfile.TemporaryDirectory() as folder:
-        for index, flags in enumerate(args.build_flags):
-            build = decode_attention.LIBRARY.build(tuple(flags.split()), Path(folder) / str(index))
-            if build.library is None:
-                raise SystemExit(f"the build with {flags} failed: {build.detail}")
-            builds[f"C {flags}"] = build
-        print("batch  context  " + "  ".join(f"{name + ' us':>22}" for name in ["torch ops", *builds])
-              + "  torch / C")
-        for batch in args.batches:
-            for context in args.contexts:
-                times = time_case(batch, context, args, dtype, builds)
-                cells = "  ".join(f"{t:>22.1f}" for t in times)
-                print(f"{batch:>5}  {context:>7}  {cells}  {times[0] / times[1]:>9.2f}")
+    builds = {"C": kernel_library.kernels()}
+    for name in args.variants:
+        build = kernel_library.kernels(name)
+        if build.library is None:
+            raise SystemExit(f"the {name} kernels do not load here: {build.detail}")
+        builds[f"C {name}"] = build
+    print("batch  context  " + "  ".join(f"{name + ' us':>22}" for name in ["torch ops", *builds])
+          + "  torch / C")
+    for batch in args.batches:
+        for context in args.contexts:
+            times = time_case(batch, context, args, dtype, builds)
+            cells = "  ".join(f"{t:>22.1f}" for t in times)
+            print(f"{batch:>5}  {context:>7}  {cells}  {times[0] / times[1]:>9.2f}")
 
 
 def time_case(batch: int, context: int, args, dtype: torch.dtype, builds: dict) -> list[float]:
@@ -108,12 +105,12 @@ def on_torch_ops(call) -> float:
 
 
 def on_build(call, build) -> float:
-    saved = decode_attention.LIBRARY.loaded
-    decode_attention.LIBRARY.loaded = lambda: build
+    saved = decode_attention.kernels
+    decode_attention.kernels = lambda: build
     try:
         return timed(call)
     finally:
-        decode_attention.LIBRARY.loaded = saved
+        decode_attention.kernels = saved
 
 
 def timed(call) -> float:

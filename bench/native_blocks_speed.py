@@ -23,10 +23,10 @@ values and scales; packed int4 with scales and zeros; dense values) over the med
 
 --threads 1 --cpu-time: one thread's CPU time instead of the wall clock, for a machine others keep busy.
 
---float-tiles 4 16: blocks_float in float32 also as the library builds it with those rows of x a tile
-(`FLOAT_TILE`; the package's build is the candidate without a tile named), each build kept in a folder
-of its own for the run, blocks_int8 in float32 with it. --build-flags=-mno-avx512f (repeatable): the same,
-built with those extra compiler flags (that one: the AVX2 code a CPU without AVX-512 runs, timed on this one).
+--variants avx2 portable: blocks_float and blocks_int8 in float32 also in those installed ISA variants
+(kernel_build.VARIANTS) this CPU runs: the code a CPU without AVX-512, or without AVX2, runs, timed on this
+one. --float-tiles 4 16: the same for this CPU's variant built for the run with those rows of x a tile
+(`FLOAT_TILE`), and --build-flags (repeatable) with those extra compiler flags.
 
 --overhead: microseconds per call on a tiny weight (64 x 256, M = 1): the fixed cost a decode step
 pays about 100 times.
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from candelabra.backends.torch.cpu import block_products
+from candelabra.backends.torch.cpu import kernel_build, kernel_library
 from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.backends.torch.cpu.features import cpu_model_name
 from candelabra.backends.torch.quantized import int4_groupwise, int8_rowwise
@@ -106,13 +106,22 @@ def int8_rows(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(values), torch.from_numpy(scales).to(torch.bfloat16)
 
 
-def variant_builds(variants: dict[str, tuple[str, ...]], folder: str) -> dict[str, object]:
-    """The kernel library built with each variant's extra compiler flags, each in a folder of `folder`."""
+def variant_builds(names: list[str], flags: dict[str, tuple[str, ...]], folder: str) -> dict[str, object]:
+    """The installed variants `names`, and this CPU's variant built with each entry's extra compiler flags
+    into `folder`."""
     builds = {}
-    for index, (name, flags) in enumerate(variants.items()):
-        build = block_products.LIBRARY.build(flags, Path(folder) / str(index))
+    for name in names:
+        build = kernel_library.kernels(name)
         if build.library is None:
-            raise SystemExit(f"the library built with {' '.join(flags)} did not build: {build.detail}")
+            raise SystemExit(f"the {name} kernels do not load here: {build.detail}")
+        builds[name] = build
+    variant = next(v for v in kernel_build.VARIANTS if v.name == kernel_library.kernels().variant)
+    for index, (name, extra) in enumerate(flags.items()):
+        path = Path(folder) / str(index) / variant.library_name
+        error = kernel_build.build(variant, path, extra_flags=extra)
+        build = kernel_library.load_file(path, variant.name) if error is None else None
+        if build is None or build.library is None:
+            raise SystemExit(f"the library built with {' '.join(extra)} did not build: {error or build.detail}")
         builds[name] = build
     return builds
 
@@ -280,7 +289,9 @@ def main() -> None:
                         help="also time blocks_float in float32 built with these rows of x a tile")
     parser.add_argument("--build-flags", action="append", default=[], metavar="FLAGS",
                         help="also time blocks_float in float32 built with these extra compiler flags "
-                             "(space-separated; repeatable), e.g. --build-flags=-mno-avx512f")
+                             "(space-separated; repeatable), e.g. --build-flags=-DPREFETCH_BYTES=0")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
+                        help="also time these installed ISA variants (avx512, avx2, portable) this CPU runs")
     args = parser.parse_args()
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time counts one thread's time: give --threads 1")
@@ -301,9 +312,9 @@ def main() -> None:
     reader = GGUFReader(default_model_path())
     lines = []
     builds_folder = tempfile.TemporaryDirectory()
-    variants = {f"tile {tile}": (f"-DFLOAT_TILE={tile}",) for tile in args.float_tiles}
-    variants.update({flags: tuple(flags.split()) for flags in args.build_flags})
-    builds = variant_builds(variants, builds_folder.name)
+    flags = {f"tile {tile}": (f"-DFLOAT_TILE={tile}",) for tile in args.float_tiles}
+    flags.update({extra: tuple(extra.split()) for extra in args.build_flags})
+    builds = variant_builds(args.variants, flags, builds_folder.name)
     for kind in args.weights:
         weights = read_weights(reader, *WEIGHTS[kind])
         rows, columns = weights[0].shape

@@ -3,19 +3,23 @@ product of the weight gguf decodes."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch.cpu import block_products, kernel_library
+from candelabra.backends.torch.cpu import block_products, kernel_build, kernel_library
 from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.backends.torch.cpu.features import cpu_flags
 from candelabra.backends.torch.kernel_choice import INT8_ACTIVATIONS_VARIABLE
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
 
-pytestmark = pytest.mark.skipif(kernel_library.find_compiler() is None,
-                                reason="no C compiler (cc, gcc or clang) to build the GGUF block kernels")
+pytestmark = pytest.mark.skipif(kernel_build.find_compiler() is None,
+                                reason="no C compiler (cc, gcc or clang): the install built no kernels")
 
 # A float32 kernel's error is its rounding (about 1e-14 here); a wrong decode is far above this.
 FLOAT32_NMSE = 1e-9
@@ -45,7 +49,7 @@ def random_x(seed: int, rows: int, width: int, dtype: torch.dtype = torch.float3
 @pytest.fixture(scope="module", autouse=True)
 def built():
     available, detail = native_blocks_available()
-    assert available, detail  # a compiler exists (else skipped), so the build must succeed
+    assert available, detail  # a compiler exists (else skipped), so the install built them
 
 
 @pytest.mark.parametrize("rows", [1, 3, 13, 40])
@@ -149,34 +153,36 @@ def test_x_of_another_dtype_or_width_is_refused_before_the_kernel_reads_it():
 
 
 def test_the_kernels_run_on_torchs_openmp_runtime():
-    available, detail = native_blocks_available()
-    if "openmp" not in detail:
-        pytest.skip(f"built without OpenMP here: {detail}")
-    library = detail.rsplit(": ", 1)[1]
-    assert kernel_library.library_of_symbol(library, "GOMP_parallel") == kernel_library.torch_openmp_library()
+    """The library brings no OpenMP runtime of its own, and the one its symbols bind to is torch's."""
+    loaded = kernel_library.kernels()
+    assert loaded.library is not None, loaded.detail
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("no readelf to list the library's needs")
+    needs = subprocess.run([readelf, "-d", str(kernel_library.library_path(next(
+        v for v in kernel_build.VARIANTS if v.name == loaded.variant)))], capture_output=True, text=True).stdout
+    assert "NEEDED" in needs and not re.search(r"NEEDED.*omp", needs), needs
+    assert kernel_library.library_of_symbol(None, "GOMP_parallel") == kernel_library.torch_openmp_library()
 
 
-def test_this_cpus_build_takes_its_widest_float_kernel():
-    detail, flags = native_blocks_available()[1], cpu_flags()
-    if "avx512f" in flags:
-        assert detail.startswith("avx-512 float, avx2+fma"), detail
-    elif {"avx2", "fma"} <= flags:
-        assert detail.startswith("avx2+fma"), detail
+def test_this_cpu_runs_its_widest_variant():
+    flags = cpu_flags()
+    expected = "avx512" if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags else (
+        "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+    assert kernel_library.kernels().variant == expected
+    assert native_blocks_available()[1].startswith(
+        {"avx512": "avx-512 float, avx2+fma", "avx2": "avx2+fma", "portable": "portable C"}[expected])
 
 
-# The code other machines run, built here: without AVX-512 (AVX2 machines such as AMD's Zen 3), and
-# with the vector code turned off (machines without AVX2, or not x86).
-OTHER_BUILDS = [pytest.param(("-mno-avx512f",), "avx2+fma", id="avx2"),
-                pytest.param(("-DGB_PORTABLE",), "portable C", id="portable")]
-
-
-@pytest.mark.parametrize("flags, described", OTHER_BUILDS)
-def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, described):
-    if described == "avx2+fma" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU cannot run AVX2 code")
-    build = block_products.LIBRARY.build(flags, folder=tmp_path)
-    assert build.library is not None, build.detail
-    assert build.detail.startswith(described), build.detail
+# The code other machines run, each built at install where this machine's compiler targets it, and run
+# here where this CPU has its flags: AVX2 without AVX-512 (AMD's Zen 3), and the portable C (no AVX2, or
+# not x86).
+@pytest.mark.parametrize("variant", [v.name for v in kernel_build.VARIANTS])
+def test_every_variant_this_cpu_runs_agrees_with_the_oracle(variant):
+    if variant not in {v.name for v in kernel_library.runnable_variants()}:
+        pytest.skip(f"this CPU or machine does not run the {variant} kernels")
+    build = kernel_library.kernels(variant)
+    assert build.library is not None and build.variant == variant, build.detail
     for format in sorted(NATIVE_FORMATS):
         kept, values = weight_and_values(format, seed=13)
         kept._matmul, kept._decode = build.library.gguf_blocks_matmul, build.library.gguf_blocks_decode
@@ -197,33 +203,46 @@ def test_the_code_other_cpus_run_agrees_with_the_oracle(tmp_path, flags, describ
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """native_blocks_available() answering afresh, building into an empty cache; the real build after."""
-    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
-    block_products.LIBRARY.forget()
+def fresh_load(monkeypatch):
+    """kernels() answering afresh, with the libraries looked for where the test says; the real ones after."""
+    kernel_library.forget()
     yield
     monkeypatch.undo()
-    block_products.LIBRARY.forget()
+    kernel_library.forget()
 
 
-def test_a_missing_compiler_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
-    monkeypatch.setattr(kernel_library, "find_compiler", lambda: str(tmp_path / "no-such-cc"))
+def test_a_library_not_built_at_install_is_a_reason_not_an_exception(fresh_load, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernel_library, "library_path", lambda variant: tmp_path / variant.library_name)
     available, reason = native_blocks_available()
-    assert not available and "no-such-cc" in reason
-    with pytest.raises(RuntimeError, match="no-such-cc"):
+    assert not available and "were not built with this install" in reason and kernel_library.REBUILD in reason
+    with pytest.raises(RuntimeError, match="not built"):
         NativeBlocksWeight.from_quantized(random_quantized(np.random.default_rng(1), "Q8_0", 4, 32), torch.float32)
 
 
-def test_a_compile_error_is_a_reason_not_an_exception(fresh_build, monkeypatch, tmp_path):
-    broken = tmp_path / "broken.c"
-    broken.write_text("this is not C\n")
-    monkeypatch.setattr(block_products.LIBRARY, "source", broken)
+def test_a_library_built_from_other_sources_is_not_loaded(fresh_load, monkeypatch):
+    monkeypatch.setattr(kernel_build, "sources_digest", lambda: "0" * 24)
     available, reason = native_blocks_available()
-    assert not available and "did not compile" in reason and "error" in reason
-    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load
-    block_products.LIBRARY.forget()  # a later start remembers the failure instead of compiling again
-    monkeypatch.setattr(kernel_library, "_compile", lambda *args: pytest.fail("a failed build was tried again"))
-    assert native_blocks_available() == (False, reason)
+    assert not available and "built from other sources" in reason
+
+
+def test_a_compile_error_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
+    broken = tmp_path / "csrc"
+    (broken / "arch").mkdir(parents=True)
+    for name in ("block_products.c", "decode_attention.c"):
+        (broken / name).write_text("this is not C\n")
+    (broken / "arch" / "portable.c").write_text("int fine;\n")
+    monkeypatch.setattr(kernel_build, "SOURCES", broken)
+    target = tmp_path / "libcandelabra_cpu_portable.so"
+    error = kernel_build.build(kernel_build.VARIANTS[-1], target)
+    assert error and "block_products.c" in error and "error" in error
+    assert not target.exists()
+
+
+def test_a_missing_compiler_is_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernel_build, "find_compiler", lambda: None)
+    assert "no C compiler" in kernel_build.build(kernel_build.VARIANTS[-1], tmp_path / "lib.so")
+    error = kernel_build.build(kernel_build.VARIANTS[-1], tmp_path / "lib.so", compiler=str(tmp_path / "no-such-cc"))
+    assert "no-such-cc" in error and not (tmp_path / "lib.so").exists()
 
 
 @pytest.mark.parametrize("dtype, rounded, kernel", [
@@ -341,3 +360,18 @@ def test_the_gated_product_in_float32_is_the_torch_ops_product_to_rounding_and_o
     assert kept.gated_matmul(x[:, 1:]) is None and kept.gated_matmul(x.to(torch.bfloat16)) is None
     set_kernel(kept, "blocks_rebuild")
     assert kept.gated_matmul(x) is None
+
+
+def test_without_its_kernels_the_torch_backend_says_why_and_multiplies_on_torchs_ops(fresh_load, monkeypatch,
+                                                                                       tmp_path):
+    from candelabra.backends.torch.backend import TorchBackend
+    from candelabra.core.contract.weights import WeightRole
+
+    monkeypatch.setattr(kernel_library, "library_path", lambda variant: tmp_path / variant.library_name)
+    assert "no C kernels, torch's own ops serve: the" in TorchBackend.probe().detail
+    weight = random_quantized(np.random.default_rng(21), "Q5_0", 64, 256)
+    kept = TorchBackend().upload_weight("w", WeightRole.LINEAR, weight, "float32")
+    assert not isinstance(kept, NativeBlocksWeight)
+    x = random_x(22, 3, 256)
+    out = TorchBackend().ops.linear(x, kept)
+    assert nmse(out, x.double().numpy() @ weight.dequantize().astype(np.float64).T) <= FLOAT32_NMSE

@@ -9,8 +9,7 @@ import torch
 
 from candelabra.backends.torch import attention
 from candelabra.backends.torch.attention import TorchStep
-from candelabra.backends.torch.cpu import decode_attention, kernel_library
-from candelabra.backends.torch.cpu.features import cpu_flags
+from candelabra.backends.torch.cpu import decode_attention, kernel_build, kernel_library
 from candelabra.backends.torch.ops import TorchOps
 from candelabra.conformance import oracle
 from candelabra.core.contract.ops import KVCache
@@ -243,19 +242,16 @@ def test_bad_input_is_refused_before_the_cache_changes():
     assert torch.equal(cache.key, before)
 
 
-# The code other machines run, built here: without AVX-512 (AVX2 machines such as AMD's Zen 3), and with
-# 128-bit vectors alone (x86-64 without AVX; aarch64's NEON is as wide).
-OTHER_BUILDS = [pytest.param(("-mno-avx512f",), {"avx2", "fma"}, id="avx2"),
-                pytest.param(("-mno-avx",), set(), id="sse")]
-
-
-@pytest.mark.parametrize("flags, needs", OTHER_BUILDS)
-def test_the_code_other_cpus_run_agrees_with_the_oracle(monkeypatch, tmp_path, flags, needs):
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
-    build = decode_attention.LIBRARY.build(flags, folder=tmp_path)
+# The code other machines run, built at install, run here where this CPU has its flags: 8 lanes without
+# AVX-512 (AMD's Zen 3), and the portable build's 128-bit vectors (x86-64 without AVX; aarch64's NEON is as
+# wide).
+@pytest.mark.parametrize("variant", [v.name for v in kernel_build.VARIANTS])
+def test_every_variant_this_cpu_runs_agrees_with_the_oracle(monkeypatch, variant):
+    if variant not in {v.name for v in kernel_library.runnable_variants()}:
+        pytest.skip(f"this CPU or machine does not run the {variant} kernels")
+    build = kernel_library.kernels(variant)
     assert build.library is not None, build.detail
-    monkeypatch.setattr(decode_attention.LIBRARY, "loaded", lambda: build)
+    monkeypatch.setattr(decode_attention, "kernels", lambda: build)
     rng = np.random.default_rng(23)
     meta, blocks = random_step(rng, [3, 64, 100], 16)
     cache = random_cache(rng, blocks, 16, 2, 80, torch.bfloat16)
@@ -263,11 +259,3 @@ def test_the_code_other_cpus_run_agrees_with_the_oracle(monkeypatch, tmp_path, f
     step = attention.decodes_alone(TorchStep.prepare(meta, CPU))
     out = decode_attention.decode_attention(q, cache, step.block_tables, step.seq_lens, 0.1, None, None)
     assert np.abs(out.numpy() - attention_oracle(q, cache, meta, 0.1)).max() <= FLOAT32_ERROR
-
-
-def test_the_library_runs_on_torchs_openmp_runtime():
-    available, detail = decode_attention.native_decode_attention_available()
-    if "openmp" not in detail:
-        pytest.skip(f"built without OpenMP here: {detail}")
-    library = detail.rsplit(": ", 1)[1]
-    assert kernel_library.library_of_symbol(library, "GOMP_parallel") == kernel_library.torch_openmp_library()

@@ -1,5 +1,5 @@
-"""A wheel built from the repository carries every module, the C sources built on first use, and the
-in-tree entry points."""
+"""A wheel built from the repository carries every module, the C kernels' sources and the libraries built from
+them for this machine, and the in-tree entry points."""
 
 import subprocess
 import sys
@@ -7,6 +7,7 @@ import zipfile
 
 import pytest
 
+from candelabra.backends.torch.cpu import kernel_build
 from support import REPO
 
 # Top-level folders and the packages they become (pyproject.toml's package-dir).
@@ -28,13 +29,16 @@ def test_wheel_contains_every_module(tmp_path):
     expected = {
         f"{package}/{source.relative_to(REPO / folder).as_posix()}"
         for folder, package in PACKAGE_DIRS.items()
-        for pattern in ("*.py", "*.c")
+        for pattern in ("*.py", "*.c", "*.h")
         for source in (REPO / folder).rglob(pattern)
         if "__pycache__" not in source.parts
     }
     assert expected, "no sources found"
     missing = sorted(expected - names)
     assert not missing, f"modules missing from the wheel (list their packages in pyproject.toml): {missing}"
+
+    libraries = {f"candelabra/backends/torch/cpu/{variant.library_name}" for variant in kernel_build.variants_for()}
+    assert libraries <= names, f"kernel libraries missing from the wheel: {sorted(libraries - names)}"
 
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

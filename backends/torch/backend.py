@@ -37,6 +37,16 @@ log = logging.getLogger("candelabra")
 CPU_DTYPES = default_dtypes(has_native_bfloat16())
 
 
+def cpu_kernels_described() -> str:
+    """Which of the C kernels' ISA variants this CPU runs, or why none, and that torch's own ops serve then."""
+    from candelabra.backends.torch.cpu.kernel_library import kernels
+
+    loaded = kernels()
+    if loaded.library is None:
+        return f"no C kernels, torch's own ops serve: {loaded.detail}"
+    return f"C kernels: {loaded.variant}"
+
+
 class TorchBackend(Backend):
     """PyTorch on one torch device. Subclasses set `device_type` and may override `ops_class`."""
 
@@ -85,8 +95,8 @@ class TorchBackend(Backend):
         if torch is None:
             return Probe(False, f"torch is not installed ({_TORCH_IMPORT_ERROR}); pip install 'candelabra[torch]'")
         arithmetic = "bfloat16 in hardware" if has_native_bfloat16() else "no bfloat16 in hardware: float32"
-        return Probe(True, detail=f"cpu ({usable_cores()} cores, torch {torch.__version__}, {arithmetic})",
-                     priority=50)
+        return Probe(True, detail=f"cpu ({usable_cores()} cores, torch {torch.__version__}, {arithmetic}; "
+                                  f"{cpu_kernels_described()})", priority=50)
 
     def _configure_device(self) -> None:
         """On a CPU: its cores, threads and freed memory (`HostPlacement.configure`). A device backend

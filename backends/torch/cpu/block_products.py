@@ -1,13 +1,12 @@
-"""GGUF quantized weights multiplied as the file stores them, by a C kernel built on first use.
+"""GGUF quantized weights multiplied as the file stores them, by the C kernels of csrc/block_products.c.
 
 Decode at one request is bound by the bytes of weight read per token. torch has no kernel for the
 5-, 6- and 8-bit GGUF formats, so quantized.py widens them to int8 rows (8 bits a weight); this
-module reads Q5_0 at 5.5 bits, Q6_K at 6.6, Q8_0 at 8.5 and the 4-bit formats at 4.5 to 5, in
-csrc/block_products.c (the layouts are described there).
+module reads Q5_0 at 5.5 bits, Q6_K at 6.6, Q8_0 at 8.5 and the 4-bit formats at 4.5 to 5
+(csrc/block_layouts.h describes the layouts).
 
-The library is compiled on first use (kernel_library.py: cached per source, compiler, flags and CPU,
-linked against torch's OpenMP runtime). Where it cannot be built `native_blocks_available()` says
-why, and nothing raises.
+The library is built ahead of time, one per ISA variant, and this CPU's is loaded (kernel_library.py).
+Where none loads `native_blocks_available()` says why, and nothing raises.
 
 A weight kept in its blocks (`NativeBlocksWeight`, form "blocks") has these kernels:
 
@@ -26,60 +25,34 @@ the output's allocation); see bench/native_blocks_speed.py for their speed again
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from candelabra.backends.torch.cpu.kernel_library import NativeLibrary
+from candelabra.backends.torch.cpu import kernel_abi
+from candelabra.backends.torch.cpu.kernel_library import kernels
 from candelabra.backends.torch.kernel_choice import Choice, int8_activations_from_environment
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
 
-SOURCE = Path(__file__).parent / "csrc" / "block_products.c"
-# Format codes, as the C file numbers them.
-_FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
-NATIVE_FORMATS = frozenset(_FORMAT_CODES)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_KERNEL_CODES = {"blocks_float": 0, "blocks_int8": 1}
-_STATUS = {-1: "unknown format", -2: "K is not whole blocks", -3: "unsupported dtype", -4: "row out of range",
-           -5: "out of memory", -6: "unknown kernel"}
+NATIVE_FORMATS = frozenset(kernel_abi.FORMAT_CODES)
+_DTYPE_CODES = {getattr(torch, name): code for name, code in kernel_abi.DTYPE_CODES.items()}
+_KERNEL_CODES = kernel_abi.BLOCK_KERNEL_CODES
 # blocks_rebuild decodes this many values at a time, whose float32 slice (4 MiB) stays in the cache for its GEMM.
 REBUILD_SLICE_ELEMENTS = 2**20
 
 
 def native_blocks_available() -> tuple[bool, str]:
-    """Whether the kernel library is built and loaded here, and what it is or why not. Builds it
-    on the first call of a process; never raises."""
-    return LIBRARY.available()
-
-
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    i32, i64, pointer = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    library.gguf_blocks_matmul.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, i64, i32, i32]
-    library.gguf_blocks_matmul.restype = i32
-    library.gguf_blocks_matmul_normed.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, pointer, pointer,
-                                                  ctypes.c_float, ctypes.c_float, pointer, i64, i32, i32]
-    library.gguf_blocks_matmul_normed.restype = i32
-    library.gguf_blocks_matmul_gated.argtypes = [i32, i32, pointer, i64, i64, pointer, pointer, i64, i32, i32]
-    library.gguf_blocks_matmul_gated.restype = i32
-    library.gguf_blocks_decode.argtypes = [i32, pointer, i64, i64, pointer, i64, i64, pointer, i32, i32]
-    library.gguf_blocks_decode.restype = i32
-    library.gguf_blocks_describe.argtypes = []
-    library.gguf_blocks_describe.restype = ctypes.c_char_p
-    return library
-
-
-LIBRARY = NativeLibrary(SOURCE, _bind, lambda library: library.gguf_blocks_describe().decode())
+    """Whether the kernel library is loaded here, and what it is or why not; never raises."""
+    loaded = kernels()
+    return loaded.library is not None, loaded.detail
 
 
 def _checked(status: int, call: str) -> None:
     if status == -4:
-        raise IndexError(f"{call}: {_STATUS[status]}")
+        raise IndexError(f"{call}: {kernel_abi.status_message(status)}")
     if status:
-        raise RuntimeError(f"{call}: {_STATUS.get(status, f'status {status}')}")
+        raise RuntimeError(f"{call}: {kernel_abi.status_message(status)}")
 
 
 def default_choice(dtype: torch.dtype) -> Choice:
@@ -109,7 +82,7 @@ class NativeBlocksWeight(KeptWeight):
         if shape[1] % values or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.numel() != expected:
             raise ValueError(f"{format} blocks of a {shape[0]} x {shape[1]} weight are {expected} contiguous bytes "
                              f"(K a multiple of {values}), got {blocks.dtype} {list(blocks.shape)}")
-        build = LIBRARY.loaded()
+        build = kernels()
         if build.library is None:
             raise RuntimeError(build.detail)
         self.format = format
@@ -120,7 +93,7 @@ class NativeBlocksWeight(KeptWeight):
         self._matmul_normed = build.library.gguf_blocks_matmul_normed
         self._matmul_gated = build.library.gguf_blocks_matmul_gated
         self._decode = build.library.gguf_blocks_decode
-        self._codes = (_FORMAT_CODES[format], _DTYPE_CODES[dtype])
+        self._codes = (kernel_abi.FORMAT_CODES[format], _DTYPE_CODES[dtype])
 
     @classmethod
     def from_quantized(cls, weight: QuantizedTensor, dtype: torch.dtype) -> NativeBlocksWeight:

@@ -6,52 +6,26 @@ some twenty small ops a layer, about 140 us for one sequence of 100 tokens on 2 
 embedding with the cache write another 100, nearly all of it the ops' own cost; the C kernel reads
 each key and value once, in place, for the query heads that share it (about 12 us). It serves
 float32, bfloat16 and float16 caches on the CPU, attending in float32; an int8 cache, another device
-or a machine where the library cannot be built keeps the torch path. The rotary embedding rounds as
+or a machine where the library was not built keeps the torch path. The rotary embedding rounds as
 torch's does, so a key is cached the same whichever path rotated it.
 """
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 
-from candelabra.backends.torch.cpu.kernel_library import NativeLibrary
+from candelabra.backends.torch.cpu import kernel_abi
+from candelabra.backends.torch.cpu.kernel_library import kernels
 from candelabra.core.contract.ops import KVCache
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_STATUS = {-1: "unsupported cache dtype", -2: "a sequence's length does not fit its block table or the heads",
-           -3: "out of memory", -4: "a block table names a block the cache does not have",
-           -5: "a slot is outside the cache", -6: "a position is outside the rotary table"}
+_DTYPE_CODES = {getattr(torch, name): code for name, code in kernel_abi.DTYPE_CODES.items()}
 _STYLES = {"neox": 0, "gptj": 1}
 
 
 def native_decode_attention_available() -> tuple[bool, str]:
-    """Whether the kernel library is built and loaded here, and what it is or why not. Builds it
-    on the first call of a process; never raises."""
-    return LIBRARY.available()
-
-
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    i32, i64, pointer, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    library.decode_attention.argtypes = [pointer, pointer, pointer, i32, i64, i32, pointer, i64, pointer, i64,
-                                         i32, i32, i32, f32, f32, i64, pointer, i32]
-    library.decode_attention.restype = i32
-    library.rotary_and_write.argtypes = [i64, pointer, i64, pointer, i64, pointer, i64, i32, pointer, pointer, i64,
-                                         i32, i32, pointer, pointer, pointer, i64, i32, i32, i32, i32, pointer, i32]
-    library.rotary_and_write.restype = i32
-    library.rotary_and_decode_attention.argtypes = [pointer, i64, pointer, i64, pointer, i64, i32, pointer, pointer,
-                                                    i64, i32, i32, pointer, pointer, pointer, i64, i32, pointer, i64,
-                                                    pointer, i64, i32, i32, i32, f32, f32, i64, pointer, i32]
-    library.rotary_and_decode_attention.restype = i32
-    library.decode_attention_describe.argtypes = []
-    library.decode_attention_describe.restype = ctypes.c_char_p
-    return library
-
-
-LIBRARY = NativeLibrary(SOURCE, _bind, lambda library: library.decode_attention_describe().decode())
+    """Whether the kernel library is loaded here, and what it is or why not; never raises."""
+    loaded = kernels()
+    return loaded.library is not None, loaded.detail
 
 
 def reads_natively(cache: KVCache) -> bool:
@@ -60,7 +34,7 @@ def reads_natively(cache: KVCache) -> bool:
     key, value = cache
     return (key.device.type == "cpu" and key.dtype in _DTYPE_CODES and value.dtype == key.dtype
             and key.shape == value.shape and key.is_contiguous() and value.is_contiguous()
-            and LIBRARY.loaded().library is not None)
+            and kernels().library is not None)
 
 
 def decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -76,7 +50,7 @@ def decode_attention(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor
     q = q.to(torch.float32).contiguous()
     tables, limits, _keep = _attention_arguments(rows, block_tables, seq_lens, sliding_window, logit_softcap)
     out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    _checked(LIBRARY.loaded().library.decode_attention(
+    _checked(kernels().library.decode_attention(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), _DTYPE_CODES[key.dtype], blocks, block_size, *tables, rows,
         heads, kv_heads, head_dim, scale, *limits, out.data_ptr(), torch.get_num_threads()),
         "decode attention")
@@ -100,7 +74,7 @@ def _attention_arguments(rows: int, block_tables: torch.Tensor, seq_lens: torch.
 
 def _checked(status: int, what: str) -> None:
     if status:
-        raise ValueError(f"{what}: {_STATUS.get(status, f'status {status}')}")
+        raise ValueError(f"{what}: {kernel_abi.status_message(status, kernel_abi.ATTENTION_STATUSES)}")
 
 
 def rotates_natively(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, cache: KVCache) -> bool:
@@ -133,7 +107,7 @@ def rotary_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table_ro
     rotated q [T, Hq, D] in q's dtype."""
     arguments, _keep = _rotary_arguments(q, k, v, table_rows, cos_sin, cache, slots, style)
     out = torch.empty(q.shape, dtype=q.dtype)
-    _checked(LIBRARY.loaded().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
+    _checked(kernels().library.rotary_and_write(q.shape[0], *arguments, q.shape[1], k.shape[1], q.shape[2],
                                                        out.data_ptr(), torch.get_num_threads()),
              "rotary and cache write")
     return out
@@ -149,7 +123,7 @@ def rotary_and_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     rows, heads, head_dim = q.shape
     tables, limits, _keep_too = _attention_arguments(rows, block_tables, seq_lens, sliding_window, logit_softcap)
     out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    _checked(LIBRARY.loaded().library.rotary_and_decode_attention(
+    _checked(kernels().library.rotary_and_decode_attention(
         *arguments, *tables, rows, heads, k.shape[1], head_dim, scale, *limits, out.data_ptr(),
         torch.get_num_threads()), "rotary and decode attention")
     return out

@@ -14,7 +14,7 @@
 
    One task per (sequence, KV head) reads each of its keys and values once for the Hq / Hk query
    heads that share them. Tasks are spread over threads with OpenMP (the process's one runtime,
-   torch's: the Python side links against it); without OpenMP, one thread.
+   torch's, which kernel_library.py loads it beside); without OpenMP, one thread.
 
    rotary_and_write rotates q and k (rotary embedding) and writes k and v to the cache, for any
    step; rotary_and_decode_attention does that and then attends, for a step of decodes alone. Every
@@ -26,13 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_abi.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
-enum { DA_OK = 0, DA_BAD_DTYPE = -1, DA_BAD_SHAPE = -2, DA_NO_MEMORY = -3, DA_BAD_BLOCK = -4, DA_BAD_SLOT = -5,
-       DA_BAD_POSITION = -6 };
 
 /* The widest vector of floats the target has: 16 (AVX-512), 8 (AVX) or 4 (SSE, NEON). A wider type
    than the target's registers is split by the compiler, and slowly: an AVX2 build of 16 ran at half
@@ -111,22 +110,22 @@ static uint16_t da_to_f16(float f) {
 }
 
 static void da_store(void *row, int dtype, int64_t i, float x) {
-    if (dtype == DA_F32) ((float *)row)[i] = x;
-    else ((uint16_t *)row)[i] = dtype == DA_BF16 ? da_to_bf16(x) : da_to_f16(x);
+    if (dtype == D_F32) ((float *)row)[i] = x;
+    else ((uint16_t *)row)[i] = dtype == D_BF16 ? da_to_bf16(x) : da_to_f16(x);
 }
 
 /* x as stored in dtype and read back. */
 static float da_rounded(float x, int dtype) {
-    if (dtype == DA_F32) return x;
-    return dtype == DA_BF16 ? da_bf16(da_to_bf16(x)) : da_f16(da_to_f16(x));
+    if (dtype == D_F32) return x;
+    return dtype == D_BF16 ? da_bf16(da_to_bf16(x)) : da_f16(da_to_f16(x));
 }
 
 /* Row `row` (of D values) of a cache, as float32: the cache's own memory where it is float32, else
    widened into `scratch`. */
 static const float *da_row(const void *cache, int dtype, int64_t row, int d, float *scratch) {
-    if (dtype == DA_F32) return (const float *)cache + row * d;
+    if (dtype == D_F32) return (const float *)cache + row * d;
     const uint16_t *half = (const uint16_t *)cache + row * d;
-    for (int i = 0; i < d; i++) scratch[i] = dtype == DA_BF16 ? da_bf16(half[i]) : da_f16(half[i]);
+    for (int i = 0; i < d; i++) scratch[i] = dtype == D_BF16 ? da_bf16(half[i]) : da_f16(half[i]);
     return scratch;
 }
 
@@ -313,7 +312,7 @@ static void da_task(const float *q, const void *key, const void *value, int dtyp
 }
 
 static int da_check(int dtype, int heads, int kv_heads, int d, int block_size) {
-    if (dtype != DA_F32 && dtype != DA_BF16 && dtype != DA_F16) return DA_BAD_DTYPE;
+    if (dtype != D_F32 && dtype != D_BF16 && dtype != D_F16) return DA_BAD_DTYPE;
     if (kv_heads <= 0 || heads % kv_heads || d <= 0 || block_size <= 0) return DA_BAD_SHAPE;
     return DA_OK;
 }
@@ -386,8 +385,8 @@ static void da_rotate(const void *x, int dtype, const float *cos_sin, int rotary
 #pragma clang fp contract(off)
 #endif
     int half = rotary_dim / 2;
-    for (int i = 0; i < d; i++) out[i] = dtype == DA_F32 ? ((const float *)x)[i]
-                                         : dtype == DA_BF16 ? da_bf16(((const uint16_t *)x)[i])
+    for (int i = 0; i < d; i++) out[i] = dtype == D_F32 ? ((const float *)x)[i]
+                                         : dtype == D_BF16 ? da_bf16(((const uint16_t *)x)[i])
                                                             : da_f16(((const uint16_t *)x)[i]);
     for (int i = 0; i < half; i++) {
         int first = gptj ? 2 * i : i, second = gptj ? 2 * i + 1 : i + half;
@@ -405,7 +404,7 @@ static void da_rotate_and_write(int64_t t, const void *q, int64_t q_stride, cons
                                 const void *v, int64_t v_stride, int dtype, const int64_t *table_rows,
                                 const float *cos_sin, int rotary_dim, int gptj, const int64_t *slots, void *key,
                                 void *value, int heads, int kv_heads, int d, void *q_out, int q_float, float *row) {
-    size_t size = dtype == DA_F32 ? sizeof(float) : sizeof(uint16_t);
+    size_t size = dtype == D_F32 ? sizeof(float) : sizeof(uint16_t);
     const float *angles = cos_sin + table_rows[t] * rotary_dim;
     for (int h = 0; h < heads; h++) {
         da_rotate((const char *)q + (t * q_stride + (int64_t)h * d) * size, dtype, angles, rotary_dim, gptj, d, row);
