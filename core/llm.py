@@ -85,6 +85,8 @@ class LLM:
                                            dtype, model_type, offload)
             if isinstance(device, int):
                 device = Device(device)
+            elif device is None and topology is not None:
+                device = topology.device(0)  # one device: its NUMA node, where --numa-bind-nodes names one
             self.backend = backend_cls() if device is None else backend_cls(device)
             self.backend.eager_steps = eager_steps
             if self.workers is not None:

@@ -71,6 +71,9 @@ def test_a_busy_port_says_what_to_do(checkpoint, busy_port):
     (["--num-nodes", "2", "--node-rank", "2"], "--node-rank must be in 0 to 1 (--num-nodes 2), not 2"),
     (["--device-ids", "0,1", "--master-port", "70000"], "--master-port must be in 1 to 65535, not 70000"),
     (["--device-ids", "gpu"], "--device-ids gpu: a device is a number"),
+    (["--device-ids", "0,1", "--numa-bind-nodes", "0"], "--numa-bind-nodes names 1 nodes for 2 device ids: one each"),
+    (["--numa-bind-nodes", "99"], "--numa-bind-nodes: this machine has no NUMA node 99 with CPUs"),
+    (["--numa-bind-nodes", "zero"], "--numa-bind-nodes zero: a NUMA node number per device id"),
     (["--kvcache-mem-gpu", "0"], "--kvcache-mem-gpu must be more than 0 MB"),
     (["--kv-fraction", "0"], "--kv-fraction is a share of the free memory, more than 0 and at most 1, not 0"),
     (["--kv-fraction", "1.5"], "--kv-fraction is a share of the free memory, more than 0 and at most 1, not 1.5"),
@@ -98,6 +101,7 @@ def test_good_values_pass_the_checks():
     check_arguments(serve_args("--max-model-len", "2", "--temperature", "0", "--top-p", "1", "--top-k", "-1",
                                "--kvcache-mem-cpu", "0", "--prefill-chunk-size", "0", "--shutdown-grace", "0",
                                "--kv-fraction", "1", "--device-ids", "0", "--async-scheduling"))
+    check_arguments(serve_args("--numa-bind-nodes", "none"))
 
 
 def test_async_scheduling_is_the_engine_default_unless_a_flag_says_otherwise():

@@ -19,6 +19,7 @@ import torch
 from candelabra.backends.torch.cpu.features import has_native_bfloat16, take_share_of_cores, usable_cores
 from candelabra.backends.torch.dtypes import torch_dtype
 from candelabra.backends.torch.host_memory import give_freed_memory_back, keep_freed_memory_for_reuse
+from candelabra.backends.torch.numa_binding import bind_to_node, forget_node_memory
 from candelabra.core.contract.device import Device
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import KVCache
@@ -54,7 +55,8 @@ class HostPlacement:
         from candelabra.backends.torch.packed_int8 import limit_primitive_cache
 
         self._before = _ThreadSettings.of_this_thread()
-        if device.world_size > 1:
+        self._bound = device.numa_node is not None and bind_to_node(device)
+        if device.numa_node is None and device.world_size > 1:
             take_share_of_cores(device.index, device.world_size)
         cores = usable_cores()
         if torch.get_num_threads() != cores:
@@ -71,6 +73,8 @@ class HostPlacement:
         before, self._before = self._before, None
         if before is not None:
             before.restore()
+        if getattr(self, "_bound", False) and before is not None and before.thread is threading.current_thread():
+            forget_node_memory()
 
     def free_memory(self) -> int:
         return int(psutil.virtual_memory().available)
@@ -142,7 +146,7 @@ class DevicePlacement:
         self.pins_host_memory = torch_device.type != "cpu"
 
     def configure(self, device: Device, default_dtype: str) -> None:
-        pass  # a device backend configures its own device
+        bind_to_node(device)  # the host threads that feed the device, near it; the backend configures the device
 
     def release_cached_memory(self) -> None:
         pass

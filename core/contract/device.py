@@ -8,11 +8,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Device:
     """`index` picks one of the backend's devices (`--device-ids`). Under tensor parallelism there is
-    one process per device, this one `rank` of `world_size`; alone, 0 of 1."""
+    one process per device, this one `rank` of `world_size`; alone, 0 of 1. On a machine of several
+    NUMA nodes a rank may be given one (`numa_node`, whose memory it allocates from) and `cores` of it
+    to run its threads on (`--numa-bind-nodes`)."""
 
     index: int = 0
     rank: int = 0
     world_size: int = 1
+    numa_node: int | None = None
+    cores: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:

@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device-ids", "--d",
                         help="the devices to run on, by index: one (default 0), or several, comma-separated, for "
                              "tensor parallelism, one process each (on a CPU with torch, ranks sharing the cores)")
+    engine.add_argument("--numa-bind-nodes", metavar="NODES",
+                        help="the NUMA node each of --device-ids keeps its threads and memory to, comma-separated "
+                             "(e.g. 0,0,1,1, as candle-vllm's MAP_NUMA_NODE), or none; by default, where the machine "
+                             "has several nodes, tensor-parallel ranks are spread over them")
     engine.add_argument("--num-nodes", type=int, default=1,
                         help="machines the ranks run on, each with the same --device-ids (default 1)")
     engine.add_argument("--node-rank", type=int, default=0,
@@ -268,9 +272,10 @@ def _run_ranks(args: argparse.Namespace) -> int:
 
 
 def topology_of(args: argparse.Namespace):
-    """Where the ranks run, from --device-ids, --num-nodes, --node-rank, --master-addr and --master-port;
-    ValueError naming the flag for values that cannot be."""
+    """Where the ranks run, from --device-ids, --num-nodes, --node-rank, --master-addr, --master-port and
+    --numa-bind-nodes; ValueError naming the flag for values that cannot be."""
     from candelabra.core.contract.device import Device
+    from candelabra.core.worker.numa_nodes import allowed_cpus, bindings, machine_nodes, parse_bind_nodes
     from candelabra.core.worker.topology import Topology
 
     ids = Device.parse_ids(args.device_ids) or (0,)
@@ -278,7 +283,10 @@ def topology_of(args: argparse.Namespace):
     if port is None:
         port = _free_port() if args.num_nodes == 1 and len(ids) > 1 else DEFAULT_MASTER_PORT
         args.master_port = port  # chosen once: every later call must give the same topology
-    return Topology(ids, args.num_nodes, args.node_rank, args.master_addr, port)
+    topology = Topology(ids, args.num_nodes, args.node_rank, args.master_addr, port,
+                        parse_bind_nodes(args.numa_bind_nodes))
+    bindings(len(ids), topology.numa_bind_nodes, machine_nodes(), allowed_cpus())  # ValueError for a node not here
+    return topology
 
 
 def _free_port() -> int:

@@ -51,6 +51,8 @@ class WorkerSpec:
         fields = json.loads(text)
         topology = fields.pop("topology")
         topology["device_ids"] = tuple(topology["device_ids"])
+        if topology.get("numa_bind_nodes") is not None:
+            topology["numa_bind_nodes"] = tuple(topology["numa_bind_nodes"])
         return cls(**fields, topology=Topology(**topology))
 
 

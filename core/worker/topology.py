@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from candelabra.core.contract.device import Device
+from candelabra.core.worker.numa_nodes import allowed_cpus, bindings, machine_nodes
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -20,6 +21,8 @@ class Topology:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
+    # --numa-bind-nodes: a NUMA node per device id, () for none, None to spread ranks over the nodes
+    numa_bind_nodes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.device_ids:
@@ -39,5 +42,8 @@ class Topology:
         return self.num_nodes * len(self.device_ids)
 
     def device(self, local: int) -> Device:
-        """The Device of this node's `local`-th rank."""
-        return Device(self.device_ids[local], self.node_rank * len(self.device_ids) + local, self.world_size)
+        """The Device of this node's `local`-th rank, with the NUMA node and cores it keeps to on this machine."""
+        binding = bindings(len(self.device_ids), self.numa_bind_nodes, machine_nodes(), allowed_cpus())[local]
+        node, cores = binding if binding else (None, None)
+        return Device(self.device_ids[local], self.node_rank * len(self.device_ids) + local, self.world_size,
+                      numa_node=node, cores=cores)
