@@ -5,6 +5,11 @@
 
 const char arch_name[] = "portable C";
 
+INLINE void decode_chunk(const int f, const uint8_t *b, const block_scales *s, int c, float *out) {
+    int8_t v[32];
+    chunk_values_portable(f, b, c, v);
+    for (int l = 0; l < 32; l++) out[l] = (float)v[l] * (l < 16 ? s->scale[c] : s->scale_hi[c]) + s->offset[c];
+}
 INLINE void float_tile(const int f, const int rows, const uint8_t *w_row, const float *x, const float *x_sum,
                        int64_t K, float *result) {
     (void)x_sum;
@@ -15,10 +20,8 @@ INLINE void float_tile(const int f, const int rows, const uint8_t *w_row, const 
         block_scales s;
         read_scales(f, b, &s);
         for (int c = 0; c < chunks_per_block(f); c++) {
-            int8_t v[32];
             float w[32];
-            chunk_values_portable(f, b, c, v);
-            for (int l = 0; l < 32; l++) w[l] = (float)v[l] * (l < 16 ? s.scale[c] : s.scale_hi[c]) + s.offset[c];
+            decode_chunk(f, b, &s, c, w);
             const float *xc = x + i * VALUES_PER_BLOCK[f] + 32 * c;
             for (int m = 0; m < rows; m++) {
                 float partial = 0.0f;
@@ -71,9 +74,4 @@ INLINE void quantize_row(const float *x, int64_t K, int8_t *q, float *scale, flo
     }
 }
 
-INLINE void decode_chunk(const int f, const uint8_t *b, const block_scales *s, int c, float *out) {
-    int8_t v[32];
-    chunk_values_portable(f, b, c, v);
-    for (int l = 0; l < 32; l++) out[l] = (float)v[l] * (l < 16 ? s->scale[c] : s->scale_hi[c]) + s->offset[c];
-}
 #include "../block_rows.h"
