@@ -19,7 +19,9 @@ of x (what reading each weight block once for all rows saves, from 4 rows); bloc
 decoded to float32 for a GEMM, from 16 rows); torch's int8 weight-only kernel on per-row int8 values
 (bfloat16: what quantized.py keeps for Q5_0, Q8_0 and Q6_K); torch's int4 kernel (Q4_K, bfloat16);
 dense F.linear in float32 and bfloat16. GB/s: bytes of the form each candidate reads (blocks; int8
-values and scales; packed int4 with scales and zeros; dense values) over the median time.
+values and scales; packed int4 with scales and zeros; dense values) over the median time; "of read": that
+over the read bandwidth measured in the same run by the kernel library's plain read of a pool (issue 53's
+goal: 60% at one row).
 
 --threads 1 --cpu-time: one thread's CPU time instead of the wall clock, for a machine others keep busy.
 
@@ -72,7 +74,7 @@ WEIGHTS = {
     "attn_q": ("attn_q", "Q5_0"),
     "output": ("output", "Q8_0"),
 }
-HEADERS = ("weight", "M", "candidate", "median ms", "fastest ms", "GB/s")
+HEADERS = ("weight", "M", "candidate", "median ms", "fastest ms", "GB/s", "of read")
 
 
 @dataclass
@@ -186,6 +188,21 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.15) -> bool:
         if busy_cores() < threshold:
             return True
     return False
+
+
+def read_bandwidth(repeats: int) -> float:
+    """GB/s this run's threads read from memory (the kernel library's `candelabra_read_words` over four pools,
+    each read once a round, the median of the rounds): the bound a product that reads its weight once can
+    approach."""
+    library = kernel_library.kernels().library
+    pools = [np.random.default_rng(index).integers(0, 2**63, POOL_BYTES // 8, dtype=np.uint64) for index in range(4)]
+    seconds = []
+    for _ in range(max(repeats, 5)):
+        for pool in pools:
+            started = time.perf_counter()
+            library.candelabra_read_words(pool.ctypes.data, pool.size, torch.get_num_threads())
+            seconds.append(time.perf_counter() - started)
+    return POOL_BYTES / statistics.median(seconds) / 1e9
 
 
 def time_all(cands: list[Candidate], rows: int, columns: int, repeats: int, quiet_wait_s: float,
@@ -309,6 +326,9 @@ def main() -> None:
     if args.errors:
         errors()
         return
+    bandwidth = read_bandwidth(args.repeats)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (the kernel library's read of {POOL_BYTES >> 20} MiB pools; "
+          "\"of read\" is each candidate's GB/s over it)")
     reader = GGUFReader(default_model_path())
     lines = []
     builds_folder = tempfile.TemporaryDirectory()
@@ -326,7 +346,8 @@ def main() -> None:
                     continue
                 median, fastest = statistics.median(seconds[c.name]), min(seconds[c.name])
                 lines.append((f"{WEIGHTS[kind][0]} {weights[0].format} {rows}x{columns}", str(m), c.name,
-                              f"{median * 1e3:.3f}", f"{fastest * 1e3:.3f}", f"{c.nbytes / median / 1e9:.1f}"))
+                              f"{median * 1e3:.3f}", f"{fastest * 1e3:.3f}", f"{c.nbytes / median / 1e9:.1f}",
+                              f"{c.nbytes / median / 1e9 / bandwidth:.0%}"))
             note = f" ({busy} of {args.repeats} rounds began while other processes were busy)" if busy else ""
             print(format_table(HEADERS, lines[-len(seconds):]) + note + "\n", flush=True)
         del cands

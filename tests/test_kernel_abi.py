@@ -3,6 +3,7 @@ types every entry point, and a C definition that strays from it does not compile
 
 import ctypes
 
+import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -31,7 +32,8 @@ def test_every_entry_point_of_the_loaded_library_is_typed_from_the_table():
     for name, (returns, parameters) in kernel_abi.FUNCTIONS.items():
         function = getattr(loaded.library, name)
         assert len(function.argtypes) == len(parameters), name
-        assert function.restype is (ctypes.c_char_p if returns == "const char *" else ctypes.c_int), name
+        assert function.restype is {"const char *": ctypes.c_char_p, "int": ctypes.c_int, "uint64_t": ctypes.c_uint64}[
+            returns], name
     matmul = loaded.library.gguf_blocks_matmul.argtypes
     assert matmul[3] is ctypes.c_int64 and matmul[2] is ctypes.c_void_p  # N, and the blocks' pointer
 
@@ -62,3 +64,14 @@ def _header_with(functions) -> str:
         return kernel_abi.header()
     finally:
         kernel_abi.FUNCTIONS = saved
+
+
+def test_the_read_sums_every_word_of_the_buffer():
+    loaded = kernel_library.kernels()
+    if loaded.library is None:
+        pytest.skip(loaded.detail)
+    words = np.random.default_rng(31).integers(0, 2**63, size=1_000_003, dtype=np.uint64)
+    expected = int(words.sum(dtype=np.uint64))  # numpy wraps mod 2**64 as the C does
+    for threads in (1, 2, 3):
+        assert loaded.library.candelabra_read_words(words.ctypes.data, words.size, threads) == expected
+    assert loaded.library.candelabra_read_words(words.ctypes.data, 0, 2) == 0

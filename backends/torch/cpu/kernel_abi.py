@@ -54,6 +54,8 @@ FUNCTIONS = {
     "rotary_and_decode_attention": ("int", ("const void *q", "int64_t q_stride", "const void *k", "int64_t k_stride",
                                             "const void *v", "int64_t v_stride", "int dtype", *_ROTARY, *_ATTENTION)),
     "decode_attention_describe": ("const char *", ()),
+    # The 64-bit words of a buffer summed (mod 2**64) by `threads` threads: a read as fast as memory gives.
+    "candelabra_read_words": ("uint64_t", ("const uint64_t *words", "int64_t count", "int threads")),
     # The digest of the sources the library was built from (`sources_digest`), set by the build.
     "candelabra_kernel_sources": ("const char *", ()),
 }
@@ -62,7 +64,8 @@ FORMAT_CODES = {name: code for code, (name, _, _) in enumerate(FORMATS)}
 DTYPE_CODES = {name: code for code, (name, _) in enumerate(DTYPES)}
 BLOCK_KERNEL_CODES = {name: code for code, (name, _) in enumerate(BLOCK_KERNELS)}
 
-_CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "const char *": ctypes.c_char_p}
+_CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "float": ctypes.c_float,
+           "const char *": ctypes.c_char_p}
 
 
 def _type_of(declaration: str) -> str:

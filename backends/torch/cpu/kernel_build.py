@@ -109,7 +109,8 @@ def compile_commands(variant: Variant, target: Path, work: Path, compiler: str,
     into `target`, without an OpenMP runtime."""
     flags = [*BASE_FLAGS, *variant.compiler_flags, *extra_flags, f"-I{work}",
              f'-DCANDELABRA_SOURCES_DIGEST="{sources_digest()}"']
-    sources = [SOURCES / "block_products.c", SOURCES / "arch" / variant.arch_source, SOURCES / "decode_attention.c"]
+    sources = [SOURCES / "block_products.c", SOURCES / "arch" / variant.arch_source, SOURCES / "decode_attention.c",
+               SOURCES / "memory_read.c"]
     objects = [work / f"{source.stem}.o" for source in sources]
     steps = [[compiler, *flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
     steps.append([compiler, "-shared", *extra_flags, *map(str, objects), "-lm", "-o", str(target)])
