@@ -53,8 +53,8 @@ _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 # Best first: a CPU runs the first whose flags it has.
 VARIANTS = (
-    # Tuned for Intel's AVX-512 cores: generic tuning took blocks_float 1.17 to 1.31 times longer at 16 rows of
-    # float32 x (Intel Xeon with AMX, bench/results/2026-12-02-xeon-amx-variants/).
+    # Tuned for Intel's AVX-512 cores: with generic tuning blocks_float took up to 1.31 times as long at 16 rows
+    # of float32 x on an Intel Xeon.
     Variant("avx512", X86, frozenset(_AVX2 + _AVX512),
             ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
              "-mtune=skylake-avx512"), "x86_avx512.c"),
