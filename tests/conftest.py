@@ -15,7 +15,7 @@ from support import interpret_the_kernels_without_a_gpu
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Kernels chosen while the suite's workers load every core are timed under that load; their tables go
-# to a folder of the suite's own, not to the one `candelabra serve` reads (kernel_choice.tables_folder).
+# to a folder of the suite's own, not to the one `candelabra serve` reads (kernel_tuning.tables_folder).
 os.environ.setdefault("CANDELABRA_KERNEL_TABLES", str(default_cache_dir() / "kernels-tests"))
 
 # The suite measures the exact kernels unless a test allows int8 activations itself: a developer's own

@@ -11,7 +11,7 @@ import torch
 
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.backends.torch.cpu.features import default_dtypes, has_native_bfloat16, parse_cpu_flags
-from candelabra.backends.torch.kernel_choice import choose
+from candelabra.backends.torch.kernel_tuning import choose
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES

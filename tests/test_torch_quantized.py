@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from candelabra.backends.torch import weight_forms
-from candelabra.backends.torch.kernel_choice import Choice
+from candelabra.backends.torch.kernel_tuning import Choice
 from candelabra.backends.torch.quantized import (
     INT4_FORMATS,
     INT8_FORMATS,

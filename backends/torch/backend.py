@@ -191,7 +191,7 @@ class TorchBackend(Backend):
     def _time_as_lm_head(self, weight, kept, dtype):
         """An embedding table is kept in its most compact readable form without timing anything (a lookup
         reads a few rows); tied to the LM head it also multiplies, so its kernels are timed then."""
-        from candelabra.backends.torch.kernel_choice import Candidate
+        from candelabra.backends.torch.kernel_tuning import Candidate
         from candelabra.backends.torch.weight_forms import KeptWeight
 
         if not isinstance(kept, KeptWeight) or not isinstance(weight, QuantizedTensor):
@@ -200,7 +200,7 @@ class TorchBackend(Backend):
 
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
         """A weight still in a GGUF or grouped int4 format: on a CPU, kept in the form and multiplied by the kernels
-        measured fastest here for its format and shape (kernel_choice.py), else dequantized. An
+        measured fastest here for its format and shape (kernel_tuning.py), else dequantized. An
         embedding table stays in a form whose rows can be read back, and a tied LM head shares it."""
         kept = self.placement.keep_quantized(weight, dtype, role, self.kernel_chooser)
         if kept is None:
@@ -231,20 +231,20 @@ class TorchBackend(Backend):
 
     def activation_rounding(self) -> str | None:
         """"int8" on a CPU where $CANDELABRA_INT8_ACTIVATIONS=1 lets kernels that round x to int8 serve."""
-        from candelabra.backends.torch.kernel_choice import int8_activations_from_environment
+        from candelabra.backends.torch.kernel_tuning import int8_activations_from_environment
 
         return "int8" if self.runs_on() == "cpu" and int8_activations_from_environment() else None
 
     def kernel_chooser(self, dtype: str):
         """The choices of this process for `dtype` and this backend's share of the cores."""
-        from candelabra.backends.torch.kernel_choice import chooser_for
+        from candelabra.backends.torch.kernel_tuning import chooser_for
 
         return chooser_for(dtype, usable_cores())
 
     @classmethod
     def kernel_tables(cls) -> list[str]:
         """The kernel choices measured on this machine, one table per compute dtype and thread count."""
-        from candelabra.backends.torch.kernel_choice import describe_cached
+        from candelabra.backends.torch.kernel_tuning import describe_cached
 
         return describe_cached() if cls.runs_on() == "cpu" else []
 
@@ -336,7 +336,7 @@ class TorchStepExecutor(StepExecutor):
         """The model is loaded and the caches allocated: the kernels its weights use are logged, and
         what loading freed goes back to the OS (freed memory is otherwise kept for the steps'
         temporaries, on a CPU)."""
-        from candelabra.backends.torch.kernel_choice import log_choices
+        from candelabra.backends.torch.kernel_tuning import log_choices
 
         log_choices()
         self.backend.release_cached_memory()

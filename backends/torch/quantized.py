@@ -8,7 +8,7 @@ act-order weight's form permutes x instead). In bfloat16, formats whose values s
 per-row int8 rounding (NMSE against the dequantized weight of about 1e-4 at most, measured by
 bench/quantized_weight_error.py) may be kept as int8 rows, plain or packed for oneDNN. Every weight
 may also be kept dense. Which of its candidate forms a weight is kept in, and which kernel
-multiplies it at each number of rows, kernel_choice.py decides by timing them.
+multiplies it at each number of rows, kernel_tuning.py decides by timing them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from candelabra.backends.torch.kernel_choice import Candidate, KernelChooser
+from candelabra.backends.torch.kernel_tuning import Candidate, KernelChooser
 from candelabra.backends.torch.weight_forms import (
     INT4_GROUP_SIZE,
     INT8_COLUMN_STEP,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from candelabra.backends.torch import kernel_choice
-from candelabra.backends.torch.kernel_choice import (
+from candelabra.backends.torch import kernel_tuning
+from candelabra.backends.torch.kernel_tuning import (
     INVERSION_RATIO,
     MAX_LOOKS,
     MEASURING_ORDER,
@@ -246,7 +246,7 @@ def test_a_kernel_timed_slower_over_one_row_than_over_more_is_timed_again_there(
 
 
 def test_a_kernel_slower_over_one_row_every_time_keeps_that_time():
-    from candelabra.backends.torch.kernel_choice import measure
+    from candelabra.backends.torch.kernel_tuning import measure
 
     times = SlowAtOneRow(ALL_FAST, ("int8", "int8_mm"), slow_ms=10.0)
     found, _ = measure("Q5_0", SHAPE, int8_and_dense_candidates(), "bfloat16", times, lambda: 1.0)
@@ -330,7 +330,7 @@ def test_a_kernel_that_rounds_activations_is_a_candidate_only_when_allowed(tmp_p
     kept = exact.keep("Q5_0", SHAPE, rounding_candidates())
     assert "int8_rounded" not in kept.choice.kernels
     assert {t.dropped for t in exact.timings if t.kernel == "int8_rounded"} == {
-        f"rounds activations to 8 bits: a candidate with {kernel_choice.INT8_ACTIVATIONS_VARIABLE}=1 only"}
+        f"rounds activations to 8 bits: a candidate with {kernel_tuning.INT8_ACTIVATIONS_VARIABLE}=1 only"}
 
     rounding = chooser(tmp_path, FakeTimes(ROUNDED_FASTEST), int8_activations=True)
     kept = rounding.keep("Q5_0", SHAPE, rounding_candidates())
@@ -344,7 +344,7 @@ def test_a_kernel_that_rounds_activations_too_coarsely_is_dropped_as_wrong(tmp_p
     assert "int8_rounded" not in kept.choice.kernels
     dropped = [t for t in measuring.timings if t.kernel == "int8_rounded"]
     assert dropped and all(t.dropped.startswith("wrong: NMSE") for t in dropped)
-    assert all(kernel_choice.ROUNDED_ACTIVATIONS_NMSE_BUDGET < t.nmse < 0.1 for t in dropped)
+    assert all(kernel_tuning.ROUNDED_ACTIVATIONS_NMSE_BUDGET < t.nmse < 0.1 for t in dropped)
 
 
 def test_tables_measured_with_and_without_rounded_activations_are_kept_apart(tmp_path):
@@ -363,17 +363,17 @@ def test_tables_measured_with_and_without_rounded_activations_are_kept_apart(tmp
 @pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
 def test_int8_activations_are_allowed_by_the_environment(monkeypatch, value, allowed):
     if value is None:
-        monkeypatch.delenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, raising=False)
+        monkeypatch.delenv(kernel_tuning.INT8_ACTIVATIONS_VARIABLE, raising=False)
     else:
-        monkeypatch.setenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, value)
-    assert kernel_choice.int8_activations_from_environment() is allowed
+        monkeypatch.setenv(kernel_tuning.INT8_ACTIVATIONS_VARIABLE, value)
+    assert kernel_tuning.int8_activations_from_environment() is allowed
     assert KernelChooser("float32", 2, folder=None).int8_activations is allowed
 
 
 def test_an_int8_activations_value_that_is_not_0_or_1_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(kernel_choice.INT8_ACTIVATIONS_VARIABLE, "yes")
+    monkeypatch.setenv(kernel_tuning.INT8_ACTIVATIONS_VARIABLE, "yes")
     with pytest.raises(ValueError, match="CANDELABRA_INT8_ACTIVATIONS='yes'"):
-        kernel_choice.int8_activations_from_environment()
+        kernel_tuning.int8_activations_from_environment()
 
 
 def test_an_unreadable_table_is_measured_again(tmp_path):
@@ -435,11 +435,11 @@ def test_the_report_names_the_chosen_kernel_its_time_and_the_runner_up(tmp_path)
 
 
 def test_a_budget_that_is_not_a_number_of_seconds_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(kernel_choice.BUDGET_VARIABLE, "soon")
-    with pytest.raises(ValueError, match=kernel_choice.BUDGET_VARIABLE):
-        kernel_choice.budget_from_environment()
-    monkeypatch.setenv(kernel_choice.BUDGET_VARIABLE, "0.5")
-    assert kernel_choice.budget_from_environment() == 0.5
+    monkeypatch.setenv(kernel_tuning.BUDGET_VARIABLE, "soon")
+    with pytest.raises(ValueError, match=kernel_tuning.BUDGET_VARIABLE):
+        kernel_tuning.budget_from_environment()
+    monkeypatch.setenv(kernel_tuning.BUDGET_VARIABLE, "0.5")
+    assert kernel_tuning.budget_from_environment() == 0.5
 
 
 def test_a_form_without_a_measured_choice_runs_its_default_kernels():
@@ -542,14 +542,14 @@ def test_weights_another_process_measured_meanwhile_are_kept_when_the_table_is_w
 def test_the_tables_live_in_the_caches_kernels_folder_unless_told_otherwise(tmp_path, monkeypatch):
     monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CANDELABRA_KERNEL_TABLES", raising=False)
-    assert kernel_choice.tables_folder() == tmp_path / "cache" / "kernels"
+    assert kernel_tuning.tables_folder() == tmp_path / "cache" / "kernels"
     monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path / "tables"))
-    assert kernel_choice.tables_folder() == tmp_path / "tables"
-    monkeypatch.setattr(kernel_choice, "_CHOOSERS", {})
-    assert kernel_choice.chooser_for("bfloat16", 2).path.parent == tmp_path / "tables"
+    assert kernel_tuning.tables_folder() == tmp_path / "tables"
+    monkeypatch.setattr(kernel_tuning, "_CHOOSERS", {})
+    assert kernel_tuning.chooser_for("bfloat16", 2).path.parent == tmp_path / "tables"
 
 
 def test_the_suite_keeps_its_tables_apart_from_the_ones_serving_reads():
     from candelabra.core.weights.default_model import default_cache_dir
 
-    assert kernel_choice.tables_folder() != default_cache_dir() / "kernels"
+    assert kernel_tuning.tables_folder() != default_cache_dir() / "kernels"
