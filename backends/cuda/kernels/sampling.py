@@ -504,7 +504,7 @@ def sample(logits: torch.Tensor, params: TorchSampling) -> SampleResult:
             num_warps=NUM_WARPS,
             **launch_options(device),
         )
-    top_ids, top_logprobs = _top_logprobs(x, normaliser[:, None], params.num_top_logprobs)
+    top_ids, top_logprobs = _top_logprobs(x, lambda values: values - normaliser[:, None], params.num_top_logprobs)
     return SampleResult(token_ids=token_ids, logprobs=logprobs, top_token_ids=top_ids, top_logprobs=top_logprobs)
 
 
