@@ -20,6 +20,8 @@ COMMANDS = {
                     "whose runtime hands out arrays of its own, which passes conformance as written"),
     "serve": ("candelabra.core.server.launch",
               "serve a model through the OpenAI API (default: Qwen2.5-Coder-0.5B-Instruct)"),
+    "tune": ("candelabra.core.commands.tune",
+             "measure a backend's kernels on this machine and write the table its serve then reads here"),
     "chat": ("candelabra.core.clients.chat", "chat in the terminal with a running server"),
     "bench": ("candelabra.core.clients.bench",
               "load a running server with concurrent streaming requests; throughput and latency"),

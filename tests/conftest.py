@@ -14,8 +14,8 @@ from support import interpret_the_kernels_without_a_gpu
 # another team needs. Set before any test imports torch; children inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# Kernels chosen while the suite's workers load every core are timed under that load; their tables go
-# to a folder of the suite's own, not to the one `candelabra serve` reads (kernel_tuning.tables_folder).
+# The suite serves from the kernel tables in code: a developer's own tuned tables (`candelabra tune`) would
+# change which kernels its tests run, so it reads tuned tables from a folder of its own.
 os.environ.setdefault("CANDELABRA_KERNEL_TABLES", str(default_cache_dir() / "kernels-tests"))
 
 # The suite measures the exact kernels unless a test allows int8 activations itself: a developer's own

@@ -14,7 +14,7 @@ import torch
 from candelabra.backends.torch.cpu import block_products, kernel_build, kernel_library
 from candelabra.backends.torch.cpu.block_products import NATIVE_FORMATS, NativeBlocksWeight, native_blocks_available
 from candelabra.backends.torch.cpu.features import cpu_flags
-from candelabra.backends.torch.kernel_tuning import INT8_ACTIVATIONS_VARIABLE
+from candelabra.backends.torch.kernel_table import INT8_ACTIVATIONS_VARIABLE
 from candelabra.conformance.compare import QUANTIZED_NMSE_THRESHOLDS
 from candelabra.conformance.quantized_weights import random_quantized
 
@@ -268,7 +268,7 @@ def test_blocks_of_the_wrong_size_are_refused_before_any_kernel_reads_them():
 
 
 def set_kernel(kept: NativeBlocksWeight, kernel: str) -> None:
-    from candelabra.backends.torch.kernel_tuning import ROW_BANDS, Choice
+    from candelabra.backends.torch.kernel_table import ROW_BANDS, Choice
 
     kept.choice = Choice(kept.form, tuple(kernel for _ in ROW_BANDS))
 

@@ -11,7 +11,6 @@ import torch
 
 from candelabra.backends.torch.backend import TorchBackend
 from candelabra.backends.torch.cpu.features import default_dtypes, has_native_bfloat16, parse_cpu_flags
-from candelabra.backends.torch.kernel_tuning import choose
 from candelabra.conformance.quantized_weights import random_quantized
 from candelabra.core.contract.kv_cache import KVCacheSpec
 from candelabra.core.contract.ops import OP_NAMES
@@ -106,16 +105,18 @@ def test_probe_explains_a_missing_torch():
 
 
 @pytest.mark.parametrize("format", ["Q4_K", "Q4_0", "Q5_0"])
-def test_a_quantized_weight_is_kept_in_the_form_measured_fastest_here(format, tmp_path, monkeypatch):
-    monkeypatch.setenv("CANDELABRA_CACHE", str(tmp_path))
-    monkeypatch.delenv("CANDELABRA_KERNEL_TABLES")  # the suite's own folder, which serving never reads
+def test_a_quantized_weight_is_kept_in_the_form_the_kernel_table_names_here(format, tmp_path, monkeypatch):
+    from candelabra.backends.torch.kernel_table import isa_level, rows_for
+
+    monkeypatch.setenv("CANDELABRA_KERNEL_TABLES", str(tmp_path))  # no tuned table: the one in code
     weight = random_quantized(np.random.default_rng(3), format, 64, 256)
     backend = TorchBackend()
     kept = backend.upload_weight("w", WeightRole.LINEAR, weight, "bfloat16")
-    chooser = backend.kernel_chooser("bfloat16")
-    assert chooser.used == {(format, (64, 256)): 1}
-    assert kept.choice == choose(t for t in chooser.timings if t.format == format)
-    assert list((tmp_path / "kernels").glob("bfloat16-*.json")) == [chooser.path]
+    selector = backend.kernel_selector("bfloat16")
+    selection = selector.selected[next(key for key in selector.selected if key[:2] == (format, (64, 256)))]
+    assert kept.choice == selection.choice and kept.form == selection.choice.form
+    assert selection.row in rows_for(format, "bfloat16", selector.activations, isa_level())
+    assert not list(tmp_path.rglob("*.json"))  # nothing measured, nothing written
 
 
 def test_in_float32_int8_formats_keep_their_exact_values(tmp_path, monkeypatch):

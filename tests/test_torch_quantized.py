@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from candelabra.backends.torch import weight_forms
-from candelabra.backends.torch.kernel_tuning import Choice
+from candelabra.backends.torch.kernel_table import Choice
 from candelabra.backends.torch.quantized import (
     INT4_FORMATS,
     INT8_FORMATS,
@@ -231,7 +231,7 @@ def test_int8_refuses_widths_its_kernel_cannot_read():
 
 
 @pytest.mark.parametrize("format", [*GGUF_QUANTIZED_FORMATS, *INT4_GROUP_FORMATS])
-def test_without_a_chooser_a_weight_is_kept_in_its_first_candidate_form(format):
+def test_without_a_selector_a_weight_is_kept_in_its_first_candidate_form(format):
     weight = random_quantized(np.random.default_rng(8), format, 16, 256)
     kept = keep_quantized(weight, torch.bfloat16)
     expected = Int4Weight if format in INT4_FORMATS else Int8Weight if format in INT8_FORMATS else type(None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -172,10 +173,10 @@ class TorchBackend(Backend):
 
     def upload_weight(self, name, role, weight, dtype):
         # A tied LM head comes right after the embedding, as the same host array or QuantizedTensor:
-        # one tensor or handle for both, whose kernels are then timed for the LM head's matmuls.
+        # one tensor or handle for both, whose kernels are then taken for the LM head's matmuls.
         last, self._last_embedding = self._last_embedding, None
         if role is WeightRole.LM_HEAD and last is not None and last[0] is weight and last[1] == dtype:
-            return self._time_as_lm_head(weight, last[2], dtype)
+            return self._kernels_as_lm_head(weight, last[2], dtype)
         if isinstance(weight, QuantizedTensor) and role is WeightRole.EXPERTS:
             tensor = self.upload_quantized_experts(name, weight, dtype)
         elif isinstance(weight, QuantizedTensor):
@@ -188,21 +189,22 @@ class TorchBackend(Backend):
             self._last_embedding = (weight, dtype, tensor)
         return tensor
 
-    def _time_as_lm_head(self, weight, kept, dtype):
-        """An embedding table is kept in its most compact readable form without timing anything (a lookup
-        reads a few rows); tied to the LM head it also multiplies, so its kernels are timed then."""
-        from candelabra.backends.torch.kernel_tuning import Candidate
+    def _kernels_as_lm_head(self, weight, kept, dtype):
+        """An embedding table is kept in its most compact readable form with its default kernels (a lookup
+        reads a few rows); tied to the LM head it also multiplies, so its form's kernels are taken from the
+        kernel table then."""
+        from candelabra.backends.torch.kernel_selection import Candidate
         from candelabra.backends.torch.weight_forms import KeptWeight
 
         if not isinstance(kept, KeptWeight) or not isinstance(weight, QuantizedTensor):
             return kept
-        return self.kernel_chooser(dtype).keep(weight.format, weight.shape, [Candidate(kept.form, lambda: kept)])
+        return self.kernel_selector(dtype).keep(weight.format, weight.shape, [Candidate(kept.form, lambda: kept)])
 
     def upload_quantized(self, name: str, weight: QuantizedTensor, dtype: str, role: WeightRole = WeightRole.LINEAR):
         """A weight still in a GGUF or grouped int4 format: on a CPU, kept in the form and multiplied by the kernels
-        measured fastest here for its format and shape (kernel_tuning.py), else dequantized. An
+        the kernel table names for its format and this CPU (kernel_table.py), else dequantized. An
         embedding table stays in a form whose rows can be read back, and a tied LM head shares it."""
-        kept = self.placement.keep_quantized(weight, dtype, role, self.kernel_chooser)
+        kept = self.placement.keep_quantized(weight, dtype, role, self.kernel_selector)
         if kept is None:
             return self.to_device(weight.dequantize(), dtype)
         return kept
@@ -231,22 +233,52 @@ class TorchBackend(Backend):
 
     def activation_rounding(self) -> str | None:
         """"int8" on a CPU where $CANDELABRA_INT8_ACTIVATIONS=1 lets kernels that round x to int8 serve."""
-        from candelabra.backends.torch.kernel_tuning import int8_activations_from_environment
+        from candelabra.backends.torch.kernel_table import int8_activations_from_environment
 
         return "int8" if self.runs_on() == "cpu" and int8_activations_from_environment() else None
 
-    def kernel_chooser(self, dtype: str):
-        """The choices of this process for `dtype` and this backend's share of the cores."""
-        from candelabra.backends.torch.kernel_tuning import chooser_for
+    def kernel_selector(self, dtype: str):
+        """The kernel selections of this process for `dtype` and this backend's share of the cores."""
+        from candelabra.backends.torch.kernel_selection import selector_for
 
-        return chooser_for(dtype, usable_cores())
+        return selector_for(dtype, usable_cores())
 
     @classmethod
     def kernel_tables(cls) -> list[str]:
-        """The kernel choices measured on this machine, one table per compute dtype and thread count."""
-        from candelabra.backends.torch.kernel_tuning import describe_cached
+        """The rows of the kernel table this CPU reads: its tuned table's, then those in code for its ISA level."""
+        from candelabra.backends.torch.kernel_table import describe
 
-        return describe_cached() if cls.runs_on() == "cpu" else []
+        return describe() if cls.runs_on() == "cpu" else []
+
+    @classmethod
+    def tune_kernels(cls, dtypes: list[str] | None = None, formats: list[str] | None = None,
+                     shapes: list[tuple[int, int]] | None = None, output: Path | None = None,
+                     progress: Callable[[str], None] | None = None) -> str:
+        """Time every form and kernel of each quantized format on this CPU (kernel_tuning.py) and write the
+        ranking as this machine's tuned table, which serve then reads before the table in code."""
+        from candelabra.backends.torch.kernel_tuning import TUNE_SHAPES, report, shapes_for, tune
+
+        if cls.runs_on() != "cpu":
+            raise ValueError(f"the torch backend picks kernels by a table on a CPU only; here it runs on "
+                             f"{cls.runs_on()}")
+        unknown = sorted(set(formats or ()) - set(QUANTIZED_FORMATS))
+        if unknown:
+            raise ValueError(f"no quantized format {', '.join(unknown)}: the torch backend keeps "
+                             f"{', '.join(QUANTIZED_FORMATS)}")
+        wrong_dtypes = sorted(set(dtypes or ()) - set(CPU_DTYPES))
+        if wrong_dtypes:
+            raise ValueError(f"no compute dtype {', '.join(wrong_dtypes)}: the torch backend computes in "
+                             f"{', '.join(CPU_DTYPES)}")
+        shapes = shapes or list(TUNE_SHAPES)
+        for format in formats or QUANTIZED_FORMATS:
+            if not shapes_for(format, shapes):
+                raise ValueError(f"{format} needs K in whole blocks or groups; none of the shapes "
+                                 f"{', '.join(f'{n}x{k}' for n, k in shapes)} has it")
+        threads = usable_cores()
+        torch.set_num_threads(threads)
+        path, tuned = tune(dtypes or [CPU_DTYPES[0]], formats or QUANTIZED_FORMATS, threads, shapes=shapes,
+                           output=output, progress=progress)
+        return f"{report(tuned, threads)}\nwritten to {path}; serve reads it on this machine at {threads} threads"
 
     # experts in host memory
 
@@ -336,9 +368,9 @@ class TorchStepExecutor(StepExecutor):
         """The model is loaded and the caches allocated: the kernels its weights use are logged, and
         what loading freed goes back to the OS (freed memory is otherwise kept for the steps'
         temporaries, on a CPU)."""
-        from candelabra.backends.torch.kernel_tuning import log_choices
+        from candelabra.backends.torch.kernel_selection import log_selections
 
-        log_choices()
+        log_selections()
         self.backend.release_cached_memory()
 
     def run(self, inputs: StepInputs, caches: list[KVCache], feed: TokenFeed | None = None):

@@ -5,7 +5,7 @@ repacks the weight on every call. oneDNN's quantized linear (`torch.ops.onednn.q
 takes a weight packed once, at load, for this CPU's AMX or VNNI units. It wants int8 activations
 with one scale for the whole batch, so x is split per row into two int8 parts (`split_into_int8_parts`),
 stacked into one batch of unit scale, and the parts' products are scaled per row and added in float32.
-Whether that pays depends on the CPU, so it is one candidate form that kernel_tuning.py times. On 2
+Whether that pays depends on the CPU, so it is one form the kernel table ranks per ISA level. On 2
 cores with AMX, each of 24 different weights in turn (as a step reads them, from memory), medians in
 ms, int8 weight-only kernel / packed:
 

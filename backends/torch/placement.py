@@ -95,14 +95,14 @@ class HostPlacement:
     def swap_space(self, spec: KVCacheSpec) -> list[KVCache]:
         return self.kv_cache(spec)
 
-    def keep_quantized(self, weight: QuantizedTensor, dtype: str, role: WeightRole, kernel_chooser):
-        """`weight` in the form the CPU's kernels multiply fastest (an embedding table: one whose rows
+    def keep_quantized(self, weight: QuantizedTensor, dtype: str, role: WeightRole, kernel_selector):
+        """`weight` in the form the kernel table names for this CPU (an embedding table: one whose rows
         can be read back), or None where no form beats dequantizing."""
         from candelabra.backends.torch.quantized import keep_quantized
 
         if role is WeightRole.EMBEDDING:
             return keep_quantized(weight, torch_dtype(dtype), readable=True)
-        return keep_quantized(weight, torch_dtype(dtype), kernel_chooser(dtype))
+        return keep_quantized(weight, torch_dtype(dtype), kernel_selector(dtype))
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class DevicePlacement:
                         torch.zeros(spec.value_block_shape, dtype=dtype, pin_memory=True))
                 for _ in range(spec.num_layers)]
 
-    def keep_quantized(self, weight: QuantizedTensor, dtype: str, role: WeightRole, kernel_chooser):
+    def keep_quantized(self, weight: QuantizedTensor, dtype: str, role: WeightRole, kernel_selector):
         return None  # the CPU's quantized kernels do not run here: dequantized
 
 

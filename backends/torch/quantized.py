@@ -8,7 +8,7 @@ act-order weight's form permutes x instead). In bfloat16, formats whose values s
 per-row int8 rounding (NMSE against the dequantized weight of about 1e-4 at most, measured by
 bench/quantized_weight_error.py) may be kept as int8 rows, plain or packed for oneDNN. Every weight
 may also be kept dense. Which of its candidate forms a weight is kept in, and which kernel
-multiplies it at each number of rows, kernel_tuning.py decides by timing them.
+multiplies it at each number of rows, the kernel table says (kernel_table.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from candelabra.backends.torch.kernel_tuning import Candidate, KernelChooser
+from candelabra.backends.torch.kernel_selection import Candidate, KernelSelector
 from candelabra.backends.torch.weight_forms import (
     INT4_GROUP_SIZE,
     INT8_COLUMN_STEP,
@@ -194,17 +194,17 @@ def _blocks_candidate(weight: QuantizedTensor, dtype: torch.dtype) -> list[Candi
                       unavailable=None if available else detail)]
 
 
-def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, chooser: KernelChooser | None = None,
+def keep_quantized(weight: QuantizedTensor, dtype: torch.dtype, selector: KernelSelector | None = None,
                    readable: bool = False) -> KeptWeight | None:
-    """`weight` in the form `chooser` measured fastest for its format and shape (without one, the first
-    available candidate, with its default kernels), or None where dense is the only candidate: the
-    caller then keeps a plain dense tensor."""
+    """`weight` in the form `selector` takes for its format and shape from the kernel table (without one,
+    the first available candidate, with its default kernels), or None where dense is the only candidate:
+    the caller then keeps a plain dense tensor."""
     found = candidates(weight, dtype, readable)
     if [c.form for c in found if not c.unavailable] == ["dense"]:
         return None
-    if chooser is None:
+    if selector is None:
         return next(c for c in found if not c.unavailable).build()
-    return chooser.keep(weight.format, weight.shape, found)
+    return selector.keep(weight.format, weight.shape, found)
 
 
 def int8_error(dense: np.ndarray, values: np.ndarray, scales: np.ndarray, rows_per_chunk: int = 8192) -> float:

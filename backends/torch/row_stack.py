@@ -10,7 +10,7 @@ from candelabra.backends.torch.weight_forms import KeptWeight
 
 class RowStackWeight:
     """The parts of a fused projection [N, K], each as `upload_quantized` kept it (a `KeptWeight`, in the form
-    and kernels measured fastest for its own format and shape, or a dense tensor): x @ W.T is their
+    and kernels the kernel table names for its own format, or a dense tensor): x @ W.T is their
     products side by side."""
 
     def __init__(self, parts: list[KeptWeight | torch.Tensor]) -> None:

@@ -5,7 +5,7 @@ scale and a zero each, its columns possibly stored permuted), `Int8Weight` (int8
 scale per output row), `PackedInt8Weight` (packed_int8.py) and `DenseWeight`. Each names its kernels
 (`kernels()`: name to a function of a contiguous [M, K] x), gives its values back densely
 (`dense()`), and multiplies through the kernel its `choice` names for the number of rows
-(kernel_tuning.py measures them and sets it). A form made without a measured choice runs
+(kernel_selection.py sets it from the kernel table). A form made without a choice runs
 `DEFAULT_CHOICES`, what an Intel CPU with AMX measured fastest.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from candelabra.backends.torch.kernel_tuning import Choice, band_index
+from candelabra.backends.torch.kernel_table import Choice, band_index
 
 # Values per int4 group of the GGUF 4-bit formats; the grouped int4 formats' groups are 32 to 256.
 INT4_GROUP_SIZE = 32
@@ -56,11 +56,12 @@ class KeptWeight(ABC):
     shape: tuple[int, int]
     dtype: torch.dtype
     # Kernels that round x to 8 bits per block first, as llama.cpp multiplies: their error is that
-    # rounding's, which kernel_tuning allows only with $CANDELABRA_INT8_ACTIVATIONS=1.
+    # rounding's, which the kernel table names only with $CANDELABRA_INT8_ACTIVATIONS=1.
     rounds_activations: frozenset[str] = frozenset()
 
     def default_choice(self) -> Choice:
-        """The kernels a form runs before any are measured: what an Intel CPU with AMX measured fastest."""
+        """The kernels a form runs without a choice from the kernel table: what an Intel CPU with AMX measured
+        fastest."""
         return DEFAULT_CHOICES[self.form]
 
     @property

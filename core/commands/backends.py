@@ -1,6 +1,6 @@
 """`candelabra backends`: the installed backends, whether each can run here and why not, which one
-`--backend auto` picks, broken plugins and name conflicts; with --kernels, the kernel choices each
-backend measured here."""
+`--backend auto` picks, broken plugins and name conflicts; with --kernels, the kernel tables each
+backend reads here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from candelabra.core.text_table import format_table
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--kernels", action="store_true",
-                        help="also print, for each backend that times its kernels, what it measured and chose here")
+                        help="also print, for each backend that picks its kernels by a table, the rows it reads here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +60,9 @@ def _print_kernel_tables(ranked) -> None:
         if tables:
             text = "\n\n".join(tables)
         elif _times_kernels(candidate.backend):
-            text = "no kernel choices measured on this machine yet (the first model load measures them)"
+            text = "no kernel table for this machine"
         else:
-            text = "picks no kernels by timing"
+            text = "picks no kernels by a table"
         print(f"\n{candidate.name}: {text}")
 
 

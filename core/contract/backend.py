@@ -25,6 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -262,10 +263,20 @@ class Backend(ABC):
 
     @classmethod
     def kernel_tables(cls) -> list[str]:
-        """(optional) For a backend that picks among several kernels by timing them on this machine:
-        the tables of what it measured and chose, as text, for `candelabra backends --kernels`.
+        """(optional) For a backend that picks among several kernels by a table or by timing them: the
+        tables it reads or measured on this machine, as text, for `candelabra backends --kernels`.
         Default: none."""
         return []
+
+    @classmethod
+    def tune_kernels(cls, dtypes: list[str] | None = None, formats: list[str] | None = None,
+                     shapes: list[tuple[int, int]] | None = None, output: Path | None = None,
+                     progress: Callable[[str], None] | None = None) -> str:
+        """(optional) For `candelabra tune`: measure this machine's kernels for the compute `dtypes`, weight
+        `formats` and weight `shapes` [N, K] (None: the backend's defaults), write what serve is to read on
+        this machine (to `output`, or where the backend reads it), calling `progress` with what is being
+        measured, and return the report. Default: this backend has nothing to tune (NotImplementedError)."""
+        raise NotImplementedError(f"the {cls.name} backend has no kernels to tune")
 
     def evaluate(self, *values: Any) -> None:
         """Compute `values` (tensors, KVCaches, or tuples and lists of them) now. A lazy backend

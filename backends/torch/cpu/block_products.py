@@ -31,7 +31,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from candelabra.backends.torch.cpu import kernel_abi
 from candelabra.backends.torch.cpu.kernel_library import kernels
-from candelabra.backends.torch.kernel_tuning import Choice, int8_activations_from_environment
+from candelabra.backends.torch.kernel_table import Choice, int8_activations_from_environment
 from candelabra.backends.torch.weight_forms import KeptWeight, dense_matmul
 from candelabra.core.contract.weights import QuantizedTensor
 
@@ -56,7 +56,7 @@ def _checked(status: int, call: str) -> None:
 
 
 def default_choice(dtype: torch.dtype) -> Choice:
-    """What a blocks weight runs at kernel_tuning's bands (1, 4, 16, 64, 256 rows) until they are measured:
+    """What a blocks weight made without a kernel table runs at its bands (1, 4, 16, 64, 256 rows):
     the exact float kernel (int8 activations where $CANDELABRA_INT8_ACTIVATIONS allows them) up to 64 rows,
     and slices rebuilt for a float32 GEMM at 256. Medians on 2 cores of an AMD EPYC (Zen 3, AVX2), ms,
     blocks_int8 / blocks_float / dense float32 GEMM:

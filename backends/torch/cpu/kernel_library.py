@@ -33,9 +33,19 @@ class Kernels:
     detail: str  # what was loaded ("avx2+fma, openmp (avx2): <path>"), or why nothing was
 
 
+_PREFERRED: list[str | None] = [None]
+
+
 def kernels(variant: str | None = None) -> Kernels:
-    """The library of `variant`, or of the best variant this CPU runs; never raises."""
-    return _loaded(variant)
+    """The library of `variant`, else of the variant `prefer` named, else of the best variant this CPU runs;
+    never raises."""
+    return _loaded(variant or _PREFERRED[0])
+
+
+def prefer(variant: str | None) -> None:
+    """Make `variant` (None: the best this CPU runs) the one `kernels()` loads in this process, for a benchmark
+    that measures a smaller ISA's kernels on a larger CPU."""
+    _PREFERRED[0] = variant
 
 
 def forget() -> None:
