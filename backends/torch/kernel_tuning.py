@@ -63,7 +63,7 @@ PRUNE_RATIO = 20.0
 INVERSION_RATIO = 1.5
 # A call this slow is timed once: its time is not in doubt, and a second look costs as much again.
 # Faster calls are timed TIMED_CALLS times, the best kept: on 2 cores one call in a few is preempted for
-# 5 to 15 ms (AMD EPYC Zen 5, 2026-12-02: 8.0 and 16.0 ms among 0.05 ms products).
+# 5 to 15 ms (on AMD EPYC Zen 5: 8.0 and 16.0 ms among 0.05 ms products).
 SLOW_CALL_S = 0.05
 TIMED_CALLS = 5
 # How much faster a larger form must be to rank before a smaller one: its mean slowdown is weighed by its
